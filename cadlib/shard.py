@@ -194,7 +194,8 @@ class Plan:
         own = self.layout.owner_map()
         seen = [np.zeros(n, dtype=np.int64) for n in self.layout.doc_lens]
         for t in self.tasks:
-            if not 0 <= t.doc < self.layout.n_docs or not 0 <= t.q_start < t.q_end <= self.layout.doc_lens[t.doc]:
+            n = self.layout.doc_lens[t.doc] if 0 <= t.doc < self.layout.n_docs else -1
+            if not 0 <= t.q_start < t.q_end <= n:
                 raise ValueError(f"task {tuple(t)} lies outside its document")
             if not 0 <= t.server < self.n_servers:
                 raise ValueError(f"task {tuple(t)} has server {t.server}; valid: 0..{self.n_servers - 1}")

@@ -1,0 +1,31 @@
+"""Figures quoted from the papers, each defined once with its source. Notebooks print them beside
+what we measure; nothing else in the code may restate these numbers."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class PaperFigure(NamedTuple):
+    value: float
+    unit: str
+    what: str
+    source: str
+
+    def __str__(self) -> str:
+        return f"{self.value:g}{self.unit} — {self.what} [{self.source}]"
+
+
+DISTCA = "DistCA: core attention disaggregation for long-context LLM training"
+LONGCA_BENCH = "LongCA-bench: a long-context attention benchmark"
+
+DISTCA_MAX_SPEEDUP = PaperFigure(
+    1.35, "x", "end-to-end training throughput of CAD over the best baseline, 512 H200s, 512K context",
+    DISTCA + ", abstract")
+DISTCA_MAX_GPUS = PaperFigure(512, " GPUs", "largest evaluated scale (H200)", DISTCA + ", evaluation")
+DISTCA_MAX_CONTEXT = PaperFigure(512 * 1024, " tokens", "longest evaluated context", DISTCA + ", evaluation")
+LONGCA_MASK_TYPES = PaperFigure(12, "", "attention mask types with exact mask-area FLOPs", LONGCA_BENCH)
+
+
+def compare(fig: PaperFigure, measured: float, label: str = "measured here") -> str:
+    """One line that puts a paper figure beside ours, e.g. for a notebook cell's output."""
+    return f"paper: {fig.value:g}{fig.unit} ({fig.what}; {fig.source})  |  {label}: {measured:.3g}{fig.unit}"

@@ -1,0 +1,112 @@
+"""Plotly figures the notebooks show. Each function takes plain data (arrays, DataFrames, Plans) and
+returns a ``plotly.graph_objects.Figure``; none computes anything a module of its own should own."""
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from .shard import Plan
+
+PALETTE = ["#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#EECA3B", "#B279A2", "#FF9DA6",
+           "#9D755D", "#BAB0AC"]
+
+
+def _go():
+    import plotly.graph_objects as go
+    return go
+
+
+def _color(i: int) -> str:
+    return PALETTE[i % len(PALETTE)]
+
+
+def doc_length_cdfs(curves: Mapping[str, tuple[np.ndarray, np.ndarray]], title="Document lengths"):
+    """``curves[name] = (lengths, cdf)``: one CDF line per distribution on a log length axis."""
+    go = _go()
+    fig = go.Figure()
+    for i, (name, (x, y)) in enumerate(curves.items()):
+        fig.add_trace(go.Scatter(x=x, y=y, mode="lines", name=name, line=dict(color=_color(i))))
+    fig.update_layout(title=title, xaxis=dict(title="document length (tokens)", type="log"),
+                      yaxis=dict(title="fraction of documents ≤ length"), height=380)
+    return fig
+
+
+def rank_loads(values: Mapping[str, Sequence[float]], title: str, yaxis: str = "FLOPs", normalise=False):
+    """Grouped bars per rank, one group member per entry of ``values`` (e.g. linear vs attention).
+    With ``normalise`` each series is divided by its mean, so imbalance reads off the y axis."""
+    go = _go()
+    fig = go.Figure()
+    for i, (name, v) in enumerate(values.items()):
+        v = np.asarray(v, dtype=float)
+        if normalise and v.mean() > 0:
+            v = v / v.mean()
+        fig.add_trace(go.Bar(x=list(range(len(v))), y=v, name=name, marker_color=_color(i)))
+    if normalise:
+        fig.add_hline(y=1.0, line_dash="dot", annotation_text="mean")
+    fig.update_layout(title=title, barmode="group", xaxis=dict(title="rank / server", dtick=1),
+                      yaxis=dict(title=("÷ mean" if normalise else yaxis)), height=380)
+    return fig
+
+
+def server_loads_before_after(before: Plan, after: Plan, tolerance: float | None = None,
+                              title="Per-server core-attention load"):
+    """Per-server attention pairs (÷ mean) for two plans, with the tolerance band."""
+    fig = rank_loads({f"before (max/mean {before.imbalance():.2f})": before.server_pairs(),
+                      f"after (max/mean {after.imbalance():.2f})": after.server_pairs()},
+                     title, normalise=True)
+    if tolerance is not None:
+        fig.add_hline(y=1 + tolerance, line_dash="dash", line_color="gray",
+                      annotation_text=f"1 + ε = {1 + tolerance:.2f}")
+    return fig
+
+
+def ca_tasks_picture(doc_len: int, tasks: Sequence, title: str | None = None):
+    """A document's causal attention triangle cut into CA-tasks.
+
+    Query tokens run down the y axis, KV tokens along x. Task ``[a, b)`` covers the trapezoid of rows
+    ``a..b-1`` left of the diagonal and needs the KV prefix ``[0, b)`` (dotted box). Colour = server."""
+    go = _go()
+    fig = go.Figure()
+    seen = set()
+    for t in sorted(tasks, key=lambda t: t.q_start):
+        a, b = t.q_start, t.q_end
+        name = f"server {t.server}"
+        fig.add_trace(go.Scatter(x=[0, a, b, 0, 0], y=[a, a, b, b, a], fill="toself", mode="lines",
+                                 line=dict(color=_color(t.server), width=1), name=name,
+                                 legendgroup=name, showlegend=name not in seen,
+                                 hovertext=f"queries [{a}, {b}) · KV [0, {b}) · home {t.home} → {name}",
+                                 hoverinfo="text"))
+        seen.add(name)
+        fig.add_shape(type="rect", x0=0, x1=b, y0=a, y1=b, line=dict(dash="dot", color="gray", width=1))
+    fig.update_layout(title=title or f"A {doc_len}-token document as {len(tasks)} CA-tasks",
+                      xaxis=dict(title="KV token", range=[0, doc_len]),
+                      yaxis=dict(title="query token", range=[doc_len, 0]), height=420, width=520)
+    return fig
+
+
+def tradeoff_curve(df, x="imbalance", y="gbytes", label="tolerance", title="Bytes vs imbalance",
+                   baselines: Mapping[str, tuple[float, float]] | None = None):
+    """One line through the rows of ``df`` (e.g. one per tolerance ε), labelled by ``label``."""
+    go = _go()
+    fig = go.Figure(go.Scatter(x=df[x], y=df[y], mode="lines+markers+text", name="CAD scheduler",
+                               text=[f"ε={v:g}" for v in df[label]], textposition="top right"))
+    for i, (name, (bx, by)) in enumerate((baselines or {}).items()):
+        fig.add_trace(go.Scatter(x=[bx], y=[by], mode="markers", name=name,
+                                 marker=dict(size=12, symbol="x", color=_color(i + 1))))
+    fig.update_layout(title=title, xaxis=dict(title="max / mean attention load"),
+                      yaxis=dict(title=y), height=380)
+    return fig
+
+
+def lines(df, x: str, y: str, color: str, title: str, xlog=False, ylabel=None, xlabel=None):
+    """A line per value of ``color``: the general sweep plot (idle fraction vs DP size, TF/s vs shard)."""
+    go = _go()
+    fig = go.Figure()
+    for i, (key, g) in enumerate(df.groupby(color, sort=True)):
+        g = g.sort_values(x)
+        fig.add_trace(go.Scatter(x=g[x], y=g[y], mode="lines+markers", name=f"{color}={key}",
+                                 line=dict(color=_color(i))))
+    fig.update_layout(title=title, xaxis=dict(title=xlabel or x, type="log" if xlog else "linear"),
+                      yaxis=dict(title=ylabel or y), height=380)
+    return fig
