@@ -227,12 +227,13 @@ class Plan:
 
     # -- communication ---------------------------------------------------------------------------
     def token_matrices(self) -> tuple[np.ndarray, np.ndarray]:
-        """``(q_tokens, kv_tokens)``, each ``[src, dst]``: query tokens sent from their home to a
-        remote server, and KV tokens sent from their owner to a server that needs them, counted once
-        per (server, doc) (the server needs ``[0, max q_end)`` of each document it serves)."""
-        R, S = self.layout.n_ranks, self.n_servers
-        q = np.zeros((R, S), dtype=np.int64)
-        kv = np.zeros((R, S), dtype=np.int64)
+        """``(q_tokens, kv_tokens)``, each ``[src, dst]`` over ``G = max(n_ranks, n_servers)`` GPUs
+        (rank ``g`` and server ``g`` are the same GPU): query tokens sent from their home to a remote
+        server, and KV tokens sent from their owner to a server that needs them, counted once per
+        (server, doc) (the server needs ``[0, max q_end)`` of each document it serves)."""
+        R, G = self.layout.n_ranks, max(self.layout.n_ranks, self.n_servers)
+        q = np.zeros((G, G), dtype=np.int64)
+        kv = np.zeros((G, G), dtype=np.int64)
         need: dict[tuple[int, int], int] = {}
         for t in self.tasks:
             if t.home != t.server:
@@ -242,14 +243,15 @@ class Plan:
         own = self.layout.owner_map()
         for (server, doc), kv_end in need.items():
             counts = np.bincount(own[doc][:kv_end], minlength=R)
-            counts[server] = 0 if server < R else counts[server]
-            kv[:, server] += counts[:R]
+            if server < R:
+                counts[server] = 0
+            kv[:R, server] += counts
         return q, kv
 
     def bytes_matrix(self, model: ModelSpec, dtype: str = "bf16", backward: bool = False) -> np.ndarray:
-        """Bytes each rank sends to each server for one layer's forward: Q and KV out, O and LSE back
-        (returned traffic counted on the server->home direction). With ``backward`` also the
-        backward resend (q, k, v, o, dO, lse out; dq, dk, dv back)."""
+        """Bytes ``[src, dst]`` between GPUs for one layer: Q and KV from homes/owners to servers, O
+        and LSE from servers back to homes. With ``backward`` also the backward resend (q, k, v, o,
+        dO, lse out; dq back, and dk, dv summed per (server, doc) back to the KV owners)."""
         q, kv = self.token_matrices()
         qb, kvb, ob, lb = model.q_bytes(dtype), model.kv_bytes(dtype), model.o_bytes(dtype), model.lse_bytes()
         out = q * qb + kv * kvb
@@ -257,10 +259,7 @@ class Plan:
         if backward:
             out = out + q * (qb + 2 * ob + lb) + kv * kvb      # q, o, dO, lse and k, v again
             back = back + (q * qb + kv * kvb).T                # dq, and dk, dv summed per (server, doc)
-        total = out.astype(np.float64)
-        n = min(total.shape[0], total.shape[1])
-        total[:n, :n] += back[:n, :n]
-        return total
+        return (out + back).astype(np.float64)
 
     def total_bytes(self, model: ModelSpec, dtype: str = "bf16", backward: bool = False) -> float:
         return float(self.bytes_matrix(model, dtype, backward).sum())
