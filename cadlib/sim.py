@@ -421,11 +421,12 @@ def idle_fraction_sweep(distribution: str, dp_sizes: Sequence[int], context_leng
     stage count and is not swept) is simulated. Extra keywords go to ``sample_docs``."""
     import pandas as pd
 
-    from .workload import PRESETS, pack, sample_docs
+    from .workload import pack, sample_docs
+    from .workload import sample_kwargs as resolve
     bad = [m for m in methods if m not in ("dp", "cp", "cad")]
     if bad:
         raise ValueError(f"idle_fraction_sweep cannot sweep method(s) {bad}; choose from: dp, cp, cad")
-    kw = dict(PRESETS[distribution]) if distribution in PRESETS else {"dist": distribution}
+    kw = resolve(distribution)
     kw.update(sample_kwargs)
     model, hw, rows = _as_model(model), hw or Hardware(), []
     for dp in dp_sizes:

@@ -64,6 +64,16 @@ WLB-LLM distribution with documents >= 64K tokens drawn twice as often. Use it a
 ``sample_docs(total_tokens=N, seed=s, **PRESETS["distca-pretrain"])``; add ``elongate=...`` to
 stretch lengths for 256K/512K contexts."""
 
+def sample_kwargs(distribution: str) -> dict:
+    """``sample_docs`` keywords for a distribution name or a ``PRESETS`` name (e.g. for notebooks)."""
+    if distribution in PRESETS:
+        return dict(PRESETS[distribution])
+    if distribution in DISTRIBUTIONS:
+        return {"dist": distribution}
+    raise ValueError(f"unknown distribution {distribution!r}; choose one of: "
+                     f"{', '.join((*DISTRIBUTIONS, *PRESETS))}")
+
+
 PACK_METHODS: tuple[str, ...] = ("sequential", "balanced")
 DEFAULT_CAP_FACTOR = 1.25
 """``balanced`` packing lets a rank hold up to this many times ``tokens_per_rank`` tokens."""
