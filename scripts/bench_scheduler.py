@@ -12,43 +12,18 @@ O(tokens) ``Plan`` construction + validation, measured only up to ``--validate-m
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
-import numpy as np
-import torch
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from cadlib.cost import ModelSpec  # noqa: E402
+from cadlib.results import save_result  # noqa: E402
 from cadlib.scheduler import _layout_arrays, place  # noqa: E402
 from cadlib.workload import pack, sample_docs  # noqa: E402
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
-                                       cwd=os.path.dirname(os.path.abspath(__file__))).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def run_case(dist, n, tpr, args, model):
@@ -102,19 +77,11 @@ def main(argv=None):
     t_all = time.perf_counter()
     for d, n, t in tqdm(cases, desc="bench_scheduler"):
         results.append(run_case(d, n, t, args, model))
-    out = {"device": cpu_model(), "platform": platform.platform(), "python": platform.python_version(),
-           "torch": torch.__version__, "numpy": np.__version__, "git_commit": git_commit(),
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "config": {k: v for k, v in vars(args).items() if k != "out"} | {"model": model.name,
-                                                                          "dtype": "bf16",
-                                                                          "pack": "sequential"},
-           "target": {"servers": 64, "tokens_per_rank": 512 * 1024, "plan_ms": 10.0},
-           "wall_s": round(time.perf_counter() - t_all, 1), "results": results}
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(args.out)), suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(out, f, indent=1)
-    os.replace(tmp, args.out)
+    config = {k: v for k, v in vars(args).items() if k != "out"} | {
+        "model": model.name, "dtype": "bf16", "pack": "sequential"}
+    wall_s = round(time.perf_counter() - t_all, 1)
+    target = {"servers": 64, "tokens_per_rank": 512 * 1024, "plan_ms": 10.0}
+    save_result(args.out, config, results, target=target, wall_s=wall_s)
     hdr = (f"{'dist':9}{'S':>5}{'tok/rank':>9}{'before':>8}{'eq':>7}{'cad':>7}{'eq GB':>9}{'cad GB':>9}"
            f"{'tasks':>8}{'splits':>7}{'moves':>6}{'plan ms':>9}{'loop ms':>9}")
     print(hdr)
@@ -123,7 +90,7 @@ def main(argv=None):
         print(f"{r['dist']:9}{r['servers']:>5}{r['tokens_per_rank'] // 1024:>8}K{r['imbalance_before']:>8.2f}"
               f"{e['imbalance']:>7.3f}{c['imbalance']:>7.3f}{e['dispatch_gb']:>9.2f}{c['dispatch_gb']:>9.2f}"
               f"{c['n_tasks']:>8}{c['n_splits']:>7}{c['n_moves']:>6}{c['plan_ms']:>9.1f}{c['loop_ms']:>9.1f}")
-    print(f"wrote {args.out} ({out['wall_s']} s)")
+    print(f"wrote {args.out} ({wall_s} s)")
 
 
 if __name__ == "__main__":
