@@ -1,0 +1,201 @@
+"""Core attention disaggregation as one autograd function: ``cad_attention(q, k, v, plan, group)``.
+
+Each rank passes its local packed tokens (the linear layout: ``layout.ranks[rank]``'s chunks in
+order), q ``[n_local, Hq, D]`` and k, v ``[n_local, Hkv, D]``, and gets back its attention output
+``o [n_local, Hq, D]``, as if every document had run causal attention on one device. The data path
+(one layer; ``R`` ranks, each both a home of tokens and an attention server)::
+
+    forward
+      home   q[q_send_index]               --all_to_all(Q)-->         server q_buf = [q ; recv]
+      owner  [k, v][kv_send_index]         --all_to_all(KV, dedup)--> server kv_buf = [kv ; recv]
+      server out, lse = attend(q_buf[q_rows], k_buf[kv_rows], v_buf[kv_rows], cu_q, cu_k)  (ONE call)
+      server [out, lse][ret_rows]          --all_to_all(O+LSE)-->     home o[q_send_index]
+             self-served rows stay:        o[self_local] = out[self_rows]
+      home keeps q, k, v, o, lse for backward (the server keeps nothing)
+    backward (stateless servers: everything is resent from the homes)
+      home   [q, o, dO, lse][q_send_index] --all_to_all-->            server row buffers
+      owner  [k, v][kv_send_index]         --all_to_all(KV, dedup)--> server kv_buf
+      server dq, dk, dv = attend_backward(...)                         (ONE call)
+             dk_buf.index_add_(kv_rows, dk)  (fp32: tasks sharing a prefix add up)
+      server dq[ret_rows]                  --all_to_all-->            home dq[q_send_index]
+      server [dk, dv]_buf[n_local:]        --all_to_all-->            owner dk.index_add_(kv_send_index)
+
+Several tensors with one row per query token travel as one byte-packed all-to-all, so a forward is
+3 collectives and a backward 4; an exchange that moves nothing on any rank (known from the global
+plan) is skipped on every rank. Split sizes are host lists from :mod:`cadlib.dispatch`; the index
+tensors go to the device once per plan; nothing in the comm path reads a device value on the host.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from .dispatch import DeviceDispatch, Dispatch, build_dispatch
+from .server import serve_backward, serve_forward
+from .shard import Plan
+
+
+class AllToAll:
+    """``torch.distributed.all_to_all_single`` over an explicit process group, started async so two
+    exchanges can be in flight at once; ``wait()`` only orders streams (NCCL) and never syncs the host
+    with the device."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def start(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int]):
+        recv = send.new_empty((int(sum(recv_splits)), *send.shape[1:]))
+        work = dist.all_to_all_single(recv, send.contiguous(), list(recv_splits), list(send_splits),
+                                      group=self.group, async_op=True)
+        return _Pending(recv, work)
+
+
+class _Pending:
+    def __init__(self, recv, work):
+        self.recv, self.work = recv, work
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+        return self.recv
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``[n, ...]`` as ``[n, bytes]`` uint8 (a view when contiguous)."""
+    t = t.contiguous()
+    return t.view(t.shape[0], math.prod(t.shape[1:])).view(torch.uint8)
+
+
+def pack_rows(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Concatenate per-row tensors of any dtypes into one uint8 ``[n, sum bytes]`` buffer."""
+    return tensors[0].contiguous() if len(tensors) == 1 else torch.cat([_rows(t) for t in tensors], 1)
+
+
+def unpack_rows(buf: torch.Tensor, likes: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Inverse of :func:`pack_rows`; ``likes`` give each part's trailing shape and dtype."""
+    if len(likes) == 1:
+        return [buf]
+    out, off, n = [], 0, buf.shape[0]
+    for like in likes:
+        width = math.prod(like.shape[1:]) * like.element_size()
+        part = buf[:, off:off + width].contiguous().view(like.dtype)
+        out.append(part.view(n, *like.shape[1:]))
+        off += width
+    return out
+
+
+def _exchange(comm, parts, index, send_splits, recv_splits, active):
+    """Start sending ``[p[index] for p in parts]`` (packed; ``index=None``: the parts as they are);
+    returns a waiter giving the unpacked received parts. When no rank moves anything, returns empty
+    parts without a collective."""
+    likes = [p[:0] for p in parts]
+    if not active:
+        return lambda: [p.new_empty((0, *p.shape[1:])) for p in parts]
+    send = parts if index is None else [p.index_select(0, index) for p in parts]
+    pending = comm.start(pack_rows(send), send_splits, recv_splits)
+    return lambda: unpack_rows(pending.wait(), likes)
+
+
+def _return_rows(comm, rows, dd: DeviceDispatch, n_local: int):
+    """Server rows (task-row order) back to their homes: self-served rows stay, the rest travel the
+    reversed Q exchange. Returns the home tensors ``[n_local, ...]``."""
+    m = dd.meta
+    back = _exchange(comm, rows, dd.ret_rows, m.q_recv_splits, m.q_send_splits, m.q_traffic)()
+    out = []
+    for r, b in zip(rows, back):
+        home = r.new_empty((n_local, *r.shape[1:]))
+        home.index_copy_(0, dd.self_local, r.index_select(0, dd.self_rows))
+        home.index_copy_(0, dd.q_send_index, b)
+        out.append(home)
+    return out
+
+
+def _kv_buffers(recv_kv, k, v):
+    rk, rv = recv_kv
+    return torch.cat([k, rk]), torch.cat([v, rv])
+
+
+class CADAttention(torch.autograd.Function):
+    """Forward: dispatch Q and deduplicated KV, serve, return O (LSE kept for backward).
+    Backward: resend q, k, v, o, dO, lse; serve; return dQ and summed dK, dV to their owners."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, dd: DeviceDispatch, comm, backend):
+        m = dd.meta
+        wait_q = _exchange(comm, [q], dd.q_send_index, m.q_send_splits, m.q_recv_splits, m.q_traffic)
+        wait_kv = _exchange(comm, [k, v], dd.kv_send_index, m.kv_send_splits, m.kv_recv_splits,
+                            m.kv_traffic)
+        (q_recv,) = wait_q()
+        k_buf, v_buf = _kv_buffers(wait_kv(), k, v)
+        out_s, lse_s = serve_forward(torch.cat([q, q_recv]), k_buf, v_buf, dd, backend)
+        o, lse = _return_rows(comm, [out_s, lse_s], dd, m.n_local)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.dd, ctx.comm, ctx.backend = dd, comm, backend
+        ctx.mark_non_differentiable(lse)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, o, lse = ctx.saved_tensors
+        dd, comm, m = ctx.dd, ctx.comm, ctx.dd.meta
+        dout = dout.contiguous()
+        wait_rows = _exchange(comm, [q, o, dout, lse], dd.q_send_index, m.q_send_splits, m.q_recv_splits,
+                              m.q_traffic)
+        wait_kv = _exchange(comm, [k, v], dd.kv_send_index, m.kv_send_splits, m.kv_recv_splits,
+                            m.kv_traffic)
+        q_r, o_r, do_r, lse_r = wait_rows()
+        k_buf, v_buf = _kv_buffers(wait_kv(), k, v)
+        dq_s, dk_buf, dv_buf = serve_backward(torch.cat([q, q_r]), k_buf, v_buf, torch.cat([o, o_r]),
+                                              torch.cat([dout, do_r]), torch.cat([lse, lse_r]), dd,
+                                              ctx.backend)
+        # dK/dV of received KV rows go back to their owners (reversed KV exchange, input dtype)
+        wait_dkv = _exchange(comm, [dk_buf[m.n_local:].to(k.dtype), dv_buf[m.n_local:].to(v.dtype)],
+                             None, m.kv_recv_splits, m.kv_send_splits, m.kv_traffic)
+        (dq,) = _return_rows(comm, [dq_s], dd, m.n_local)
+        dk, dv = dk_buf[:m.n_local], dv_buf[:m.n_local]
+        rk, rv = wait_dkv()
+        dk.index_add_(0, dd.kv_send_index, rk.float())
+        dv.index_add_(0, dd.kv_send_index, rv.float())
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+
+
+def prepare(plan: Plan | Dispatch, group, device) -> DeviceDispatch:
+    """This rank's dispatch for ``plan`` on ``device``: built once per plan (cached on the plan
+    object, which must not change afterwards) so every layer of a step reuses the host metadata and
+    the device index tensors."""
+    rank = dist.get_rank(group) if dist.is_initialized() else 0
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    if isinstance(plan, Dispatch):
+        d = plan
+    elif isinstance(plan, Plan):
+        cache = plan.__dict__.setdefault("_cad_dispatch", {})    # not a dataclass field: never serialised
+        if rank not in cache:
+            cache[rank] = build_dispatch(plan, rank)
+        d = cache[rank]
+    else:
+        raise ValueError(f"plan must be a cadlib.shard.Plan or a cadlib.dispatch.Dispatch, got "
+                         f"{type(plan).__name__}")
+    if d.world != world or d.rank != rank:
+        raise ValueError(f"the plan is for rank {d.rank} of {d.world} but this process is rank {rank} "
+                         f"of a group of {world}; build the plan for the group you pass")
+    return d.to(device)
+
+
+def cad_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan | Dispatch, group,
+                  backend: str | None = None, comm=None, return_lse: bool = False):
+    """Causal core attention of the local packed tokens, computed on the plan's attention servers.
+
+    ``o_i = sum_{j <= i, same doc} softmax_j(q_i . k_j / sqrt(D)) v_j`` for every local token ``i``.
+    ``group`` is the process group whose ranks are the plan's ranks (``None`` = the default group,
+    only when you pass it). ``comm`` replaces the all-to-all (an object with
+    ``start(send, send_splits, recv_splits).wait() -> recv``; default :class:`AllToAll` on ``group``).
+    Returns ``o`` (and the float32 ``lse [n_local, Hq]`` with ``return_lse``)."""
+    dd = prepare(plan, group, q.device)
+    n = dd.meta.n_local
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3 or not q.shape[0] == k.shape[0] == v.shape[0] == n:
+        raise ValueError(f"q, k, v must be [n_local={n}, heads, head_dim] (this rank's tokens in layout "
+                         f"order); got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    o, lse = CADAttention.apply(q, k, v, dd, comm if comm is not None else AllToAll(group), backend)
+    return (o, lse) if return_lse else o

@@ -1,0 +1,192 @@
+"""Small helpers for scripts started by :func:`cadlib.launch.run_torchrun` (or by plain ``torchrun``).
+
+A launched script talks back to the notebook through three channels, all defined here once:
+
+* **progress**: rank 0 prints one line ``CADLIB_PROGRESS {"step": s, "total": t, "desc": "..."}``
+  (:func:`report_progress`); :func:`parse_progress` is the inverse the launcher uses.
+* **results**: every rank writes one JSON object to ``$CADLIB_RESULTS_DIR/rank<k>.json``
+  (:func:`write_result`), atomically (temporary file, then ``os.replace``).
+* **logs**: :func:`log` prints ``[rank<k>] message``; torchrun keeps each rank's stdout/stderr.
+
+:func:`init_from_env` is gpt-fast's ``maybe_init_dist`` made explicit. Under torchrun it joins the
+default process group (backend from ``$CADLIB_BACKEND``, else NCCL when CUDA is available, else
+gloo). Started without torchrun (a notebook kernel, ``python script.py``) it still returns a usable
+one-rank group: a gloo (or NCCL) group of world size 1 over an in-memory ``HashStore``, so the same
+code, collectives with an explicit group included, runs alone or distributed and no port is taken.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import asdict, is_dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+PROGRESS_TAG = "CADLIB_PROGRESS"
+"""Prefix of a structured progress line; the rest of the line is one JSON object."""
+ENV_RESULTS_DIR = "CADLIB_RESULTS_DIR"
+"""Environment variable naming the folder that :func:`write_result` writes ``rank<k>.json`` into."""
+ENV_BACKEND = "CADLIB_BACKEND"
+"""Environment variable naming the process-group backend the launcher chose (``gloo`` or ``nccl``)."""
+BACKENDS = ("gloo", "nccl")
+
+
+class Dist(NamedTuple):
+    """What a rank needs to know: its rank, the world size, the process group, its device."""
+
+    rank: int
+    world: int
+    group: Any  # torch.distributed.ProcessGroup (the default group); passed explicitly, never global
+    device: torch.device
+
+    @property
+    def backend(self) -> str:
+        return dist.get_backend(self.group)
+
+
+def launched_by_torchrun() -> bool:
+    """True when torchrun (or another launcher of the env:// protocol) started this process."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def env_rank() -> int:
+    """This process's global rank from ``$RANK`` (0 when not launched by torchrun)."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def resolve_backend(backend: str | None = None) -> str:
+    """``backend``, else ``$CADLIB_BACKEND``, else ``nccl`` when CUDA is available, else ``gloo``."""
+    name = backend or os.environ.get(ENV_BACKEND) or "auto"
+    if name == "auto":
+        name = "nccl" if torch.cuda.is_available() else "gloo"
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; choose one of: auto, {', '.join(BACKENDS)}")
+    if name == "nccl" and not torch.cuda.is_available():
+        raise ValueError("backend 'nccl' needs CUDA, but torch.cuda.is_available() is False; "
+                         "use 'gloo' or 'auto'")
+    return name
+
+
+def init_from_env(backend: str | None = None) -> Dist:
+    """Join (or create) the default process group and pick this rank's device.
+
+    Under torchrun: ``init_process_group(backend)`` over ``env://``. Without torchrun: a one-rank
+    group over an in-memory ``HashStore``. If a default group already exists it is reused.
+    The device is ``cuda:$LOCAL_RANK`` under NCCL (made current), else ``cpu``.
+    """
+    name = resolve_backend(backend)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank) if name == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        extra = {"device_id": device} if device.type == "cuda" else {}
+        if launched_by_torchrun():
+            dist.init_process_group(name, init_method="env://", **extra)
+        else:
+            dist.init_process_group(name, store=dist.HashStore(), rank=0, world_size=1, **extra)
+    group = dist.group.WORLD
+    return Dist(dist.get_rank(group), dist.get_world_size(group), group, device)
+
+
+def barrier(group=None) -> None:
+    """Wait for every rank of ``group`` (no-op when no process group exists)."""
+    if dist.is_initialized():
+        dist.barrier(group=group)
+
+
+def destroy() -> None:
+    """Tear down the default process group if one exists (safe to call twice)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def log(msg: str, file=None) -> None:
+    """Print ``[rank<k>] msg`` and flush, so torchrun's per-rank logs stay readable."""
+    print(f"[rank{env_rank()}] {msg}", file=file or sys.stdout, flush=True)
+
+
+def format_progress(step: int, total: int, desc: str = "") -> str:
+    """The progress line: ``CADLIB_PROGRESS {"step": step, "total": total, "desc": desc}``."""
+    if isinstance(step, bool) or isinstance(total, bool) or not isinstance(step, int) \
+            or not isinstance(total, int):
+        raise ValueError(f"progress needs integer step and total, got step={step!r}, total={total!r}")
+    if total < 1 or not 0 <= step <= total:
+        raise ValueError(f"progress needs total >= 1 and 0 <= step <= total, got step={step}, "
+                         f"total={total}")
+    return f"{PROGRESS_TAG} " + json.dumps({"step": step, "total": total, "desc": str(desc)})
+
+
+def parse_progress(line: str) -> dict | None:
+    """Inverse of :func:`format_progress`: the ``{"step", "total", "desc"}`` dict, or None."""
+    text = line.strip()
+    if not text.startswith(PROGRESS_TAG + " "):
+        return None
+    try:
+        obj = json.loads(text[len(PROGRESS_TAG) + 1:])
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("step"), int) \
+            or not isinstance(obj.get("total"), int):
+        return None
+    return {"step": obj["step"], "total": obj["total"], "desc": str(obj.get("desc", ""))}
+
+
+def report_progress(step: int, total: int, desc: str = "") -> None:
+    """On rank 0 only, print the progress line that drives the launcher's progress bar."""
+    line = format_progress(step, total, desc)
+    if env_rank() == 0:
+        print(line, flush=True)
+
+
+def _to_jsonable(obj: Any) -> Any:
+    """JSON fallback for tensors, numpy values and dataclasses (``tolist()``/``item()``/``asdict``)."""
+    if is_dataclass(obj) and not isinstance(obj, type):
+        return asdict(obj)
+    if hasattr(obj, "tolist"):
+        return obj.tolist()
+    if hasattr(obj, "item"):
+        return obj.item()
+    if isinstance(obj, (set, tuple)):
+        return list(obj)
+    if isinstance(obj, Path):
+        return str(obj)
+    raise TypeError(f"write_result cannot store a {type(obj).__name__}; use JSON types (dict, list, "
+                    f"str, int, float, bool, None), tensors, numpy values or dataclasses")
+
+
+def write_result(obj: Any, results_dir: str | os.PathLike | None = None) -> Path | None:
+    """Write this rank's result to ``<results_dir>/rank<k>.json`` atomically and return the path.
+
+    ``results_dir`` defaults to ``$CADLIB_RESULTS_DIR`` (set by :func:`cadlib.launch.run_torchrun`).
+    Without either (a script run on its own) nothing is written and None is returned.
+    """
+    folder = results_dir if results_dir is not None else os.environ.get(ENV_RESULTS_DIR)
+    if not folder:
+        return None
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    rank = env_rank()
+    text = json.dumps(obj, default=_to_jsonable)
+    path = folder / f"rank{rank}.json"
+    tmp = folder / f".rank{rank}.json.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def read_results(results_dir: str | os.PathLike) -> dict[int, Any]:
+    """All ``rank<k>.json`` files of ``results_dir`` as ``{k: object}``, sorted by rank."""
+    out = {}
+    for p in Path(results_dir).glob("rank*.json"):
+        suffix = p.stem[len("rank"):]
+        if suffix.isdigit():
+            out[int(suffix)] = json.loads(p.read_text())
+    return dict(sorted(out.items()))

@@ -1,0 +1,269 @@
+"""Check distributed CAD attention against a single-process reference (a torchrun entry).
+
+    python -m torch.distributed.run --nproc-per-node 4 -m cadlib.verify \\
+        --dist pretrain --tokens-per-rank 2048 --dtype fp32 --seed 0
+    # from a notebook: cadlib.launch.run_torchrun("cadlib.verify", 4, [...])
+    # on GPUs (NCCL, bf16): torchrun --nproc-per-node 2 -m cadlib.verify --dtype bf16 --model llama3-8b
+
+Every rank builds the same documents, layout and plan from the seed (no broadcast), and the same
+random q, k, v, dO over the FULL documents. Each rank takes its local rows (layout order), runs
+``cad_attention`` forward and backward, and compares o, dq, dk, dv with the reference: per-document
+causal attention in fp32 (torch SDPA with autograd) over the same (dtype-rounded) inputs. The error of
+a tensor is ``max |cad - ref| / max |ref|`` over all ranks (all-reduced). Each rank writes, per case,
+the errors and the per-server attention load (pairs) before (colocated) and after the plan with
+:func:`cadlib.distributed.write_result`; the process exits 1 if any error exceeds the tolerance
+(default 1e-5 fp32, 2e-2 bf16).
+
+``--dist`` and ``--case`` take comma-separated lists; every combination runs in this one launch.
+Cases: ``random`` (sampled documents, sequential packing), ``one-token`` (plus several 1-token
+documents), ``empty-rank`` (one rank holds no tokens; needs >= 2 ranks), ``spanning`` (one document
+spanning all ranks). ``--plan``: ``scheduler`` (cadlib.scheduler.schedule), ``random`` (random
+splits on random servers: stresses the dispatch beyond what the scheduler does), ``colocated``.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .cad import cad_attention
+from .cost import ModelSpec
+from .distributed import destroy, init_from_env, log, report_progress, write_result
+from .shard import CATask, Layout, Plan, layout_to_tasks
+
+CASES = ("random", "one-token", "empty-rank", "spanning")
+PLANS = ("scheduler", "random", "colocated")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2, "fp16": 5e-3}
+"""Default max relative error (``max |diff| / max |ref|``) against the fp32 reference."""
+
+
+def _docs(dist_name: str, total: int, seed: int, args) -> list[int]:
+    from .workload import sample_docs
+
+    kw = {}
+    if dist_name == "uniform":
+        kw["length"] = args.doc_len or max(1, args.tokens_per_rank // 4)
+    if dist_name == "lognormal":
+        kw.update(mu=math.log(args.doc_len or max(2, args.tokens_per_rank // 4)), sigma=1.0)
+    return sample_docs(dist_name, total, seed, max_doc_len=args.max_doc_len, **kw)
+
+
+def make_layout(case: str, dist_name: str, world: int, tokens_per_rank: int, seed: int,
+                args) -> Layout | None:
+    """The linear layout of one case (None when the case needs more ranks than ``world``)."""
+    from .workload import pack
+
+    total = world * tokens_per_rank
+    if case == "random":
+        return pack(_docs(dist_name, total, seed, args), world, tokens_per_rank, method=args.pack)
+    if case == "one-token":
+        n_one = min(8, total - 1)
+        docs = _docs(dist_name, total - n_one, seed, args)
+        rng = np.random.default_rng(seed)
+        for pos in rng.integers(0, len(docs) + 1, size=n_one):
+            docs.insert(int(pos), 1)
+        return pack(docs, world, tokens_per_rank, method=args.pack)
+    if case == "empty-rank":
+        if world < 2:
+            return None
+        full = pack(_docs(dist_name, (world - 1) * tokens_per_rank, seed, args), world - 1, tokens_per_rank,
+                    method=args.pack)
+        ranks = list(full.ranks)
+        ranks.insert(world // 2, [])
+        return Layout(ranks, full.doc_lens)
+    if case == "spanning":
+        return pack([total], world, tokens_per_rank)
+    raise ValueError(f"unknown case {case!r}; choose one of: {', '.join(CASES)}")
+
+
+def random_plan(layout: Layout, seed: int, max_cuts: int = 3) -> Plan:
+    """Every chunk cut at up to ``max_cuts`` random points, each piece on a random server."""
+    rng = np.random.default_rng(seed)
+    tasks = []
+    for t in layout_to_tasks(layout):
+        n_cuts = int(rng.integers(0, max_cuts + 1)) if t.n_q > 1 else 0
+        cuts = np.unique(rng.integers(t.q_start + 1, t.q_end, size=n_cuts)) if n_cuts else []
+        bounds = [t.q_start, *[int(c) for c in cuts], t.q_end]
+        tasks += [CATask(t.doc, a, b, t.home, int(rng.integers(layout.n_ranks)))
+                  for a, b in zip(bounds[:-1], bounds[1:])]
+    return Plan(layout, tasks)
+
+
+def make_plan(layout: Layout, kind: str, model: ModelSpec, seed: int, args) -> Plan:
+    if kind == "scheduler":
+        from .scheduler import schedule
+
+        kw = {} if args.min_shard is None else {"min_shard": args.min_shard}
+        return schedule(layout, model=model, tolerance=args.tolerance_eps, **kw)
+    if kind == "random":
+        return random_plan(layout, seed)
+    if kind == "colocated":
+        return Plan(layout, layout_to_tasks(layout))
+    raise ValueError(f"unknown plan {kind!r}; choose one of: {', '.join(PLANS)}")
+
+
+def global_rows(layout: Layout, rank: int) -> np.ndarray:
+    """Rows of ``rank``'s local buffer in the concatenation of all documents (doc-major)."""
+    base = np.concatenate([[0], np.cumsum(layout.doc_lens)])
+    parts = [np.arange(base[c.doc] + c.start, base[c.doc] + c.end) for c in layout.ranks[rank]]
+    return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, dtype=np.int64)
+
+
+REF_SDPA_ELEMS = 1 << 27
+"""Documents whose fp32 score matrix (heads x L x L) is larger than this are checked against the
+kernels' blocked ``sdpa_ref`` (bounded memory) instead of torch SDPA's math path."""
+
+
+def reference(q, k, v, dout, doc_lens, docs) -> tuple[torch.Tensor, ...]:
+    """Per-document causal attention in fp32 (only documents in ``docs``; other rows 0):
+    ``o_i = sum_{j<=i} softmax_j(q_i . k_j / sqrt(D)) v_j``. Torch SDPA with autograd per document,
+    or for a long document the blocked ``sdpa_ref`` of :mod:`cadlib.kernels`. Returns o, dq, dk, dv."""
+    from .kernels import attend, attend_backward
+
+    q, k, v, dout = (t.float() for t in (q, k, v, dout))
+    group = q.shape[1] // k.shape[1]
+    outs = [torch.zeros_like(q), torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)]
+    base = np.concatenate([[0], np.cumsum(doc_lens)])
+    for d in docs:
+        sl = slice(int(base[d]), int(base[d + 1]))
+        n = sl.stop - sl.start
+        if q.shape[1] * n * n > REF_SDPA_ELEMS:
+            cu = torch.tensor([0, n], dtype=torch.int32, device=q.device)
+            o, lse = attend(q[sl], k[sl], v[sl], cu, cu, n, n, causal=True, backend="sdpa_ref")
+            grads = attend_backward(dout[sl], q[sl], k[sl], v[sl], o, lse, cu, cu, n, n, causal=True,
+                                    backend="sdpa_ref")
+        else:
+            qd, kd, vd = (t[sl].detach().clone().requires_grad_(True) for t in (q, k, v))
+            o = F.scaled_dot_product_attention(
+                qd.transpose(0, 1), kd.repeat_interleave(group, 1).transpose(0, 1),
+                vd.repeat_interleave(group, 1).transpose(0, 1), is_causal=True).transpose(0, 1)
+            o.backward(dout[sl])
+            grads = (qd.grad, kd.grad, vd.grad)
+        for acc, val in zip(outs, (o.detach(), *grads)):
+            acc[sl] = val
+    return tuple(outs)
+
+
+def check_case(layout: Layout, plan: Plan, model: ModelSpec, dtype: torch.dtype, device, group, seed: int,
+               backend: str | None, timing_iters: int = 0) -> dict:
+    """Run CAD forward+backward on this rank's rows and compare with the reference; with
+    ``timing_iters``, also the median wall time of that many more forward+backward passes."""
+    rank = dist.get_rank(group)
+    total = layout.total_tokens
+    gen = torch.Generator().manual_seed(seed)
+    full = [torch.randn(total, h, model.head_dim, generator=gen).to(device=device, dtype=dtype)
+            for h in (model.n_heads, model.n_kv_heads, model.n_kv_heads, model.n_heads)]
+    rows = torch.as_tensor(global_rows(layout, rank), device=device)
+    q, k, v, dout = (t.index_select(0, rows) for t in full)
+    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    t0 = time.perf_counter()
+    o = cad_attention(q, k, v, plan, group, backend=backend)
+    o.backward(dout)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elapsed = time.perf_counter() - t0
+    my_docs = sorted({c.doc for c in layout.ranks[rank]})
+    ref = reference(*full, layout.doc_lens, my_docs)
+    errs = torch.zeros(4, dtype=torch.float64, device=device)
+    scale = torch.zeros(4, dtype=torch.float64, device=device)
+    for i, (got, want) in enumerate(zip((o, q.grad, k.grad, v.grad), ref)):
+        want = want.index_select(0, rows)
+        if got.shape != want.shape:
+            raise ValueError(f"tensor {i}: CAD gave shape {tuple(got.shape)}, reference {tuple(want.shape)}")
+        if want.numel():
+            errs[i] = (got.double() - want.double()).abs().max()
+            scale[i] = want.double().abs().max()
+    times = []
+    for _ in range(timing_iters):               # warm repeats, timed outside the comm path
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t1 = time.perf_counter()
+        cad_attention(q, k, v, plan, group, backend=backend).backward(dout)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t1)
+    dist.all_reduce(errs, op=dist.ReduceOp.MAX, group=group)
+    dist.all_reduce(scale, op=dist.ReduceOp.MAX, group=group)
+    rel = (errs / scale.clamp_min(1e-30)).tolist()
+    q_mat, kv_mat = plan.token_matrices()
+    return {"rel_err": dict(zip(("o", "dq", "dk", "dv"), rel)),
+            "load_before": Plan(layout, layout_to_tasks(layout)).server_pairs().tolist(),
+            "load_after": plan.server_pairs().tolist(), "imbalance_after": plan.imbalance(),
+            "n_tasks": len(plan.tasks), "q_tokens_sent": int(q_mat.sum()),
+            "kv_tokens_sent": int(kv_mat.sum()), "n_docs": layout.n_docs,
+            "local_tokens": int(rows.numel()), "first_fwd_bwd_s": elapsed,
+            "fwd_bwd_s": float(np.median(times)) if times else None}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m cadlib.verify", description=__doc__.split("\n")[0])
+    p.add_argument("--dist", default="pretrain", help="comma-separated cadlib.workload distributions")
+    p.add_argument("--case", default="random", help=f"comma-separated, from: {', '.join(CASES)}")
+    p.add_argument("--plan", default="scheduler", choices=PLANS)
+    p.add_argument("--pack", default="sequential", choices=("sequential", "balanced"))
+    p.add_argument("--tokens-per-rank", type=int, default=2048)
+    p.add_argument("--dtype", default="fp32", choices=tuple(DTYPES))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=1, help="seeds seed, seed+1, ... per combination")
+    p.add_argument("--model", default="tiny", help="ModelSpec name for head counts and head_dim")
+    p.add_argument("--backend", default=None, help="attention backend (cadlib.kernels); default: auto")
+    p.add_argument("--pg-backend", default=None, help="process-group backend: gloo, nccl (default auto)")
+    p.add_argument("--min-shard", type=int, default=None, help="scheduler min_shard (default: its own)")
+    p.add_argument("--tolerance-eps", type=float, default=0.1, help="scheduler imbalance tolerance")
+    p.add_argument("--tol", type=float, default=None, help="max relative error (default by dtype)")
+    p.add_argument("--doc-len", type=int, default=None, help="uniform length / lognormal median")
+    p.add_argument("--max-doc-len", type=int, default=None, help="clip sampled document lengths")
+    p.add_argument("--timing-iters", type=int, default=0, help="extra timed fwd+bwd passes per case")
+    args = p.parse_args(argv)
+    for c in args.case.split(","):
+        if c not in CASES:
+            p.error(f"unknown case {c!r}; choose one of: {', '.join(CASES)}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    env = init_from_env(args.pg_backend)
+    model = ModelSpec.from_name(args.model)
+    dtype = DTYPES[args.dtype]
+    tol = args.tol if args.tol is not None else TOLERANCE[args.dtype]
+    combos = [(d, c, args.seed + i) for d in args.dist.split(",") for c in args.case.split(",")
+              for i in range(args.repeats)]
+    results, ok = [], True
+    for step, (dist_name, case, seed) in enumerate(combos):
+        base = {"dist": dist_name, "case": case, "seed": seed, "world": env.world, "dtype": args.dtype,
+                "plan": args.plan, "tokens_per_rank": args.tokens_per_rank, "model": model.name}
+        layout = make_layout(case, dist_name, env.world, args.tokens_per_rank, seed, args)
+        if layout is None:
+            results.append({**base, "skipped": f"case {case!r} needs >= 2 ranks"})
+            continue
+        plan = make_plan(layout, args.plan, model, seed, args)
+        res = {**base, **check_case(layout, plan, model, dtype, env.device, env.group, seed, args.backend,
+                                          args.timing_iters)}
+        res["passed"] = max(res["rel_err"].values()) <= tol
+        ok &= res["passed"]
+        results.append(res)
+        if env.rank == 0:
+            log(f"{dist_name}/{case}/seed {seed}: rel err "
+                + " ".join(f"{k}={v:.2e}" for k, v in res["rel_err"].items())
+                + f" imbalance {max(res['load_before']) / max(np.mean(res['load_before']), 1):.2f}"
+                + f" -> {res['imbalance_after']:.2f} {'ok' if res['passed'] else 'FAILED'}")
+        report_progress(step + 1, len(combos), f"{dist_name}/{case}")
+    cuda = env.device.type == "cuda"
+    write_result({"rank": env.rank, "world": env.world, "device": str(env.device),
+                  "device_name": torch.cuda.get_device_name(env.device) if cuda else "cpu",
+                  "torch": torch.__version__, "tolerance": tol, "passed": ok, "cases": results,
+                  "config": vars(args)})
+    destroy()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,499 @@
+"""Attention-server benchmark: (1) kernel composability and (2) the CAD server's overhead.
+
+(1) **composability**: a causal document of L tokens is cut into query shards of s tokens; shard
+    ``[a, b)`` carries its own copy of the KV prefix ``[0, b)`` and all shards run in ONE fused
+    ``cadlib.kernels.attend`` call. FLOPs are those of the document (``ModelSpec.attention_flops`` of
+    ``causal_pairs(0, L)``, one layer; backward 2.5x), so TF/s compare directly with the unsplit
+    document (s = L). A case whose estimated memory (KV copies ``sum_i b_i * 2 * Hkv * D * bytes``,
+    plus gradients and the backward's accumulators) exceeds ``--mem-budget-gb`` is skipped, with
+    the reason recorded.
+(2) **overhead**: the whole CAD attention step (``cadlib.cad.cad_attention``: plan -> metadata ->
+    all-to-all -> one fused kernel per server -> return) against the raw fused kernel on the tasks
+    this server received, for ``pretrain`` and ``prolong`` batches of 64K and 128K tokens per GPU;
+    the all-to-alls are also timed on their own (events around blocking collectives) to give the
+    fraction of the step spent communicating.
+
+Run::
+
+    python scripts/bench_attention_server.py --part composability          # 1 GPU
+    python scripts/bench_attention_server.py --part overhead               # 1 GPU
+    torchrun --nproc-per-node=2 scripts/bench_attention_server.py --part overhead   # 2 GPUs
+    python scripts/bench_attention_server.py --smoke                        # CPU, sdpa_ref, tiny
+    torchrun --nproc-per-node=2 scripts/bench_attention_server.py --smoke --part overhead  # 2x gloo
+
+Writes ``results/bench_attention_server_<part>_<world>gpu[_smoke].json`` (atomically, with device,
+torch version, commit, date, backend versions and the full configuration) and prints a table.
+Targets are reported, not asserted: server forward >= 0.95 of the unsplit kernel's TF/s for
+shards >= 512 tokens; fa4 on the server >= 60% of ``cost.H200_MATMUL_TFLOPS`` in fwd+bwd.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from cadlib import kernels  # noqa: E402
+from cadlib.cost import H200_MATMUL_TFLOPS, MIN_SHARD_TOKENS, ModelSpec, causal_pairs  # noqa: E402
+from cadlib.distributed import init_from_env  # noqa: E402
+from cadlib.results import RESULTS_DIR, save_result  # noqa: E402
+
+GPU_BACKENDS = ("fa4", "torch_flash", "flash_attn")
+GB = 1e9
+
+
+@dataclass
+class Config:
+    model: str = "llama3-8b"
+    dtype: str = "bfloat16"
+    doc_lens: list = field(default_factory=lambda: [16384, 65536])
+    shards: list = field(default_factory=lambda: [64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384])
+    dists: list = field(default_factory=lambda: ["pretrain", "prolong"])
+    tokens_per_gpu: list = field(default_factory=lambda: [65536, 131072])
+    warmup: int = 3
+    iters: int = 10
+    mem_budget_gb: float = 125.0          # an H200 holds ~143 GB; OOM is caught and recorded too
+    min_shard: int = MIN_SHARD_TOKENS
+    tolerance: float = 0.1
+    seed: int = 0
+    backends: list = field(default_factory=list)
+    smoke: bool = False
+
+    @classmethod
+    def smoke_config(cls) -> "Config":
+        return cls(model="tiny", doc_lens=[256, 1024], shards=[16, 32, 64, 128, 256],
+                   tokens_per_gpu=[512, 1024], warmup=1, iters=2, mem_budget_gb=0.01, min_shard=32,
+                   smoke=True)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Timing and memory
+# ---------------------------------------------------------------------------------------------------
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_fn(fn, device, warmup: int, iters: int, group=None) -> dict:
+    """Median (and min) milliseconds of ``fn()``: CUDA events on a GPU, perf_counter on the CPU.
+    With ``group``, every rank passes a barrier before each timed call."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(iters):
+        if group is not None:
+            dist.barrier(group=group)
+        _sync(device)
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return {"median_ms": statistics.median(times), "min_ms": min(times), "iters": iters}
+
+
+def _reset_peak(device):
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak_gb(device):
+    return torch.cuda.max_memory_allocated(device) / GB if device.type == "cuda" else None
+
+
+def _rand(gen, n, h, spec, device, dtype):
+    """Standard-normal ``[n, h, head_dim]`` made on ``device`` (``gen`` is a generator there)."""
+    return torch.randn(n, h, spec.head_dim, generator=gen, device=device).to(dtype)
+
+
+def tflops(flops: float, ms: float) -> float:
+    return flops / (ms * 1e-3) / 1e12 if ms > 0 else float("nan")
+
+
+def backend_versions() -> dict:
+    out = {"torch": torch.__version__}
+    for pkg in ("flash-attn-4", "flash-attn", "nvidia-cutlass-dsl"):
+        try:
+            out[pkg] = importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# (1) Kernel composability
+# ---------------------------------------------------------------------------------------------------
+
+def shard_bounds(doc_len: int, shard: int) -> list[tuple[int, int]]:
+    """Query shards ``[a, b)`` of ``shard`` tokens (the last may be shorter) covering the document."""
+    return [(a, min(a + shard, doc_len)) for a in range(0, doc_len, shard)]
+
+
+def estimate_bytes(doc_len: int, bounds, spec: ModelSpec, elt: int, backward: bool) -> float:
+    """Memory of one fused case: the document's q, k, v, out, lse; the KV copies
+    ``sum_i b_i * 2 * Hkv * D * elt`` and their gather index; with ``backward`` also dout, dq, the
+    dK/dV copies and the kernels' fp32/expanded-head accumulators (``max(2, Hq/Hkv)`` x the KV copies,
+    e.g. FA2's GQA dK/dV expansion), plus an fp32 dQ accumulator."""
+    kv_tok = sum(b for _, b in bounds)
+    hq, hkv, d = spec.n_heads, spec.n_kv_heads, spec.head_dim
+    kv = kv_tok * 2 * hkv * d * elt
+    base = doc_len * (2 * hq + 2 * hkv) * d * elt + doc_len * hq * 4 + kv + kv_tok * 8
+    if not backward:
+        return float(base)
+    grads = 2 * doc_len * hq * d * elt + doc_len * hq * d * 4 + kv + max(2, hq // hkv) * kv
+    return float(base + grads)
+
+
+def composability_case(doc_len, shard, spec, dtype, device, backend, cfg, gen) -> dict:
+    bounds = shard_bounds(doc_len, shard)
+    elt = torch.finfo(dtype).bits // 8
+    budget = cfg.mem_budget_gb * GB
+    rec = {"backend": backend, "doc_len": doc_len, "shard": shard, "n_shards": len(bounds),
+           "kv_tokens": sum(b for _, b in bounds)}
+    flops_fwd = spec.attention_flops(causal_pairs(0, doc_len), layers=1)
+    flops_fb = spec.attention_flops(causal_pairs(0, doc_len), backward=True, layers=1)
+    for mode, backward, flops in (("fwd", False, flops_fwd), ("fwd_bwd", True, flops_fb)):
+        est = estimate_bytes(doc_len, bounds, spec, elt, backward)
+        rec[f"{mode}_est_gb"] = est / GB
+        if est > budget:
+            rec[f"{mode}_skipped"] = f"estimated {est / GB:.1f} GB > budget {cfg.mem_budget_gb} GB"
+            continue
+        _reset_peak(device)
+        try:
+            q = _rand(gen, doc_len, spec.n_heads, spec, device, dtype)
+            k, v = (_rand(gen, doc_len, spec.n_kv_heads, spec, device, dtype) for _ in range(2))
+            idx = torch.cat([torch.arange(b) for _, b in bounds]).to(device)
+            kk, vv = k.index_select(0, idx), v.index_select(0, idx)
+            del idx
+            cu_q = torch.tensor([0] + [b for _, b in bounds], dtype=torch.int32, device=device)
+            cu_k = torch.tensor([0] + [b for _, b in bounds], dtype=torch.int64).cumsum(0).to(
+                device=device, dtype=torch.int32)
+            mq, mk = max(b - a for a, b in bounds), max(b for _, b in bounds)
+            if backward:
+                dout = torch.randn_like(q)
+
+                def fn():
+                    o, lse = kernels.attend(q, kk, vv, cu_q, cu_k, mq, mk, backend=backend)
+                    kernels.attend_backward(dout, q, kk, vv, o, lse, cu_q, cu_k, mq, mk, backend=backend)
+            else:
+                def fn():
+                    kernels.attend(q, kk, vv, cu_q, cu_k, mq, mk, backend=backend)
+            t = time_fn(fn, device, cfg.warmup, cfg.iters)
+            rec[f"{mode}_ms"] = t["median_ms"]
+            rec[f"{mode}_tflops"] = tflops(flops, t["median_ms"])
+            rec[f"{mode}_peak_gb"] = _peak_gb(device)
+        except torch.cuda.OutOfMemoryError as e:
+            rec[f"{mode}_skipped"] = f"out of memory: {str(e).splitlines()[0]}"
+        except Exception as e:  # a backend that cannot run this case: record it, keep going
+            rec[f"{mode}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        finally:
+            q = k = v = kk = vv = dout = fn = None  # noqa: F841  (free before the next case)
+    return rec
+
+
+def run_composability(cfg: Config, device, backends) -> list[dict]:
+    spec = ModelSpec.from_name(cfg.model)
+    dtype = getattr(torch, cfg.dtype)
+    gen = torch.Generator(device=device).manual_seed(cfg.seed)
+    rows = []
+    for backend in backends:
+        for doc_len in cfg.doc_lens:
+            sizes = sorted({s for s in cfg.shards if s < doc_len} | {doc_len})
+            cases = [composability_case(doc_len, s, spec, dtype, device, backend, cfg, gen) for s in sizes]
+            whole = cases[-1]
+            for c in cases:
+                for mode in ("fwd", "fwd_bwd"):
+                    if f"{mode}_tflops" in c and f"{mode}_tflops" in whole:
+                        c[f"{mode}_vs_unsplit"] = c[f"{mode}_tflops"] / whole[f"{mode}_tflops"]
+            rows += cases
+            for c in cases:
+                print(_fmt_comp(c), flush=True)
+    return rows
+
+
+def _fmt_comp(c: dict) -> str:
+    def cell(mode):
+        if f"{mode}_tflops" in c:
+            return f"{c[f'{mode}_tflops']:8.3g} ({c.get(f'{mode}_vs_unsplit', float('nan')):.2f})"
+        return f"{'skip' if f'{mode}_skipped' in c else 'error':>15}"
+    return (f"{c['backend']:>11} doc {c['doc_len']:>6} shard {c['shard']:>6} x{c['n_shards']:<5} "
+            f"fwd TF/s {cell('fwd')}  fwd+bwd TF/s {cell('fwd_bwd')}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# (2) Server overhead
+# ---------------------------------------------------------------------------------------------------
+
+class TimedAllToAll:
+    """The all-to-all of :class:`cadlib.cad.AllToAll`, run blocking with a timer around each call
+    (CUDA events on the current stream, or perf_counter on the CPU), to measure communication alone."""
+
+    def __init__(self, group, device):
+        self.group, self.device, self.spans = group, device, []
+
+    def start(self, send, send_splits, recv_splits):
+        recv = send.new_empty((int(sum(recv_splits)), *send.shape[1:]))
+        if self.device.type == "cuda":
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            dist.all_to_all_single(recv, send.contiguous(), list(recv_splits), list(send_splits),
+                                   group=self.group)
+            e.record()
+            self.spans.append((s, e))
+        else:
+            t0 = time.perf_counter()
+            dist.all_to_all_single(recv, send.contiguous(), list(recv_splits), list(send_splits),
+                                   group=self.group)
+            self.spans.append((time.perf_counter() - t0) * 1e3)
+        return _Ready(recv)
+
+    def take_ms(self) -> float:
+        _sync(self.device)
+        ms = sum(s.elapsed_time(e) if isinstance(s, torch.cuda.Event) else s
+                 for s, e in ((x if isinstance(x, tuple) else (x, None)) for x in self.spans))
+        self.spans = []
+        return ms
+
+
+class _Ready:
+    def __init__(self, recv):
+        self.recv = recv
+
+    def wait(self):
+        return self.recv
+
+
+def make_plan(layout, spec: ModelSpec, cfg: Config):
+    """The CAD scheduler's plan (``cadlib.scheduler.schedule``), timed by the caller."""
+    from cadlib.scheduler import schedule
+    return schedule(layout, model=spec, tolerance=cfg.tolerance, min_shard=cfg.min_shard)
+
+
+def _time_steps(rec, plan, spec, dtype, rt, backend, cfg, gen, flops) -> None:
+    """The whole CAD step (dispatch, all-to-all, fused kernel, return), forward and fwd+bwd; then the
+    same with every all-to-all blocking and timed, for the fraction of the step spent communicating."""
+    from cadlib import cad
+    n = rec["n_local"]
+    q = _rand(gen, n, spec.n_heads, spec, rt.device, dtype)
+    k, v = (_rand(gen, n, spec.n_kv_heads, spec, rt.device, dtype) for _ in range(2))
+    dout = torch.randn_like(q)
+    qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
+
+    def step_fwd(comm=None):
+        with torch.no_grad():
+            cad.cad_attention(q, k, v, plan, rt.group, backend=backend, comm=comm)
+
+    def step_fb(comm=None):
+        qg.grad = kg.grad = vg.grad = None
+        cad.cad_attention(qg, kg, vg, plan, rt.group, backend=backend, comm=comm).backward(dout)
+
+    for mode, fn in (("fwd", step_fwd), ("fwd_bwd", step_fb)):
+        t = time_fn(fn, rt.device, cfg.warmup, cfg.iters, rt.group)
+        rec[f"step_{mode}_ms"] = t["median_ms"]
+        rec[f"step_{mode}_tflops"] = tflops(flops[mode], t["median_ms"])
+        timed = TimedAllToAll(rt.group, rt.device)
+        comm_ms, step_ms = [], []
+        for _ in range(cfg.iters):
+            step_ms.append(time_fn(lambda: fn(timed), rt.device, 0, 1, rt.group)["median_ms"])
+            comm_ms.append(timed.take_ms())
+        rec[f"comm_{mode}_ms"] = statistics.median(comm_ms)
+        rec[f"step_timed_comm_{mode}_ms"] = statistics.median(step_ms)
+        rec[f"comm_{mode}_fraction"] = statistics.median(c / s for c, s in zip(comm_ms, step_ms))
+    rec["step_peak_gb"] = _peak_gb(rt.device)
+
+
+def _time_raw(rec, dd, spec, dtype, rt, backend, cfg, gen, flops) -> None:
+    """The raw fused kernel on this server's received tasks (same segments, cu_q/cu_k, shapes)."""
+    m = dd.meta
+    q = _rand(gen, len(m.q_rows), spec.n_heads, spec, rt.device, dtype)
+    k, v = (_rand(gen, len(m.kv_rows), spec.n_kv_heads, spec, rt.device, dtype) for _ in range(2))
+    dout = torch.randn_like(q)
+
+    def raw_fwd():
+        return kernels.attend(q, k, v, dd.cu_q, dd.cu_k, m.max_q, m.max_k, backend=backend)
+
+    def raw_fb():
+        o, lse = raw_fwd()
+        kernels.attend_backward(dout, q, k, v, o, lse, dd.cu_q, dd.cu_k, m.max_q, m.max_k, backend=backend)
+
+    for mode, fn in (("fwd", raw_fwd), ("fwd_bwd", raw_fb)):
+        t = time_fn(fn, rt.device, cfg.warmup, cfg.iters)
+        rec[f"raw_{mode}_ms"] = t["median_ms"]
+        rec[f"raw_{mode}_tflops"] = tflops(flops[mode], t["median_ms"])
+        rec[f"step_over_raw_{mode}"] = rec[f"step_{mode}_ms"] / t["median_ms"]
+
+
+def _time_unsplit(rec, docs, spec, dtype, rt, backend, cfg, gen) -> None:
+    """The unsplit kernel: every document of the batch whole (one segment each) on this GPU."""
+    cu = torch.tensor([0] + list(docs), dtype=torch.int64).cumsum(0).to(rt.device, torch.int32)
+    n = int(sum(docs))
+    q = _rand(gen, n, spec.n_heads, spec, rt.device, dtype)
+    k, v = (_rand(gen, n, spec.n_kv_heads, spec, rt.device, dtype) for _ in range(2))
+    t = time_fn(lambda: kernels.attend(q, k, v, cu, cu, max(docs), max(docs), backend=backend),
+                rt.device, cfg.warmup, cfg.iters)
+    pairs = float(causal_pairs(0, docs).sum())
+    rec["unsplit_fwd_tflops"] = tflops(spec.attention_flops(pairs, layers=1), t["median_ms"])
+
+
+def overhead_case(dist_name, tpg, spec, dtype, rt, backend, cfg) -> dict:
+    """One batch (``tpg`` tokens per GPU of ``dist_name`` documents, sequential packing) on ``rt``."""
+    from cadlib import cad
+    from cadlib.workload import pack, sample_docs
+
+    docs = sample_docs(dist_name, tpg * rt.world, seed=cfg.seed)
+    layout = pack(docs, rt.world)
+    t0 = time.perf_counter()
+    plan = make_plan(layout, spec, cfg)
+    plan_ms = (time.perf_counter() - t0) * 1e3
+    t0 = time.perf_counter()
+    dd = cad.prepare(plan, rt.group, rt.device)
+    meta_ms = (time.perf_counter() - t0) * 1e3
+    m = dd.meta
+    served = [plan.tasks[i] for i in m.tasks]
+    pairs = float(plan.server_pairs()[rt.rank])
+    flops = {"fwd": spec.attention_flops(pairs, layers=1),
+             "fwd_bwd": spec.attention_flops(pairs, backward=True, layers=1)}
+    rec = {"backend": backend, "dist": dist_name, "tokens_per_gpu": tpg, "world": rt.world,
+           "rank": rt.rank, "n_docs": len(docs), "max_doc": max(docs), "n_local": m.n_local,
+           "plan_ms": plan_ms, "metadata_ms": meta_ms, "plan_meta": {k: v for k, v in plan.meta.items()
+                                                                     if k != "dispatch"},
+           "n_tasks": m.n_tasks, "min_task_q": min((t.n_q for t in served), default=0),
+           "server_q_tokens": int(len(m.q_rows)), "server_kv_tokens": int(len(m.kv_rows)),
+           "recv_q_tokens": m.n_recv_q, "recv_kv_tokens": m.n_recv_kv, "imbalance": plan.imbalance(),
+           "server_fwd_gflop": flops["fwd"] / 1e9}
+    gen = torch.Generator(device=rt.device).manual_seed(cfg.seed + rt.rank)
+    _reset_peak(rt.device)
+    try:
+        _time_steps(rec, plan, spec, dtype, rt, backend, cfg, gen, flops)
+        if m.n_tasks:
+            _time_raw(rec, dd, spec, dtype, rt, backend, cfg, gen, flops)
+        _time_unsplit(rec, docs, spec, dtype, rt, backend, cfg, gen)
+        if "raw_fwd_tflops" in rec:
+            rec["raw_fwd_vs_unsplit"] = rec["raw_fwd_tflops"] / rec["unsplit_fwd_tflops"]
+        rec["step_fwd_bwd_vs_matmul_peak"] = rec["step_fwd_bwd_tflops"] / H200_MATMUL_TFLOPS
+        rec["peak_gb"] = _peak_gb(rt.device)
+    except torch.cuda.OutOfMemoryError as e:
+        rec["skipped"] = f"out of memory: {str(e).splitlines()[0]}"
+    except Exception as e:  # record and go on: one backend failing must not lose the others' results
+        rec["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return rec
+
+
+def run_overhead(cfg: Config, rt, backends) -> list[dict]:
+    spec = ModelSpec.from_name(cfg.model)
+    dtype = getattr(torch, cfg.dtype)
+    rows = []
+    for backend in backends:
+        for dist_name in cfg.dists:
+            for tpg in cfg.tokens_per_gpu:
+                rec = overhead_case(dist_name, tpg, spec, dtype, rt, backend, cfg)
+                per_rank = [None] * rt.world
+                dist.all_gather_object(per_rank, rec, group=rt.group)
+                row = {"backend": backend, "dist": dist_name, "tokens_per_gpu": tpg, "world": rt.world,
+                       "ranks": per_rank}
+                ok = [r for r in per_rank if "step_fwd_ms" in r]
+                for mode in ("fwd", "fwd_bwd"):
+                    if len(ok) == rt.world:
+                        row[f"step_{mode}_ms_max"] = max(r[f"step_{mode}_ms"] for r in ok)
+                        row[f"comm_{mode}_fraction_mean"] = statistics.mean(r[f"comm_{mode}_fraction"]
+                                                                            for r in ok)
+                rows.append(row)
+                if rt.rank == 0:
+                    print(_fmt_over(row), flush=True)
+    return rows
+
+
+def _fmt_over(row: dict) -> str:
+    r0 = row["ranks"][0]
+    if "step_fwd_ms" not in r0:
+        return f"{row['backend']:>11} {row['dist']:>8} {row['tokens_per_gpu']:>7}/GPU x{row['world']}: " \
+               f"{r0.get('skipped') or r0.get('error')}"
+    g = r0.get
+    return (f"{row['backend']:>11} {row['dist']:>8} {row['tokens_per_gpu']:>7}/GPU x{row['world']} "
+            f"tasks {g('n_tasks'):>4} (min {g('min_task_q')}) | step fwd {g('step_fwd_tflops'):7.3g} "
+            f"raw {g('raw_fwd_tflops', float('nan')):7.3g} unsplit {g('unsplit_fwd_tflops'):7.3g} TF/s | "
+            f"fwd+bwd step {g('step_fwd_bwd_tflops'):7.3g} raw {g('raw_fwd_bwd_tflops', float('nan')):7.3g} "
+            f"TF/s | comm {100 * g('comm_fwd_fraction'):4.1f}% / {100 * g('comm_fwd_bwd_fraction'):4.1f}%")
+
+
+# ---------------------------------------------------------------------------------------------------
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--part", choices=["composability", "overhead", "all"], default="all")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU with sdpa_ref")
+    ap.add_argument("--backends", default=None, help="comma-separated; default: every available GPU one")
+    ap.add_argument("--iters", type=int, default=None)
+    ap.add_argument("--warmup", type=int, default=None)
+    ap.add_argument("--mem-budget-gb", type=float, default=None)
+    ap.add_argument("--doc-lens", default=None, help="comma-separated composability document lengths")
+    ap.add_argument("--tokens-per-gpu", default=None, help="comma-separated overhead batch sizes")
+    ap.add_argument("--out", default=None, help="result file (default results/bench_attention_server_...)")
+    args = ap.parse_args(argv)
+
+    cfg = Config.smoke_config() if args.smoke else Config()
+    for name in ("iters", "warmup", "mem_budget_gb"):
+        if getattr(args, name) is not None:
+            setattr(cfg, name, getattr(args, name))
+    if args.doc_lens:
+        cfg.doc_lens = [int(x) for x in args.doc_lens.split(",")]
+    if args.tokens_per_gpu:
+        cfg.tokens_per_gpu = [int(x) for x in args.tokens_per_gpu.split(",")]
+    rt = init_from_env("gloo" if args.smoke else None)
+    if args.smoke:
+        avail = ["sdpa_ref"]
+    else:
+        avail = [b for b in kernels.available_backends(rt.device) if b in GPU_BACKENDS]
+        if not avail:
+            raise SystemExit(f"no GPU attention backend available on {rt.device} (available: "
+                             f"{kernels.available_backends(rt.device)}); use --smoke on a CPU")
+    cfg.backends = [kernels.resolve_backend(b, rt.device) for b in args.backends.split(",")] \
+        if args.backends else avail
+
+    parts = ["composability", "overhead"] if args.part == "all" else [args.part]
+    if rt.world > 1 and "composability" in parts:
+        if rt.rank == 0:
+            print("composability is a one-GPU measurement: run it with plain python; skipped under "
+                  f"torchrun with {rt.world} ranks", flush=True)
+        parts.remove("composability")
+    for part in parts:
+        if part == "composability":
+            results = run_composability(cfg, rt.device, cfg.backends)
+        else:
+            results = run_overhead(cfg, rt, cfg.backends)
+        if rt.rank == 0:
+            tag = f"{part}_{rt.world}gpu" + ("_smoke" if cfg.smoke else "")
+            path = Path(args.out) if args.out else RESULTS_DIR / f"bench_attention_server_{tag}.json"
+            if args.out and len(parts) > 1:
+                path = path.with_name(f"{path.stem}_{part}{path.suffix}")
+            save_result(path, {**asdict(cfg), "part": part, "world": rt.world,
+                               "device_type": rt.device.type}, results,
+                        backend_versions=backend_versions(),
+                        targets={"server_fwd_vs_unsplit_min_for_shards_ge_512": 0.95,
+                                 "fa4_fwd_bwd_fraction_of_matmul_peak": 0.60,
+                                 "matmul_peak_tflops": H200_MATMUL_TFLOPS})
+            print(f"wrote {path}", flush=True)
+    if dist.is_initialized():
+        dist.barrier(group=rt.group)
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

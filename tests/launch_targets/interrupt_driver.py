@@ -1,0 +1,15 @@
+"""Calls run_torchrun on hang.py (pid folder = argv[1]) until SIGINT; exits 130 on KeyboardInterrupt."""
+import sys
+from pathlib import Path
+
+from cadlib import launch
+
+launch.KILL_GRACE_S = 1.0
+try:
+    launch.run_torchrun(Path(__file__).with_name("hang.py"), 2, args=[sys.argv[1]], timeout=120,
+                        echo=True, progress=False)
+except KeyboardInterrupt:
+    print("KeyboardInterrupt reached the driver", flush=True)
+    sys.exit(130)
+print("run_torchrun returned without an interrupt", flush=True)
+sys.exit(1)
