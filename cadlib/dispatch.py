@@ -17,7 +17,7 @@ Buffers (all row-major over tokens):
   positions ascending; tokens the server holds itself are not sent. Hence the KV send counts equal
   ``Plan.token_matrices()[1]``.
 * **server buffers** ``cat([local, received])`` for Q and for KV. The fused kernel call reads, per
-  served task ``t`` (plan order), query rows ``q_rows`` (``n_q(t)`` of them) and a contiguous KV
+  served task ``t`` (longest KV prefix first), query rows ``q_rows`` (``n_q(t)`` of them) and a contiguous KV
   segment ``kv_rows`` = the document's prefix ``[0, q_end(t))`` (gathered; a prefix shared by several
   tasks is received once and gathered several times). ``cu_q``/``cu_k`` delimit the segments.
 * **return** of O/LSE/dQ (server -> home) reverses the Q exchange: ``ret_rows`` picks, from the
@@ -171,6 +171,9 @@ def build_dispatch(plan: Plan, rank: int) -> Dispatch:
     q_send_index = _cat([p for ps in q_parts for p in ps])
 
     # -- Q exchange, server side: where each served task's query rows land ----------------------
+    # Receive positions follow the homes' send order (plan order); the fused call then lists the
+    # tasks longest KV prefix first (LPT): varlen kernels hand out tiles segment by segment, so the
+    # longest tiles must not come last and leave SMs idle at the tail.
     served = [i for i, t in enumerate(tasks) if t.server == rank]
     q_recv_splits = [0] * R
     for i in served:
@@ -178,16 +181,17 @@ def build_dispatch(plan: Plan, rank: int) -> Dispatch:
             q_recv_splits[tasks[i].home] += tasks[i].n_q
     q_base = np.cumsum([0] + q_recv_splits[:-1])
     q_fill = [0] * R
-    q_rows_parts = []
+    q_rows_of: dict[int, np.ndarray] = {}
     for i in served:
         t = tasks[i]
         if t.home == rank:
-            q_rows_parts.append(lidx[t.doc][t.q_start:t.q_end])
+            q_rows_of[i] = lidx[t.doc][t.q_start:t.q_end]
         else:
             start = n_local + int(q_base[t.home]) + q_fill[t.home]
-            q_rows_parts.append(np.arange(start, start + t.n_q, dtype=np.int64))
+            q_rows_of[i] = np.arange(start, start + t.n_q, dtype=np.int64)
             q_fill[t.home] += t.n_q
-    q_rows = _cat(q_rows_parts)
+    served = sorted(served, key=lambda i: -tasks[i].q_end)
+    q_rows = _cat([q_rows_of[i] for i in served])
 
     # -- KV exchange: owner side (what I send) and server side (where received tokens land) -------
     need = kv_needs(plan)

@@ -55,7 +55,8 @@ def _json_default(o):
 
 
 def git_commit(root: str | os.PathLike = REPO_ROOT) -> str:
-    """The checkout's commit, with ``-dirty`` when tracked files differ; ``unknown`` outside git."""
+    """The checkout's commit, with ``-dirty`` when tracked files differ. Outside a git checkout (e.g.
+    a working tree copied to a GPU node) the ``CADLIB_COMMIT`` environment variable, else ``unknown``."""
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
                              timeout=10, check=True).stdout.strip()
@@ -63,7 +64,7 @@ def git_commit(root: str | os.PathLike = REPO_ROOT) -> str:
                                capture_output=True, text=True, timeout=10).stdout.strip()
         return sha + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
-        return "unknown"
+        return os.environ.get("CADLIB_COMMIT", "unknown")
 
 
 def device_name() -> str:

@@ -58,6 +58,7 @@ class Config:
     shards: list = field(default_factory=lambda: [64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384])
     dists: list = field(default_factory=lambda: ["pretrain", "prolong"])
     tokens_per_gpu: list = field(default_factory=lambda: [65536, 131072])
+    order: str = "lpt"  # composability call order: "lpt" (longest KV prefix first, like the server), "doc"
     warmup: int = 3
     iters: int = 10
     mem_budget_gb: float = 125.0          # an H200 holds ~143 GB; OOM is caught and recorded too
@@ -179,11 +180,16 @@ def composability_case(doc_len, shard, spec, dtype, device, backend, cfg, gen) -
         try:
             q = _rand(gen, doc_len, spec.n_heads, spec, device, dtype)
             k, v = (_rand(gen, doc_len, spec.n_kv_heads, spec, device, dtype) for _ in range(2))
-            idx = torch.cat([torch.arange(b) for _, b in bounds]).to(device)
+            # the server's call order: longest KV prefix first (LPT), unless --order doc
+            call = sorted(bounds, key=lambda ab: -ab[1]) if cfg.order == "lpt" else bounds
+            if call is not bounds:
+                q = q.index_select(0, torch.cat([torch.arange(a, b) for a, b in call]).to(device))
+            idx = torch.cat([torch.arange(b) for _, b in call]).to(device)
             kk, vv = k.index_select(0, idx), v.index_select(0, idx)
             del idx
-            cu_q = torch.tensor([0] + [b for _, b in bounds], dtype=torch.int32, device=device)
-            cu_k = torch.tensor([0] + [b for _, b in bounds], dtype=torch.int64).cumsum(0).to(
+            cu_q = torch.tensor([0] + [b - a for a, b in call], dtype=torch.int64).cumsum(0).to(
+                device=device, dtype=torch.int32)
+            cu_k = torch.tensor([0] + [b for _, b in call], dtype=torch.int64).cumsum(0).to(
                 device=device, dtype=torch.int32)
             mq, mk = max(b - a for a, b in bounds), max(b for _, b in bounds)
             if backward:
@@ -445,11 +451,13 @@ def main(argv=None):
     ap.add_argument("--mem-budget-gb", type=float, default=None)
     ap.add_argument("--doc-lens", default=None, help="comma-separated composability document lengths")
     ap.add_argument("--tokens-per-gpu", default=None, help="comma-separated overhead batch sizes")
+    ap.add_argument("--order", choices=["lpt", "doc"], default=None,
+                    help="composability shard order in the fused call (default lpt, as the server)")
     ap.add_argument("--out", default=None, help="result file (default results/bench_attention_server_...)")
     args = ap.parse_args(argv)
 
     cfg = Config.smoke_config() if args.smoke else Config()
-    for name in ("iters", "warmup", "mem_budget_gb"):
+    for name in ("iters", "warmup", "mem_budget_gb", "order"):
         if getattr(args, name) is not None:
             setattr(cfg, name, getattr(args, name))
     if args.doc_lens:

@@ -56,7 +56,9 @@ def test_wrong_dispatch_is_detected():
     layout, plan, full = one_rank_problem(1)
     d = build_dispatch(plan, 0)
     d.kv_rows = d.kv_rows.copy()
-    d.kv_rows[[3, 4]] = d.kv_rows[[4, 3]]          # two KV tokens of one task swapped
+    j = next(j for j, i in enumerate(d.tasks) if plan.tasks[i].q_start == 0 and plan.tasks[i].q_end > 5)
+    k0 = int(d.cu_k[j])                            # a task whose queries see KV tokens 3 and 4 apart
+    d.kv_rows[[k0 + 3, k0 + 4]] = d.kv_rows[[k0 + 4, k0 + 3]]
     errs, _ = run_one_rank(plan, full, d)
     assert max(errs) > 1e-3, errs
 
