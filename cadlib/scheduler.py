@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import heapq
 import time
+from itertools import chain
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -29,9 +30,15 @@ METHODS = ("cad", "equal_flops", "colocated")
 
 
 def _layout_arrays(layout: Layout) -> np.ndarray:
-    """``[n_chunks, 4]`` int64 rows ``(doc, start, end, rank)`` in rank-major order."""
-    rows = [(c.doc, c.start, c.end, r) for r, chunks in enumerate(layout.ranks) for c in chunks]
-    return np.array(rows, dtype=np.int64).reshape(-1, 4)
+    """``[n_chunks, 4]`` int64 rows ``(doc, start, end, rank)`` in rank-major order (one pass of
+    ``np.fromiter`` over the chunks' fields: no per-chunk tuples)."""
+    lens = [len(r) for r in layout.ranks]
+    n = sum(lens)
+    out = np.empty((n, 4), dtype=np.int64)
+    out[:, :3] = np.fromiter(chain.from_iterable(chain.from_iterable(layout.ranks)), dtype=np.int64,
+                             count=3 * n).reshape(n, 3)
+    out[:, 3] = np.repeat(np.arange(len(lens)), lens)
+    return out
 
 
 @dataclass
@@ -97,12 +104,54 @@ class Placement:
 
 
 def _tri_le(v: np.ndarray) -> np.ndarray:
-    """Largest ``c >= 0`` with ``c(c+1) <= v`` (0 where ``v < 2``), exact for int64 ``v``."""
+    """Largest ``c >= 0`` with ``c(c+1) <= v`` (0 where ``v < 2``), exact for int64 ``v``:
+    ``floor((sqrt(4v + 1) - 1) / 2)``. In float64 this is exact below ``2**46``: ``4v + 1`` is exact,
+    at ``v = c(c+1)`` it is the square ``(2c+1)**2`` (correctly rounded sqrt is exact) and just below it
+    the root is ``>= 1/(2c+1)`` under ``c``, far more than the rounding error; larger ``v`` get one
+    integer correction step."""
     v = np.maximum(v, 0)
-    c = np.floor((np.sqrt(1.0 + 4.0 * v.astype(np.float64)) - 1.0) / 2.0).astype(np.int64)
-    c -= c * (c + 1) > v                               # float sqrt is within one of exact here
-    c += (c + 1) * (c + 2) <= v
-    return c
+    c = (np.sqrt(4.0 * v + 1.0) * 0.5 - 0.5).astype(np.int64)   # >= 0: truncation is floor
+    if not v.size or v.max() < _TRI_EXACT:
+        return c
+    w = c * (c + 1)                                    # float sqrt is within one of exact here
+    return c - (w > v) + (w + 2 * (c + 1) <= v)
+
+
+_TRI_EXACT = 2 ** 46
+
+_SIDE = np.array([[-1], [1]])                          # end shard [b-k, b): b - f; start [a, a+k): -a + f
+_CEIL = np.array([[[0], [1]], [[1], [0]]])             # [up/down, end/start]: floor or ceiling root
+_START = np.array([[0], [1]])
+
+
+def _shard_consts(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Per task the constants ``_cuts`` needs, stacked ``[7, N]``: ``b, -a, b, a, b(b+1), a(a+1), n``."""
+    return np.stack((b, -a, b, a, b * (b + 1), a * (a + 1), b - a))
+
+
+def _cuts(c: np.ndarray, x: np.ndarray, y: np.ndarray, m: int) -> tuple[np.ndarray, np.ndarray]:
+    """``_cut`` for end (row 0) and start (row 1) shards of every task at once, ``[2, N]`` each, from
+    ``c = _shard_consts(a, b)``: all four roots (fewest / most tokens, both sides) in one pass. With
+    ``t(v)`` the largest and ``t'(v) = t(v-1) + [v >= 1]`` the smallest ``c >= 0`` with
+    ``c(c+1) >= v``: end ``k_up = b - t(b(b+1) - 2x)``, ``k_dn = b - t'(b(b+1) - 2y)``; start
+    ``k_up = t'(a(a+1) + 2x) - a``, ``k_dn = t(a(a+1) + 2y) - a``."""
+    n = c[6]
+    v = np.empty((2, 2, n.size), dtype=np.int64)
+    np.multiply(2 * _SIDE, x, out=v[0])
+    np.multiply(2 * _SIDE, y, out=v[1])
+    v += c[4:6]
+    K = c[0:2] + _SIDE * (_tri_le(v - _CEIL) + _CEIL * (v >= 1))
+    up, dn = K[0], K[1]
+    np.maximum(up, m, out=up)
+    up[...] = np.where(up > n - m, n, up)
+    np.minimum(np.maximum(dn, 0, out=dn), n, out=dn)
+    part = dn < n
+    dn[...] = np.where(part & (dn > n - m), n - m, dn)
+    dn[...] = np.where(part & (dn < m), 0, dn)
+    hi = c[2:4] + _START * K                           # moved pairs of [hi - k, hi): k(2hi - k + 1) / 2
+    P = (K * (2 * hi - K + 1)) >> 1
+    ok = P[0] <= y
+    return np.where(ok, up, dn), np.where(ok, P[0], P[1])
 
 
 def _cut(a, b, x, y, m, from_end: bool):
@@ -111,32 +160,23 @@ def _cut(a, b, x, y, m, from_end: bool):
     with ``pairs <= y`` instead (0 if none is valid). Moved pairs of ``k`` tokens, solving the causal
     pair-count quadratic ``c(c+1) = b(b+1) - 2x`` (end shard ``[c, b)``) or ``e(e+1) = a(a+1) + 2x``
     (start shard ``[a, e)``). Returns ``(k, pairs)``."""
-    n = b - a
-    if from_end:
-        k_up = b - _tri_le(b * (b + 1) - 2 * x)
-        v = b * (b + 1) - 2 * y
-        k_dn = b - np.where(v <= 0, 0, _tri_le(v - 1) + 1)
-    else:
-        k_up = _tri_le(a * (a + 1) + 2 * x - 1) + 1 - a
-        k_dn = _tri_le(a * (a + 1) + 2 * y) - a
-    k_up = np.maximum(k_up, m)
-    k_up = np.where(k_up > n - m, n, k_up)
-    k_dn = np.minimum(np.maximum(k_dn, 0), n)
-    k_dn = np.where((k_dn < n) & (k_dn > n - m), n - m, k_dn)
-    k_dn = np.where((k_dn < n) & (k_dn < m), 0, k_dn)
+    a, b, x, y = (np.asarray(v, dtype=np.int64) for v in (a, b, x, y))
+    k, p = _cuts(_shard_consts(a, b), x, y, m)
+    side = 0 if from_end else 1
+    return k[side], p[side]
 
-    def moved(k):
-        lo, hi = (b - k, b) if from_end else (a, a + k)
-        return (hi * (hi + 1) - lo * (lo + 1)) // 2
 
-    p_up = moved(k_up)
-    ok = p_up <= y
-    k = np.where(ok, k_up, k_dn)
-    return k, np.where(ok, p_up, moved(k_dn))
+# rows of a donor's candidate block (int64 [len, N]); _C.. _C + 7 hold _shard_consts
+_T, _R, _CUR, _DROW, _HOME, _NOTS, _W1, _SOLE, _SRC, _C = range(10)
 
 
 class _Greedy:
-    """The move loop shared by ``schedule`` (``mode="bytes"``) and ``equal_flops`` (``mode="flops"``)."""
+    """The move loop shared by ``schedule`` (``mode="bytes"``) and ``equal_flops`` (``mode="flops"``).
+
+    Speed (same moves as scoring every candidate afresh): a donor's candidate rows are built once
+    and kept until that donor moves, the receiver set changes or a receiver gets a first shard of one
+    of its documents; a donor's best move is kept until a server its rows point at changes load or
+    the emptiest receiver ``g`` changes; both shard sides are cut in one ``_cuts`` pass."""
 
     def __init__(self, chunks, n_docs, n_servers, tolerance, min_shard, q_bytes, kv_bytes, mode):
         S = self.S = n_servers
@@ -158,95 +198,177 @@ class _Greedy:
         own_end = np.empty_like(self.b)
         if by.size:
             own_end[by] = np.repeat(np.maximum.reduceat(self.b[by], starts), np.diff(np.r_[starts, by.size]))
-        order = np.argsort(self.doc, kind="stable")
+        order = self.by_doc = np.argsort(self.doc, kind="stable")
         self.ch_srv, self.ch_end = self.srv[order], own_end[order]
         self.doc_ptr = np.searchsorted(self.doc[order], np.arange(n_docs + 1))
         by_srv = np.argsort(self.srv, kind="stable")
         ptr = np.searchsorted(self.srv[by_srv], np.arange(S + 1))
         self.live = {s: by_srv[ptr[s]:ptr[s + 1]] for s in np.flatnonzero(self.donor).tolist()}
-        self.has_recv = np.zeros(n_docs, dtype=bool)
         self.recv_end: dict[int, dict[int, int]] = {}   # doc -> {server: max q_end received}
+        self.doc_row = np.zeros(n_docs, dtype=np.intp)  # row of recv_end in re_arr (0: nothing yet)
+        self.re_arr = np.zeros((16, S), dtype=np.int64)
         self.new: list[tuple[int, int, int, int, int]] = []
         self.n_moves = self.n_splits = self.n_evals = 0
+        self.touched = np.zeros(S, dtype=np.int64)      # move number that last changed each load
+        self.rows: dict[int, tuple] = {}                # donor -> (block, pm, receivers)
+        self.res: dict[int, tuple] = {}                 # donor -> (rows, g, n_moves, best move)
+        self._receivers()
+
+    def _receivers(self) -> None:
+        recv = self.load < self.U                      # not a donor now (ex-donors may receive)
+        self.recv, self.any_recv = recv, bool(recv.any())
+        self.g = int(np.argmax(np.where(recv, self.U - self.load, -np.inf)))
 
     def _own_end(self, d: int, r: int) -> int:
         lo, hi = self.doc_ptr[d], self.doc_ptr[d + 1]
         mine = self.ch_srv[lo:hi] == r
         return int(self.ch_end[lo:hi][mine].max()) if mine.any() else 0
 
-    def best(self, donors: list[int]) -> dict:
-        """Per donor, its lowest-priority move as ``{s: (priority, move)}`` (donors with no valid
-        move are left out). All donors' candidates are scored in one vectorised pass."""
-        self.n_evals += 1
-        if not donors:
-            return {}
-        parts = []
-        for s in donors:
-            idx = self.live[s]
-            parts.append(idx[self.srv[idx] == s])
-            self.live[s] = parts[-1]
-        idx = np.concatenate(parts)
-        recv = self.load < self.U                      # not a donor now (ex-donors may receive)
-        if not idx.size or not recv.any():
-            return {}
-        sv = np.repeat(np.asarray(donors, dtype=np.int64), [len(p) for p in parts])
-        room = np.where(recv, self.U - self.load, -np.inf)
-        g = int(np.argmax(room))
-        t, r, cur, src = idx, np.full(idx.size, g), np.zeros(idx.size, dtype=np.int64), sv
+    def _rows(self, s: int) -> tuple:
+        """Donor ``s``'s candidates: each live task to ``g`` (receiver ``-1`` here, filled in when
+        scored), to every receiver holding a chunk of its document and to every receiver already sent
+        a shard of it (unless it holds a chunk: same row); per row the prefix the receiver holds from its
+        own chunks."""
+        c = self.rows.get(s)
+        if c is not None:
+            return c
+        idx = self.live[s]
+        idx = self.live[s] = idx[self.srv[idx] == s]
+        t, r, cur = idx, np.full(idx.size, -1), np.zeros(idx.size, dtype=np.int64)
+        extra = []
         if self.mode == "bytes":                       # receivers holding part of the document
             d = self.doc[idx]
             lo, cnt = self.doc_ptr[d], self.doc_ptr[d + 1] - self.doc_ptr[d]
             rows = np.repeat(np.arange(idx.size), cnt)
             j = lo[rows] + np.arange(rows.size) - np.repeat(np.cumsum(cnt) - cnt, cnt)
-            keep = recv[self.ch_srv[j]]
+            keep = self.recv[self.ch_srv[j]]
             rows, j = rows[keep], j[keep]
             t, r = np.concatenate((t, idx[rows])), np.concatenate((r, self.ch_srv[j]))
-            cur, src = np.concatenate((cur, self.ch_end[j])), np.concatenate((src, sv[rows]))
+            cur = np.concatenate((cur, self.ch_end[j]))
             if self.recv_end:                          # receivers already sent part of the prefix
-                hit = np.flatnonzero(self.has_recv[self.doc[t]])
-                for i, dd, rr in zip(hit.tolist(), self.doc[t[hit]].tolist(), r[hit].tolist()):
-                    cur[i] = max(cur[i], self.recv_end[dd].get(rr, 0))
-                hit = np.flatnonzero(self.has_recv[self.doc[idx]])
-                ti_, dd_ = idx[hit].tolist(), self.doc[idx[hit]].tolist()
-                extra = [(ti, rr, max(e, self._own_end(dd, rr)), s)
-                         for ti, dd, s in zip(ti_, dd_, sv[hit].tolist())
-                         for rr, e in self.recv_end[dd].items() if recv[rr]]
+                hit = np.flatnonzero(self.doc_row[d])
+                extra = [(ti, rr, 0) for ti, dd in zip(idx[hit].tolist(), d[hit].tolist())
+                         for rr in self.recv_end[dd] if self.recv[rr] and not self._own_end(dd, rr)]
                 if extra:
                     ex = np.array(extra, dtype=np.int64)
-                    t, r, cur, src = (np.concatenate((v, ex[:, i])) for i, v in enumerate((t, r, cur, src)))
+                    t, r, cur = (np.concatenate((v, ex[:, i])) for i, v in enumerate((t, r, cur)))
+        block, pairs = self._block(s, t, r, cur)
+        c = self.rows[s] = (block, np.minimum(self.load[s] - self.U, pairs), np.unique(r[idx.size:]),
+                            idx.size, pairs, t.size - len(extra))
+        return c
+
+    def _block(self, s: int, t, r, cur) -> tuple[np.ndarray, np.ndarray]:
         a, b, home = self.a[t], self.b[t], self.home[t]
-        n, pairs = b - a, (b * (b + 1) - a * (a + 1)) // 2
-        x = np.ceil(np.minimum(np.minimum(self.load[src] - self.U, room[r]), pairs)).astype(np.int64)
-        x = np.maximum(x, 1)
-        y = np.floor(self.U - self.load[r]).astype(np.int64)
-        prios, moves = [], []
-        for from_end in ((True, False) if self.mode == "bytes" else (True,)):
-            k, p = _cut(a, b, x, y, self.m, from_end)
-            valid = (k > 0) & (p > 0) & (p <= y)
-            if self.mode == "flops":
-                byt = np.zeros(p.size)
-                prio = -p.astype(np.float64)
+        hs = home == s
+        block = np.empty((_C + 7, t.size), dtype=np.int64)
+        block[_T], block[_R], block[_CUR], block[_HOME], block[_SRC] = t, r, cur, home, s
+        block[_DROW], block[_NOTS], block[_SOLE] = self.doc_row[self.doc[t]], hs - 1, self.sole[t]
+        block[_W1] = np.where(hs, self.a0[t], b)
+        c = block[_C:]
+        c[0], c[1], c[2], c[3] = b, -a, b, a
+        c[4], c[5], c[6] = b * (b + 1), a * (a + 1), b - a
+        return block, ((c[4] - c[5]) // 2).astype(np.float64)
+
+    def _new_receiver(self, s: int, tasks: np.ndarray, d: int, r: int, first: bool) -> None:
+        """Receiver ``r`` got its first shard of document ``d``: give donor ``s``'s tasks of ``d`` a
+        row to ``r`` each, after their other such rows (the order a rebuild would give)."""
+        block, _, recvs, n1, pairs, n12 = self.rows[s]
+        if first:
+            block[_DROW, self.doc[block[_T]] == d] = self.doc_row[d]
+        own = self._own_end(d, r)
+        if own:                                        # r holds a chunk of d: its rows exist already
+            return
+        cols, new_pairs = self._block(s, tasks, np.full(tasks.size, r), np.zeros(tasks.size, dtype=np.int64))
+        pos = n12 + np.searchsorted(block[_T, n12:], tasks, side="right")
+        block, pairs = np.insert(block, pos, cols, axis=1), np.insert(pairs, pos, new_pairs)
+        self.rows[s] = (block, np.minimum(self.load[s] - self.U, pairs), np.append(recvs, r), n1, pairs, n12)
+
+    def _moved(self, s: int, ti: int, whole: bool) -> None:
+        """Update donor ``s``'s rows in place after it moved (part of) task ``ti``: drop the task's
+        rows or recompute its shard constants; every row's ``pm = min(load_s - U, pairs)``."""
+        c = self.rows.pop(s, None)
+        if c is None:
+            return
+        block, _, recvs, n1, pairs, n12 = c
+        at = block[_T] == ti
+        if whole:
+            keep = ~at
+            block, pairs, n1, n12 = block[:, keep], pairs[keep], n1 - 1, n12 - int(at[:n12].sum())
+        else:
+            a, b = self.a[ti], self.b[ti]
+            block[_C:, at] = _shard_consts(a, b)[:, None]
+            block[_W1, at] = np.where(block[_HOME, at] == s, self.a0[ti], b)
+            pairs[at] = (b * (b + 1) - a * (a + 1)) // 2
+        self.rows[s] = (block, np.minimum(self.load[s] - self.U, pairs), recvs, n1, pairs, n12)
+
+    def _score(self, blocks: list[tuple]) -> tuple:
+        """Priorities ``[2, N]`` (row 0 end shards, row 1 start shards; ``inf`` if invalid) of the
+        candidate rows of ``blocks``, with their shard sizes, pairs and bytes."""
+        self.n_evals += 1
+        for blk, _, _, n1, _, _ in blocks:
+            blk[_R, :n1] = self.g
+        M = blocks[0][0] if len(blocks) == 1 else np.concatenate([c[0] for c in blocks], axis=1)
+        pm = blocks[0][1] if len(blocks) == 1 else np.concatenate([c[1] for c in blocks])
+        r = M[_R]
+        room = self.U - self.load[r]
+        y = np.floor(room).astype(np.int64)            # non-receivers: y <= 0, so no valid move
+        x = np.maximum(np.ceil(np.minimum(pm, room)).astype(np.int64), 1)
+        k, p = _cuts(M[_C:], x, y, self.m)
+        valid = (k > 0) & (p > 0) & (p <= y)
+        if self.mode == "flops":
+            byt = np.zeros(p.shape, dtype=np.int64)
+            valid[1] = False                           # end shards only
+            prio = -p.astype(np.float64)
+        else:
+            cur = np.maximum(M[_CUR], self.re_arr[M[_DROW], r])
+            whole = k == M[_C + 6]
+            endw = whole | (_START == 0)
+            e = np.where(endw, M[_C], M[_C + 3] + k)
+            save = np.where(whole, M[_W1], -k * M[_NOTS])
+            save *= endw & (M[_SOLE] != 0)
+            byt = self.qb * (k * ((M[_HOME] != r) + M[_NOTS])) + self.kvb * (np.maximum(e - cur, 0) - save)
+            prio = byt / np.maximum(p, 1)
+        return M, np.where(valid, prio, np.inf), k, p, byt
+
+    def best(self, donors: list[int]) -> dict:
+        """Per donor, its lowest-priority move as ``{s: (priority, move)}`` (donors with no valid
+        move are left out). The donors whose kept best move is stale are scored in one pass."""
+        if not donors or not self.any_recv:
+            return {}
+        out, todo = {}, []
+        for s in donors:
+            c = self._rows(s)
+            kept = self.res.get(s)
+            if (kept is not None and kept[0] is c and kept[1] == self.g and self.touched[self.g] <= kept[2]
+                    and (not c[2].size or self.touched[c[2]].max() <= kept[2])):
+                if kept[3] is not None:
+                    out[s] = kept[3]
+            elif c[0].shape[1]:
+                todo.append(s)
             else:
-                whole = k == n
-                e = np.where(from_end | whole, b, a + k)
-                save = np.where(whole, np.where(home == src, self.a0[t], b), np.where(home == src, 0, k))
-                save = np.where(self.sole[t] & (from_end | whole), save, 0)
-                q = k * ((home != r).astype(np.int64) - (home != src))
-                byt = self.qb * q + self.kvb * (np.maximum(e - cur, 0) - save)
-                prio = byt / np.maximum(p, 1)
-            prios.append(np.where(valid, prio, np.inf))
-            moves.append((k, p, byt, from_end))
-        prio = np.concatenate(prios)
-        owner = np.tile(src, len(prios))
-        order = np.lexsort((prio, owner))
-        first = order[np.r_[True, owner[order][1:] != owner[order][:-1]]]
-        out = {}
-        for i in first.tolist():
-            if np.isfinite(prio[i]):
-                side, row = divmod(i, t.size)
-                k, p, byt, from_end = moves[side]
-                out[int(owner[i])] = (float(prio[i]), (int(t[row]), int(r[row]), from_end, int(k[row]),
-                                                       int(p[row]), float(byt[row])))
+                self.res[s] = (c, self.g, self.n_moves, None)
+        if not todo:
+            return out
+        blocks = [self.rows[s] for s in todo]
+        M, prio, k, p, byt = self._score(blocks)
+        N = M.shape[1]
+        flat = prio.ravel()
+        if len(todo) == 1:
+            first = [int(np.argmin(flat))]
+        else:
+            owner = np.tile(M[_SRC], 2)
+            order = np.lexsort((flat, owner))
+            first = order[np.r_[True, owner[order][1:] != owner[order][:-1]]].tolist()
+        for s in todo:
+            self.res[s] = (self.rows[s], self.g, self.n_moves, None)
+        for i in first:
+            side, row = divmod(i, N)
+            s = int(M[_SRC, row])
+            if np.isfinite(flat[i]):
+                cand = (float(flat[i]), (int(M[_T, row]), int(M[_R, row]), side == 0, int(k[side, row]),
+                                         int(p[side, row]), float(byt[side, row])))
+                out[s] = cand
+                self.res[s] = (self.rows[s], self.g, self.n_moves, cand)
         return out
 
     def apply(self, s: int, move) -> None:
@@ -266,9 +388,24 @@ class _Greedy:
         self.n_moves += 1
         self.load[s] -= p
         self.load[r] += p
+        self.touched[s] = self.touched[r] = self.n_moves
+        self._moved(s, ti, k == b - a)
+        if (self.load[s] < self.U) or not (self.load[r] < self.U):
+            self.rows.clear()                          # the receiver set changed
         got = self.recv_end.setdefault(d, {})
+        if r not in got:                               # new candidate rows for this document's donors
+            first = not self.doc_row[d]
+            if first:
+                self.doc_row[d] = len(self.recv_end)
+                if self.doc_row[d] >= self.re_arr.shape[0]:
+                    self.re_arr = np.r_[self.re_arr, np.zeros_like(self.re_arr)]
+            tasks = self.by_doc[self.doc_ptr[d]:self.doc_ptr[d + 1]]
+            owner = self.srv[tasks]
+            for s2 in set(owner.tolist()).intersection(self.rows):
+                self._new_receiver(s2, tasks[owner == s2], d, r, first)
         got[r] = max(got.get(r, 0), e)
-        self.has_recv[d] = True
+        self.re_arr[self.doc_row[d], r] = got[r]
+        self._receivers()
 
     def run(self) -> bool:
         """Lazy heap over donors keyed by their best move's priority; a popped donor is re-scored

@@ -6,7 +6,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cadlib.cost import ModelSpec, causal_pairs
-from cadlib.scheduler import _cut, _layout_arrays, colocated, equal_flops, place, schedule
+from cadlib.scheduler import _cut, _Greedy, _layout_arrays, _tri_le, colocated, equal_flops, place, schedule
 from cadlib.shard import Layout, layout_from_lists
 
 MODEL = ModelSpec.from_name("llama3-8b")
@@ -182,3 +182,57 @@ def test_cad_moves_fewer_bytes_than_equal_flops():
         assert cad.imbalance() <= 1.1 + 1e-12 and eq.imbalance() <= 1.1 + 1e-12
         base = colocated(layout).total_bytes(MODEL)
         assert cad.total_bytes(MODEL) - base < 0.95 * (eq.total_bytes(MODEL) - base)   # measured 0.86-0.90
+
+
+def test_tri_le_exact_near_square_boundaries():
+    """``_tri_le`` against ``math.isqrt`` at ``c(c+1) + d`` for ``d`` in -2..2, across the float fast
+    path (``v < 2**46``) and the corrected path above it."""
+    import math
+
+    rng = np.random.default_rng(0)
+    c = np.r_[np.arange(0, 2000), rng.integers(0, 2 ** 23, 3000), 2 ** 23 - np.arange(1, 500),
+              rng.integers(2 ** 23, 2 ** 30, 2000)].astype(np.int64)
+    for d in (-2, -1, 0, 1, 2):
+        v = np.maximum(c * (c + 1) + d, 0)
+        for part in (v[v < 2 ** 46], v[v >= 2 ** 46]):
+            want = [(math.isqrt(4 * int(x) + 1) - 1) // 2 for x in part]
+            np.testing.assert_array_equal(_tri_le(part), want)
+
+
+class _Uncached(_Greedy):
+    """Reference: every donor's candidate rows rebuilt and every best move re-scored on each call."""
+
+    def best(self, donors):
+        self.rows.clear()
+        self.res.clear()
+        return super().best(donors)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(layout=layouts(max_docs=16, max_len=400), tol=st.floats(0.0, 0.5),
+       min_shard=st.sampled_from([1, 8, 32]), servers=st.one_of(st.none(), st.integers(1, 16)))
+def test_kept_rows_and_moves_match_fresh_scoring(layout, tol, min_shard, servers):
+    """The kept candidate rows / best moves (updated in place after each move) give exactly the plan of
+    re-scoring every candidate from scratch."""
+    S = layout.n_ranks if servers is None else servers
+    ch = _layout_arrays(layout)
+    out = []
+    for cls in (_Greedy, _Uncached):
+        g = cls(ch, layout.n_docs, S, tol, min_shard, MODEL.q_bytes("bf16"), MODEL.kv_bytes("bf16"), "bytes")
+        reached = g.run()
+        p = g.placement()
+        cols = [getattr(p, f).tolist() for f in ("doc", "q_start", "q_end", "home", "server")]
+        out.append((reached, g.n_moves, cols))
+    assert out[0] == out[1]
+
+
+def test_kept_rows_match_fresh_scoring_at_scale():
+    """Same check on a sequentially packed prolong-like workload (long documents over many ranks)."""
+    from cadlib.workload import pack, sample_docs
+    layout = pack(sample_docs("prolong", 16 * 65536, seed=3), 16, 65536, method="sequential")
+    ch = _layout_arrays(layout)
+    res = []
+    for cls in (_Greedy, _Uncached):
+        g = cls(ch, layout.n_docs, 16, 0.05, 128, MODEL.q_bytes("bf16"), MODEL.kv_bytes("bf16"), "bytes")
+        res.append((g.run(), g.n_moves, g.placement().server.tolist(), g.placement().q_end.tolist()))
+    assert res[0][1] > 5 and res[0] == res[1]
