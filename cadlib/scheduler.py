@@ -19,27 +19,14 @@ from __future__ import annotations
 
 import heapq
 import time
-from itertools import chain
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from .cost import MIN_SHARD_TOKENS, ModelSpec, causal_pairs
-from .shard import Layout, Plan
+from .shard import Layout, Plan, transfer_tokens
 
 METHODS = ("cad", "equal_flops", "colocated")
-
-
-def _layout_arrays(layout: Layout) -> np.ndarray:
-    """``[n_chunks, 4]`` int64 rows ``(doc, start, end, rank)`` in rank-major order (one pass of
-    ``np.fromiter`` over the chunks' fields: no per-chunk tuples)."""
-    lens = [len(r) for r in layout.ranks]
-    n = sum(lens)
-    out = np.empty((n, 4), dtype=np.int64)
-    out[:, :3] = np.fromiter(chain.from_iterable(chain.from_iterable(layout.ranks)), dtype=np.int64,
-                             count=3 * n).reshape(n, 3)
-    out[:, 3] = np.repeat(np.arange(len(lens)), lens)
-    return out
 
 
 @dataclass
@@ -65,32 +52,10 @@ class Placement:
         return float(load.max() / load.mean()) if load.size and load.mean() > 0 else 1.0
 
     def token_matrices(self, chunks: np.ndarray, n_ranks: int) -> tuple[np.ndarray, np.ndarray]:
-        """Same ``[G, G]`` matrices as ``Plan.token_matrices``, from the layout's chunk rows
-        (``_layout_arrays``), in O(chunks touched) instead of O(tokens): a server needs
-        ``[0, max q_end)`` of each document it serves and receives the tokens of that prefix held by
-        every rank but itself."""
-        R, S = n_ranks, self.n_servers
-        G = max(R, S)
-        q = np.zeros((G, G), dtype=np.int64)
-        remote = self.home != self.server
-        np.add.at(q, (self.home[remote], self.server[remote]), (self.q_end - self.q_start)[remote])
-        key = self.server * (int(self.doc.max(initial=0)) + 1) + self.doc
-        uk, inv = np.unique(key, return_inverse=True)
-        need = np.zeros(uk.size, dtype=np.int64)
-        np.maximum.at(need, inv, self.q_end)
-        n_docs = int(self.doc.max(initial=0)) + 1
-        srv, doc = uk // n_docs, uk % n_docs
-        order = np.argsort(chunks[:, 0], kind="stable")
-        ch = chunks[order]
-        ptr = np.searchsorted(ch[:, 0], np.arange(n_docs + 1))
-        lo, cnt = ptr[doc], ptr[doc + 1] - ptr[doc]
-        rows = np.repeat(np.arange(uk.size), cnt)
-        j = lo[rows] + np.arange(cnt.sum()) - np.repeat(np.cumsum(cnt) - cnt, cnt)
-        held = np.clip(np.minimum(ch[j, 2], need[rows]) - ch[j, 1], 0, None)
-        rank = ch[j, 3]
-        keep = rank != srv[rows]
-        kv = np.bincount(rank[keep] * G + srv[rows][keep], weights=held[keep], minlength=G * G)
-        return q, kv.reshape(G, G).astype(np.int64)
+        """``Plan.token_matrices`` without building the O(tokens) ``Plan``; ``chunks`` from
+        ``Layout.chunk_array``."""
+        return transfer_tokens(chunks, self.doc, self.q_start, self.q_end, self.home, self.server,
+                               n_ranks, self.n_servers)
 
     def forward_bytes(self, chunks: np.ndarray, n_ranks: int, model: ModelSpec, dtype: str = "bf16") -> float:
         """Bytes dispatched for one layer's forward: ``q_tokens * q_bytes + kv_tokens * kv_bytes``."""
@@ -491,7 +456,7 @@ def place(layout: Layout, method: str = "cad", n_servers: int | None = None, mod
           tolerance: float = 0.1, min_shard: int = MIN_SHARD_TOKENS, dtype: str = "bf16",
           chunks: np.ndarray | None = None) -> Placement:
     """Run ``method`` (``cad``, ``equal_flops`` or ``colocated``) and return the tasks as arrays.
-    ``chunks`` (from ``_layout_arrays``) may be passed to skip the O(chunks) layout conversion.
+    ``chunks`` (from ``Layout.chunk_array``) may be passed to skip the O(chunks) layout conversion.
     ``meta['seconds']`` is the planning time including that conversion; ``meta['loop_seconds']`` the
     greedy alone."""
     if method not in METHODS:
@@ -500,7 +465,7 @@ def place(layout: Layout, method: str = "cad", n_servers: int | None = None, mod
     spec = _model(model)
     qb, kvb = spec.q_bytes(dtype), spec.kv_bytes(dtype)
     t0 = time.perf_counter()
-    ch = _layout_arrays(layout) if chunks is None else chunks
+    ch = layout.chunk_array() if chunks is None else chunks
     g = _Greedy(ch, layout.n_docs, S, float(tolerance), min_shard, qb, kvb,
                 "flops" if method == "equal_flops" else "bytes")
     before = float(g.load.max() / g.mean) if g.mean > 0 else 1.0

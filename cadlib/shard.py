@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Iterable, NamedTuple, Sequence
 
 import numpy as np
@@ -99,6 +100,16 @@ class Layout:
             for c in chunks:
                 own[c.doc][c.start:c.end] = rank
         return own
+
+    def chunk_array(self) -> np.ndarray:
+        """``[n_chunks, 4]`` int64 rows ``(doc, start, end, rank)`` in rank-major order."""
+        lens = [len(r) for r in self.ranks]
+        n = sum(lens)
+        out = np.empty((n, 4), dtype=np.int64)
+        out[:, :3] = np.fromiter(chain.from_iterable(chain.from_iterable(self.ranks)), dtype=np.int64,
+                                 count=3 * n).reshape(n, 3)
+        out[:, 3] = np.repeat(np.arange(len(lens)), lens)
+        return out
 
     def local_offsets(self) -> list[list[int]]:
         """Per rank, the offset of each chunk in that rank's packed local token buffer."""
@@ -227,26 +238,11 @@ class Plan:
 
     # -- communication ---------------------------------------------------------------------------
     def token_matrices(self) -> tuple[np.ndarray, np.ndarray]:
-        """``(q_tokens, kv_tokens)``, each ``[src, dst]`` over ``G = max(n_ranks, n_servers)`` GPUs
-        (rank ``g`` and server ``g`` are the same GPU): query tokens sent from their home to a remote
-        server, and KV tokens sent from their owner to a server that needs them, counted once per
-        (server, doc) (the server needs ``[0, max q_end)`` of each document it serves)."""
-        R, G = self.layout.n_ranks, max(self.layout.n_ranks, self.n_servers)
-        q = np.zeros((G, G), dtype=np.int64)
-        kv = np.zeros((G, G), dtype=np.int64)
-        need: dict[tuple[int, int], int] = {}
-        for t in self.tasks:
-            if t.home != t.server:
-                q[t.home, t.server] += t.n_q
-            key = (t.server, t.doc)
-            need[key] = max(need.get(key, 0), t.q_end)
-        own = self.layout.owner_map()
-        for (server, doc), kv_end in need.items():
-            counts = np.bincount(own[doc][:kv_end], minlength=R)
-            if server < R:
-                counts[server] = 0
-            kv[:R, server] += counts
-        return q, kv
+        """``(q_tokens, kv_tokens)``, each ``[src, dst]`` over ``max(n_ranks, n_servers)`` GPUs; see
+        :func:`transfer_tokens`."""
+        t = np.array(self.tasks, dtype=np.int64).reshape(-1, 5)
+        return transfer_tokens(self.layout.chunk_array(), t[:, 0], t[:, 1], t[:, 2], t[:, 3], t[:, 4],
+                               self.layout.n_ranks, self.n_servers)
 
     def bytes_matrix(self, model: ModelSpec, dtype: str = "bf16", backward: bool = False) -> np.ndarray:
         """Bytes ``[src, dst]`` between GPUs for one layer: Q and KV from homes/owners to servers, O
@@ -268,3 +264,36 @@ class Plan:
 def layout_from_lists(ranks: Sequence[Sequence[Sequence[int]]], doc_lens: Sequence[int]) -> Layout:
     """Build a layout from plain nested lists ``[[(doc, start, end), ...], ...]``."""
     return Layout([[Chunk(*c) for c in r] for r in ranks], list(doc_lens))
+
+
+def transfer_tokens(chunks: np.ndarray, doc, q_start, q_end, home, server, n_ranks: int,
+                    n_servers: int) -> tuple[np.ndarray, np.ndarray]:
+    """Tokens each GPU sends each GPU for one layer's dispatch, ``[src, dst]`` over
+    ``G = max(n_ranks, n_servers)`` (rank ``g`` and server ``g`` are one GPU), in O(chunks):
+
+    * ``q[h, s]``: query tokens of tasks homed on ``h`` and served on ``s != h``;
+    * ``kv[o, s]``: KV tokens owned by ``o != s`` in ``[0, e_{s,d})`` of each document ``d`` that ``s``
+      serves, ``e_{s,d} = max q_end`` over its tasks of ``d`` (counted once per (server, doc)).
+
+    ``chunks`` are :meth:`Layout.chunk_array` rows; the task fields are parallel int arrays."""
+    doc, q_start, q_end, home, server = (np.asarray(a, dtype=np.int64) for a in (doc, q_start, q_end,
+                                                                                  home, server))
+    G = max(n_ranks, n_servers)
+    q = np.zeros((G, G), dtype=np.int64)
+    remote = home != server
+    np.add.at(q, (home[remote], server[remote]), (q_end - q_start)[remote])
+    n_docs = int(max(doc.max(initial=0), chunks[:, 0].max(initial=0))) + 1
+    uk, inv = np.unique(server * n_docs + doc, return_inverse=True)
+    need = np.zeros(uk.size, dtype=np.int64)
+    np.maximum.at(need, inv, q_end)
+    srv, dd = uk // n_docs, uk % n_docs
+    ch = chunks[np.argsort(chunks[:, 0], kind="stable")]
+    ptr = np.searchsorted(ch[:, 0], np.arange(n_docs + 1))
+    lo, cnt = ptr[dd], ptr[dd + 1] - ptr[dd]
+    rows = np.repeat(np.arange(uk.size), cnt)
+    j = lo[rows] + np.arange(cnt.sum()) - np.repeat(np.cumsum(cnt) - cnt, cnt)
+    held = np.clip(np.minimum(ch[j, 2], need[rows]) - ch[j, 1], 0, None)
+    owner = ch[j, 3]
+    keep = owner != srv[rows]
+    kv = np.bincount(owner[keep] * G + srv[rows][keep], weights=held[keep], minlength=G * G)
+    return q, kv.reshape(G, G).astype(np.int64)

@@ -22,7 +22,7 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from cadlib.cost import ModelSpec  # noqa: E402
 from cadlib.results import save_result  # noqa: E402
-from cadlib.scheduler import _layout_arrays, place  # noqa: E402
+from cadlib.scheduler import place  # noqa: E402
 from cadlib.workload import pack, sample_docs  # noqa: E402
 
 
@@ -30,7 +30,7 @@ def run_case(dist, n, tpr, args, model):
     t0 = time.perf_counter()
     docs = sample_docs(dist, n * tpr, seed=args.seed)
     layout = pack(docs, n, tpr, method="sequential")
-    ch = _layout_arrays(layout)
+    ch = layout.chunk_array()
     setup_s = time.perf_counter() - t0
     row = {"dist": dist, "servers": n, "tokens_per_rank": tpr, "total_tokens": n * tpr,
            "n_docs": layout.n_docs, "n_chunks": int(len(ch)), "setup_s": round(setup_s, 3)}

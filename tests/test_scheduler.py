@@ -6,7 +6,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cadlib.cost import ModelSpec, causal_pairs
-from cadlib.scheduler import _cut, _Greedy, _layout_arrays, _tri_le, colocated, equal_flops, place, schedule
+from cadlib.scheduler import _cut, _Greedy, _tri_le, colocated, equal_flops, place, schedule
 from cadlib.shard import Layout, layout_from_lists
 
 MODEL = ModelSpec.from_name("llama3-8b")
@@ -49,6 +49,26 @@ def _check_plan(plan, layout, n_servers):
     assert plan.n_servers == (layout.n_ranks if n_servers is None else n_servers)
 
 
+def reference_token_matrices(plan):
+    """Token-by-token: each (server, doc) needs KV [0, max q_end); count the owners of those tokens."""
+    R = plan.layout.n_ranks
+    G = max(R, plan.n_servers)
+    q = np.zeros((G, G), dtype=np.int64)
+    kv = np.zeros((G, G), dtype=np.int64)
+    need = {}
+    for t in plan.tasks:
+        if t.home != t.server:
+            q[t.home, t.server] += t.n_q
+        need[(t.server, t.doc)] = max(need.get((t.server, t.doc), 0), t.q_end)
+    own = plan.layout.owner_map()
+    for (server, doc), end in need.items():
+        counts = np.bincount(own[doc][:end], minlength=R)
+        if server < R:
+            counts[server] = 0
+        kv[:R, server] += counts
+    return q, kv
+
+
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(layout=layouts(), tol=st.floats(0.0, 1.0), min_shard=st.sampled_from([1, 2, 4, 16]),
        servers=st.one_of(st.none(), st.integers(1, 64)), method=st.sampled_from(["cad", "equal_flops"]))
@@ -56,9 +76,11 @@ def test_random_layouts(layout, tol, min_shard, servers, method):
     p = place(layout, method, servers, MODEL, tol, min_shard)
     plan = p.to_plan(layout)
     _check_plan(plan, layout, servers)
-    ch = _layout_arrays(layout)
-    q, kv = plan.token_matrices()                        # reference: O(tokens) accounting in shard.py
+    ch = layout.chunk_array()
+    q, kv = reference_token_matrices(plan)              # per-token reference accounting
     q2, kv2 = p.token_matrices(ch, layout.n_ranks)
+    np.testing.assert_array_equal(q, plan.token_matrices()[0])
+    np.testing.assert_array_equal(kv, plan.token_matrices()[1])
     np.testing.assert_array_equal(q, q2)
     np.testing.assert_array_equal(kv, kv2)
     np.testing.assert_array_equal(plan.server_pairs(), p.server_pairs())
@@ -215,7 +237,7 @@ def test_kept_rows_and_moves_match_fresh_scoring(layout, tol, min_shard, servers
     """The kept candidate rows / best moves (updated in place after each move) give exactly the plan of
     re-scoring every candidate from scratch."""
     S = layout.n_ranks if servers is None else servers
-    ch = _layout_arrays(layout)
+    ch = layout.chunk_array()
     out = []
     for cls in (_Greedy, _Uncached):
         g = cls(ch, layout.n_docs, S, tol, min_shard, MODEL.q_bytes("bf16"), MODEL.kv_bytes("bf16"), "bytes")
@@ -230,7 +252,7 @@ def test_kept_rows_match_fresh_scoring_at_scale():
     """Same check on a sequentially packed prolong-like workload (long documents over many ranks)."""
     from cadlib.workload import pack, sample_docs
     layout = pack(sample_docs("prolong", 16 * 65536, seed=3), 16, 65536, method="sequential")
-    ch = _layout_arrays(layout)
+    ch = layout.chunk_array()
     res = []
     for cls in (_Greedy, _Uncached):
         g = cls(ch, layout.n_docs, 16, 0.05, 128, MODEL.q_bytes("bf16"), MODEL.kv_bytes("bf16"), "bytes")
@@ -286,7 +308,7 @@ def test_cad_moves_no_more_bytes_than_equal_flops_on_prolong(tokens_per_rank):
     from cadlib.workload import pack, sample_docs
     tpr = tokens_per_rank
     layout = pack(sample_docs("prolong", 64 * tpr, seed=0), 64, tpr, method="sequential")
-    ch = _layout_arrays(layout)
+    ch = layout.chunk_array()
     cad, eq = (place(layout, m, 64, MODEL, 0.1, 512, chunks=ch) for m in ("cad", "equal_flops"))
     assert cad.meta["reached"] and eq.meta["reached"]
     assert cad.imbalance() <= 1.1 + 1e-12
