@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from .dispatch import DeviceDispatch, Dispatch, build_dispatch
 from .server import serve_backward, serve_forward
-from .shard import Plan
+from .plan import Plan
 
 
 class AllToAll:
@@ -122,17 +122,17 @@ class CADAttention(torch.autograd.Function):
     Backward: resend q, k, v, o, dO, lse; serve; return dQ and summed dK, dV to their owners."""
 
     @staticmethod
-    def forward(ctx, q, k, v, dd: DeviceDispatch, comm, backend):
+    def forward(ctx, q, k, v, dd: DeviceDispatch, comm, attn_backend):
         m = dd.meta
         wait_q = _exchange(comm, [q], dd.q_send_index, m.q_send_splits, m.q_recv_splits, m.q_traffic)
         wait_kv = _exchange(comm, [k, v], dd.kv_send_index, m.kv_send_splits, m.kv_recv_splits,
                             m.kv_traffic)
         (q_recv,) = wait_q()
         k_buf, v_buf = _kv_buffers(wait_kv(), k, v)
-        out_s, lse_s = serve_forward(torch.cat([q, q_recv]), k_buf, v_buf, dd, backend)
+        out_s, lse_s = serve_forward(torch.cat([q, q_recv]), k_buf, v_buf, dd, attn_backend)
         o, lse = _return_rows(comm, [out_s, lse_s], dd, m.n_local)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.dd, ctx.comm, ctx.backend = dd, comm, backend
+        ctx.dd, ctx.comm, ctx.attn_backend = dd, comm, attn_backend
         ctx.mark_non_differentiable(lse)
         return o, lse
 
@@ -149,7 +149,7 @@ class CADAttention(torch.autograd.Function):
         k_buf, v_buf = _kv_buffers(wait_kv(), k, v)
         dq_s, dk_buf, dv_buf = serve_backward(torch.cat([q, q_r]), k_buf, v_buf, torch.cat([o, o_r]),
                                               torch.cat([dout, do_r]), torch.cat([lse, lse_r]), dd,
-                                              ctx.backend)
+                                              ctx.attn_backend)
         # dK/dV of received KV rows go back to their owners (reversed KV exchange, input dtype)
         wait_dkv = _exchange(comm, [dk_buf[m.n_local:].to(k.dtype), dv_buf[m.n_local:].to(v.dtype)],
                              None, m.kv_recv_splits, m.kv_send_splits, m.kv_traffic)
@@ -175,7 +175,7 @@ def prepare(plan: Plan | Dispatch, group, device) -> DeviceDispatch:
             cache[rank] = build_dispatch(plan, rank)
         d = cache[rank]
     else:
-        raise ValueError(f"plan must be a cadlib.shard.Plan or a cadlib.dispatch.Dispatch, got "
+        raise ValueError(f"plan must be a cadlib.plan.Plan or a cadlib.dispatch.Dispatch, got "
                          f"{type(plan).__name__}")
     if d.world != world or d.rank != rank:
         raise ValueError(f"the plan is for rank {d.rank} of {d.world} but this process is rank {rank} "
@@ -184,7 +184,7 @@ def prepare(plan: Plan | Dispatch, group, device) -> DeviceDispatch:
 
 
 def cad_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan | Dispatch, group,
-                  backend: str | None = None, comm=None, return_lse: bool = False):
+                  attn_backend: str | None = None, comm=None, return_lse: bool = False):
     """Causal core attention of the local packed tokens, computed on the plan's attention servers.
 
     ``o_i = sum_{j <= i, same doc} softmax_j(q_i . k_j / sqrt(D)) v_j`` for every local token ``i``.
@@ -197,5 +197,6 @@ def cad_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan 
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3 or not q.shape[0] == k.shape[0] == v.shape[0] == n:
         raise ValueError(f"q, k, v must be [n_local={n}, heads, head_dim] (this rank's tokens in layout "
                          f"order); got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    o, lse = CADAttention.apply(q, k, v, dd, comm if comm is not None else AllToAll(group), backend)
+    o, lse = CADAttention.apply(q, k, v, dd, comm if comm is not None else AllToAll(group),
+                              attn_backend)
     return (o, lse) if return_lse else o

@@ -188,3 +188,29 @@ def causal_pairs(q_start, q_end):
         raise ValueError("causal_pairs needs 0 <= q_start <= q_end")
     p = (b * (b + 1) - a * (a + 1)) // 2
     return int(p) if p.ndim == 0 else p
+
+
+DEFAULT_MODEL = "llama3-8b"
+
+
+def as_model(model: "ModelSpec | str | None" = None, **overrides) -> ModelSpec:
+    """The one model-name -> :class:`ModelSpec` helper: a spec as it is, a name through
+    :meth:`ModelSpec.from_name`, ``None`` as ``DEFAULT_MODEL``; anything else is a ValueError."""
+    if model is None:
+        model = DEFAULT_MODEL
+    if isinstance(model, str):
+        return ModelSpec.from_name(model, **overrides)
+    if isinstance(model, ModelSpec):
+        return replace(model, **overrides) if overrides else model
+    raise ValueError(f"model must be a ModelSpec or one of {', '.join(MODELS)}; got {type(model).__name__} "
+                     f"{model!r}")
+
+
+def imbalance(values) -> float:
+    """``max / mean`` of a per-rank (or per-server) load: 1.0 = perfectly balanced, and 1.0 for an
+    all-zero load. The one imbalance measure of the library."""
+    v = np.asarray(values, dtype=np.float64)
+    if v.size == 0:
+        raise ValueError("imbalance needs at least one value")
+    mean = v.mean()
+    return float(v.max() / mean) if mean > 0 else 1.0

@@ -1,6 +1,6 @@
 """The communication plan of CAD: all-to-all split sizes and index maps, built once per step.
 
-Every rank holds the same global :class:`~cadlib.shard.Plan`. :func:`build_dispatch` turns it, for
+Every rank holds the same global :class:`~cadlib.plan.Plan`. :func:`build_dispatch` turns it, for
 one rank, into host metadata (numpy) that the forward and backward all-to-alls and the attention
 server need; :meth:`Dispatch.to` moves the index arrays to the device once. Nothing here touches a
 device tensor's values, so building it never synchronises the device.
@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .shard import Layout, Plan
+from .plan import Layout, Plan
 
 
 @dataclass

@@ -9,7 +9,7 @@ A launched script talks back to the notebook through three channels, all defined
 * **logs**: :func:`log` prints ``[rank<k>] message``; torchrun keeps each rank's stdout/stderr.
 
 :func:`init_from_env` is gpt-fast's ``maybe_init_dist`` made explicit. Under torchrun it joins the
-default process group (backend from ``$CADLIB_BACKEND``, else NCCL when CUDA is available, else
+default process group (backend from ``$CADLIB_PG_BACKEND``, else NCCL when CUDA is available, else
 gloo). Started without torchrun (a notebook kernel, ``python script.py``) it still returns a usable
 one-rank group: a gloo (or NCCL) group of world size 1 over an in-memory ``HashStore``, so the same
 code, collectives with an explicit group included, runs alone or distributed and no port is taken.
@@ -30,7 +30,7 @@ PROGRESS_TAG = "CADLIB_PROGRESS"
 """Prefix of a structured progress line; the rest of the line is one JSON object."""
 ENV_RESULTS_DIR = "CADLIB_RESULTS_DIR"
 """Environment variable naming the folder that :func:`write_result` writes ``rank<k>.json`` into."""
-ENV_BACKEND = "CADLIB_BACKEND"
+ENV_PG_BACKEND = "CADLIB_PG_BACKEND"
 """Environment variable naming the process-group backend the launcher chose (``gloo`` or ``nccl``)."""
 BACKENDS = ("gloo", "nccl")
 
@@ -44,7 +44,7 @@ class Dist(NamedTuple):
     device: torch.device
 
     @property
-    def backend(self) -> str:
+    def pg_backend(self) -> str:
         return dist.get_backend(self.group)
 
 
@@ -58,27 +58,27 @@ def env_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def resolve_backend(backend: str | None = None) -> str:
-    """``backend``, else ``$CADLIB_BACKEND``, else ``nccl`` when CUDA is available, else ``gloo``."""
-    name = backend or os.environ.get(ENV_BACKEND) or "auto"
+def resolve_pg_backend(pg_backend: str | None = None) -> str:
+    """``pg_backend``, else ``$CADLIB_PG_BACKEND``, else ``nccl`` when CUDA is available, else ``gloo``."""
+    name = pg_backend or os.environ.get(ENV_PG_BACKEND) or "auto"
     if name == "auto":
         name = "nccl" if torch.cuda.is_available() else "gloo"
     if name not in BACKENDS:
-        raise ValueError(f"unknown backend {name!r}; choose one of: auto, {', '.join(BACKENDS)}")
+        raise ValueError(f"unknown process-group backend {name!r}; choose one of: auto, {', '.join(BACKENDS)}")
     if name == "nccl" and not torch.cuda.is_available():
-        raise ValueError("backend 'nccl' needs CUDA, but torch.cuda.is_available() is False; "
+        raise ValueError("process-group backend 'nccl' needs CUDA, but torch.cuda.is_available() is False; "
                          "use 'gloo' or 'auto'")
     return name
 
 
-def init_from_env(backend: str | None = None) -> Dist:
+def init_from_env(pg_backend: str | None = None) -> Dist:
     """Join (or create) the default process group and pick this rank's device.
 
     Under torchrun: ``init_process_group(backend)`` over ``env://``. Without torchrun: a one-rank
     group over an in-memory ``HashStore``. If a default group already exists it is reused.
     The device is ``cuda:$LOCAL_RANK`` under NCCL (made current), else ``cpu``.
     """
-    name = resolve_backend(backend)
+    name = resolve_pg_backend(pg_backend)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local_rank) if name == "nccl" else torch.device("cpu")
     if device.type == "cuda":

@@ -25,7 +25,6 @@ import os
 import queue
 import re
 import shlex
-import signal
 import subprocess
 import sys
 import tempfile
@@ -38,15 +37,13 @@ from typing import Mapping, Sequence
 import pandas as pd
 from tqdm.auto import tqdm
 
-from .distributed import ENV_BACKEND, ENV_RESULTS_DIR, parse_progress, read_results, resolve_backend
+from . import proctree
+from .distributed import ENV_PG_BACKEND, ENV_RESULTS_DIR, parse_progress, read_results, resolve_pg_backend
 
-KILL_GRACE_S = 5.0
-"""Seconds between SIGTERM and SIGKILL when a run is stopped (timeout or Ctrl-C)."""
 TAIL_LINES = 40
 """Lines of a log quoted in an error message."""
 _TEE_PREFIX = re.compile(r"^\[[^\]\d]*(\d+)\]:(.*)$")  # torchrun --tee: "[default0]:text"
 _MODULE_NAME = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
-_HAVE_PROC = os.path.isdir("/proc")
 _REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -88,7 +85,7 @@ def torchrun_command(target_argv: Sequence[str], nproc: int, log_dir: str | os.P
             *target_argv, *args]
 
 
-def _child_env(env: Mapping[str, str | None] | None, backend: str, run_dir: Path) -> dict[str, str]:
+def _child_env(env: Mapping[str, str | None] | None, pg_backend: str, run_dir: Path) -> dict[str, str]:
     """os.environ, then ``env`` overrides (None removes a key), then the launcher's own variables."""
     out = dict(os.environ)
     out.setdefault("OMP_NUM_THREADS", "1")  # torchrun's own default; setting it silences its banner
@@ -102,111 +99,10 @@ def _child_env(env: Mapping[str, str | None] | None, backend: str, run_dir: Path
             out.pop(key, None)
         else:
             out[key] = str(value)
-    out[ENV_BACKEND] = backend
+    out[ENV_PG_BACKEND] = pg_backend
     out[ENV_RESULTS_DIR] = str(run_dir / "results")
     out["TORCHELASTIC_ERROR_FILE"] = str(run_dir / "error.json")  # the agent copies the root cause here
     return out
-
-
-# ---------------------------------------------------------------------------- process tree control
-def _proc_stat(pid: int) -> tuple[int, str, int] | None:
-    """``(ppid, state, start_time)`` from ``/proc/<pid>/stat`` (fields 4, 3 and 22), or None."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            data = f.read()
-    except OSError:
-        return None
-    rest = data[data.rindex(")") + 2:].split()
-    return int(rest[1]), rest[0], int(rest[19])
-
-
-def _descendants(pid: int) -> dict[int, float]:
-    """Every descendant of ``pid`` (children in other sessions too) as ``{pid: start_time}``."""
-    if _HAVE_PROC:
-        children: dict[int, list[int]] = {}
-        starts = {}
-        for entry in os.scandir("/proc"):
-            if entry.name.isdigit() and (st := _proc_stat(int(entry.name))) is not None:
-                children.setdefault(st[0], []).append(int(entry.name))
-                starts[int(entry.name)] = float(st[2])
-        out, todo = {}, list(children.get(pid, []))
-        while todo:
-            p = todo.pop()
-            if p not in out:
-                out[p] = starts[p]
-                todo.extend(children.get(p, []))
-        return out
-    try:
-        import psutil
-        return {c.pid: c.create_time() for c in psutil.Process(pid).children(recursive=True)}
-    except Exception:  # no psutil, or the process is already gone: only the launcher's group is known
-        return {}
-
-
-def _identity(pid: int) -> float | None:
-    """The start time of a live (non-zombie) process, None when it is gone or a zombie."""
-    if _HAVE_PROC:
-        st = _proc_stat(pid)
-        return None if st is None or st[1] in "ZXx" else float(st[2])
-    try:
-        import psutil
-        p = psutil.Process(pid)
-        return None if p.status() == psutil.STATUS_ZOMBIE else p.create_time()
-    except ImportError:
-        try:
-            os.kill(pid, 0)
-            return 0.0
-        except OSError:
-            return None
-    except Exception:
-        return None
-
-
-def _alive(pid: int, start: float) -> bool:
-    ident = _identity(pid)
-    return ident is not None and (ident == start or start == 0.0)
-
-
-def _signal_all(procs: Mapping[int, float], sig: int) -> None:
-    """Send ``sig`` to the process group of each live process (never our own group) and to it."""
-    own_group = os.getpgrp()
-    for pid, start in procs.items():
-        if not _alive(pid, start):
-            continue
-        try:
-            group = os.getpgid(pid)
-            if group != own_group:
-                os.killpg(group, sig)
-            os.kill(pid, sig)
-        except OSError:
-            pass
-
-
-def terminate_tree(root_pid: int, grace: float = KILL_GRACE_S) -> list[int]:
-    """Stop ``root_pid`` and all its descendants: SIGTERM, then SIGKILL what is left after ``grace`` s.
-
-    The tree is read before the first signal (workers are reparented once the launcher dies) and
-    re-read while waiting. Returns the pids that were signalled.
-    """
-    start = _identity(root_pid)
-    known = {root_pid: start if start is not None else 0.0, **_descendants(root_pid)}
-    _signal_all(known, signal.SIGTERM)
-    try:
-        end = time.monotonic() + grace
-        while time.monotonic() < end:
-            known.update(_descendants(root_pid))
-            if not any(_alive(p, s) for p, s in known.items()):
-                break
-            time.sleep(0.05)
-    finally:  # also when a second Ctrl-C arrives while waiting
-        # Workers first, so that a launcher still alive reaps them (no zombies under a container's
-        # non-reaping PID 1); then, after a moment for it to exit on its own, the launcher.
-        _signal_all({p: s for p, s in known.items() if p != root_pid}, signal.SIGKILL)
-        end = time.monotonic() + 1.0
-        while _alive(root_pid, known[root_pid]) and time.monotonic() < end:
-            time.sleep(0.02)
-        _signal_all(known, signal.SIGKILL)
-    return sorted(known)
 
 
 # ------------------------------------------------------------------------------- console handling
@@ -381,29 +277,30 @@ def _results_frame(run_dir: Path, nproc: int) -> pd.DataFrame:
 
 
 def run_torchrun(module_or_script: str | os.PathLike, nproc: int, args: Sequence[str] | str = (),
-                 timeout: float = 600, backend: str = "auto",
+                 timeout: float = 600, pg_backend: str = "auto",
                  env: Mapping[str, str | None] | None = None, log_dir: str | os.PathLike | None = None,
                  echo: bool = True, progress: bool = True) -> pd.DataFrame:
     """Run ``module_or_script`` on ``nproc`` local ranks with torchrun; one result row per rank.
 
-    ``args`` are passed to the script (a string is split like a shell would). ``backend`` ("auto",
-    "gloo", "nccl"; auto = nccl when CUDA is available) reaches the ranks as ``$CADLIB_BACKEND``.
+    ``args`` are passed to the script (a string is split like a shell would). ``pg_backend`` (process-group backend: "auto",
+    "gloo", "nccl"; auto = nccl when CUDA is available) reaches the ranks as ``$CADLIB_PG_BACKEND``.
     ``env`` overrides entries of ``os.environ`` (None removes one). Each run gets a fresh folder
     ``torchrun-<date>-<time>-<random>`` under ``log_dir`` (default: the system temp folder).
     The frame's ``attrs`` hold ``results`` (the raw objects by rank), ``missing_ranks``, ``run_dir``,
     ``log_dir`` (torch's per-rank logs), ``progress`` (parsed progress events), ``command``,
-    ``backend`` and ``wall_s``.
+    ``pg_backend`` and ``wall_s``.
 
     Raises TorchrunError when torchrun exits non-zero, TimeoutError after ``timeout`` s, and re-raises
     KeyboardInterrupt; in the last two cases every process of the run is stopped first.
     """
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
         raise ValueError(f"nproc must be an integer >= 1 (ranks on this machine), got {nproc!r}")
-    if backend not in ("auto", "gloo", "nccl"):
-        raise ValueError(f"unknown backend {backend!r}; choose one of: auto, gloo, nccl")
+    if pg_backend not in ("auto", "gloo", "nccl"):
+        raise ValueError(f"unknown process-group backend pg_backend={pg_backend!r}; choose one of: auto, "
+                         "gloo, nccl")
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
-    resolved = resolve_backend(backend)
+    resolved = resolve_pg_backend(pg_backend)
     target = _target_argv(module_or_script)
     argv = shlex.split(args) if isinstance(args, str) else [str(a) for a in args]
     base = Path(log_dir).expanduser() if log_dir is not None else Path(tempfile.gettempdir())
@@ -420,14 +317,14 @@ def run_torchrun(module_or_script: str | os.PathLike, nproc: int, args: Sequence
     try:
         rc = _stream_until_exit(proc, console, t0 + timeout)
     except BaseException as exc:
-        stopped = terminate_tree(proc.pid, KILL_GRACE_S)
+        stopped = proctree.terminate_tree(proc.pid, proctree.KILL_GRACE_S)
         proc.wait()
         console.close()
         if isinstance(exc, _Expired):
             tail = "\n".join(console.rank0_tail) or "(nothing)"
             raise TimeoutError(f"torchrun {what} did not finish within {timeout} s; stopped "
                                f"{len(stopped)} processes (SIGTERM, then SIGKILL to those left after "
-                               f"{KILL_GRACE_S} s). Last lines of rank 0:\n{tail}\nlogs: {run_dir}"
+                               f"{proctree.KILL_GRACE_S} s). Last lines of rank 0:\n{tail}\nlogs: {run_dir}"
                                ) from None
         raise
     console.close()
@@ -435,5 +332,5 @@ def run_torchrun(module_or_script: str | os.PathLike, nproc: int, args: Sequence
         raise _failure(rc, what, run_dir, console)
     df = _results_frame(run_dir, nproc)
     df.attrs.update(run_dir=str(run_dir), log_dir=str(rank_log_dir(run_dir)), progress=console.events,
-                    command=cmd, wall_s=time.monotonic() - t0, backend=resolved)
+                    command=cmd, wall_s=time.monotonic() - t0, pg_backend=resolved)
     return df

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .cost import MIN_SHARD_TOKENS, ModelSpec, causal_pairs
-from .shard import Layout, Plan, transfer_tokens
+from .cost import MIN_SHARD_TOKENS, ModelSpec, as_model, causal_pairs
+from .plan import Layout, Plan, transfer_tokens
 
 METHODS = ("cad", "equal_flops", "colocated")
 
@@ -446,12 +446,6 @@ def _check(layout: Layout, n_servers, tolerance: float, min_shard: int) -> int:
     return S
 
 
-def _model(model) -> ModelSpec:
-    if model is None:
-        return ModelSpec.from_name("llama3-8b")
-    return ModelSpec.from_name(model) if isinstance(model, str) else model
-
-
 def place(layout: Layout, method: str = "cad", n_servers: int | None = None, model=None,
           tolerance: float = 0.1, min_shard: int = MIN_SHARD_TOKENS, dtype: str = "bf16",
           chunks: np.ndarray | None = None) -> Placement:
@@ -462,7 +456,7 @@ def place(layout: Layout, method: str = "cad", n_servers: int | None = None, mod
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose one of: {', '.join(METHODS)}")
     S = _check(layout, n_servers, tolerance, min_shard)
-    spec = _model(model)
+    spec = as_model(model)
     qb, kvb = spec.q_bytes(dtype), spec.kv_bytes(dtype)
     t0 = time.perf_counter()
     ch = layout.chunk_array() if chunks is None else chunks

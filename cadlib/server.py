@@ -24,7 +24,7 @@ def _gather(buf: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 
 def serve_forward(q_buf: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, dd: DeviceDispatch,
-                  backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  attn_backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Run this server's tasks in one ``attend`` call; returns ``(out, lse)`` in task-row order
     (``[n_rows, Hq, D]`` and float32 ``[n_rows, Hq]``)."""
     m = dd.meta
@@ -32,12 +32,12 @@ def serve_forward(q_buf: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
         return (q_buf.new_empty((0, *q_buf.shape[1:])),
                 torch.empty((0, q_buf.shape[1]), dtype=torch.float32, device=q_buf.device))
     return attend(_gather(q_buf, dd.q_rows), _gather(k_buf, dd.kv_rows), _gather(v_buf, dd.kv_rows),
-                  dd.cu_q, dd.cu_k, m.max_q, m.max_k, causal=True, backend=backend)
+                  dd.cu_q, dd.cu_k, m.max_q, m.max_k, causal=True, backend=attn_backend)
 
 
 def serve_backward(q_buf: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, o_buf: torch.Tensor,
                    do_buf: torch.Tensor, lse_buf: torch.Tensor, dd: DeviceDispatch,
-                   backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   attn_backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One ``attend_backward`` call over this server's tasks.
 
     Returns ``dq`` in task-row order (``[n_rows, Hq, D]``) and ``dk``, ``dv`` as float32 buffers
@@ -50,7 +50,7 @@ def serve_backward(q_buf: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor
     dq, dk_seg, dv_seg = attend_backward(
         _gather(do_buf, dd.q_rows), _gather(q_buf, dd.q_rows), _gather(k_buf, dd.kv_rows),
         _gather(v_buf, dd.kv_rows), _gather(o_buf, dd.q_rows), _gather(lse_buf, dd.q_rows),
-        dd.cu_q, dd.cu_k, m.max_q, m.max_k, causal=True, backend=backend)
+        dd.cu_q, dd.cu_k, m.max_q, m.max_k, causal=True, backend=attn_backend)
     dk.index_add_(0, dd.kv_rows, dk_seg.float())
     dv.index_add_(0, dd.kv_rows, dv_seg.float())
     return dq, dk, dv

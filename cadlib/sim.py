@@ -36,9 +36,9 @@ from typing import Sequence
 
 import numpy as np
 
-from .cost import (ATTN_BWD_MULT, DTYPE_BYTES, H200_MATMUL_TFLOPS, H200_NVLINK_ALL_TO_ALL_GBPS,
+from .cost import (as_model, ATTN_BWD_MULT, DTYPE_BYTES, H200_MATMUL_TFLOPS, H200_NVLINK_ALL_TO_ALL_GBPS,
                    IB_GBPS_PER_GPU, LINEAR_BWD_MULT, ModelSpec, attention_tflops, causal_pairs)
-from .shard import Chunk, Layout, Plan
+from .plan import Chunk, Layout, Plan
 
 DEFAULT_MFU_LINEAR = 0.7
 """Fraction of the measured large-matmul rate (``H200_MATMUL_TFLOPS``) that a layer's projections and
@@ -179,12 +179,6 @@ def comm_seconds(bytes_matrix: np.ndarray, hw: Hardware) -> np.ndarray:
 # Data parallel
 # ---------------------------------------------------------------------------------------------------
 
-def _as_model(model) -> ModelSpec:
-    if isinstance(model, str):
-        return ModelSpec.from_name(model)
-    return _need(model, ModelSpec, "model")
-
-
 def _need(obj, cls, what: str):
     if not isinstance(obj, cls):
         raise ValueError(f"{what} must be a {cls.__name__}, got {type(obj).__name__}")
@@ -195,7 +189,7 @@ def simulate_dp(layout: Layout, model, hw: Hardware | None = None) -> StepTimes:
     """DP: rank ``r`` runs the linear layers of its tokens and the colocated core attention of its
     chunks (chunk ``(doc, s, e)`` = CA-task ``[s, e)`` with KV prefix ``[0, e)``), then waits at the
     gradient all-reduce: ``busy_r = linear_r + attention_r``, ``step = max_r busy_r``."""
-    layout, model, hw = _need(layout, Layout, "layout"), _as_model(model), hw or Hardware()
+    layout, model, hw = _need(layout, Layout, "layout"), as_model(model), hw or Hardware()
     lin = linear_seconds(layout.tokens_per_rank(), model, hw)
     attn = _per_gpu_attention([[(c.start, c.end) for c in r] for r in layout.ranks], model, hw, "fwd_bwd")
     busy = lin + attn
@@ -260,7 +254,7 @@ def simulate_pp(microbatches, model, hw: Hardware | None = None, *, pp_stages: i
     each, for one pipeline. Each stage holds ``n_layers / pp_stages`` layers; ``fwd[s, i]`` and
     ``bwd[s, i]`` are the linear + colocated attention time of microbatch ``i`` on those layers.
     GPU ``(pipeline j, stage s)`` is index ``j * pp_stages + s``; ``step`` = slowest pipeline."""
-    model, hw = _as_model(model), hw or Hardware()
+    model, hw = as_model(model), hw or Hardware()
     if isinstance(microbatches, Layout):
         mbs = list(microbatches.ranks)
     elif isinstance(microbatches, (list, tuple)) and microbatches:
@@ -323,7 +317,7 @@ def simulate_cad(plan: Plan, model, hw: Hardware | None = None, overlap: bool = 
     rate of its query length, all-to-all bytes from ``Plan.bytes_matrix`` (forward, and the backward
     resend) times ``n_layers``. Servers are the ranks themselves (in place, ``n_servers == n_ranks``).
     See the module docstring for the per-layer barrier and the ping-pong ``overlap``."""
-    plan, model, hw = _need(plan, Plan, "plan"), _as_model(model), hw or Hardware()
+    plan, model, hw = _need(plan, Plan, "plan"), as_model(model), hw or Hardware()
     G = plan.layout.n_ranks
     if plan.n_servers != G:
         raise ValueError(f"simulate_cad needs in-place attention servers, n_servers == n_ranks ({G}); got "
@@ -362,7 +356,7 @@ def simulate_cp(layout: Layout, model, hw: Hardware | None = None, overlap: bool
     :func:`zigzag_layout`). Each layer all-gathers every document's K,V (ring: each rank sends and
     receives ``sum_d (n_d - own_{r,d}) * kv_bytes``); backward all-gathers again and reduce-scatters
     dK,dV (2x). The ring runs at NVLink speed inside a node, at the inter-node link beyond."""
-    layout, model, hw = _need(layout, Layout, "layout"), _as_model(model), hw or Hardware()
+    layout, model, hw = _need(layout, Layout, "layout"), as_model(model), hw or Hardware()
     R = layout.n_ranks
     zz = zigzag_layout(layout.doc_lens, R)
     tokens = zz.tokens_per_rank().astype(np.float64)
@@ -389,7 +383,7 @@ def simulate(method: str, source, model, hw: Hardware | None = None, **options) 
     extra = sorted(set(options) - allowed)
     if extra:
         raise ValueError(f"method {method!r} takes no option(s) {extra}; valid: {sorted(allowed) or 'none'}")
-    model = _as_model(model)
+    model = as_model(model)
     if method == "dp":
         return simulate_dp(source, model, hw)
     if method == "pp":
@@ -421,14 +415,15 @@ def idle_fraction_sweep(distribution: str, dp_sizes: Sequence[int], context_leng
     stage count and is not swept) is simulated. Extra keywords go to ``sample_docs``."""
     import pandas as pd
 
-    from .workload import pack, sample_docs
+    from .packing import pack
+    from .workload import sample_docs
     from .workload import sample_kwargs as resolve
     bad = [m for m in methods if m not in ("dp", "cp", "cad")]
     if bad:
         raise ValueError(f"idle_fraction_sweep cannot sweep method(s) {bad}; choose from: dp, cp, cad")
     kw = resolve(distribution)
     kw.update(sample_kwargs)
-    model, hw, rows = _as_model(model), hw or Hardware(), []
+    model, hw, rows = as_model(model), hw or Hardware(), []
     for dp in dp_sizes:
         for ctx in context_lengths:
             for seed in seeds:

@@ -35,12 +35,12 @@ import torch.nn.functional as F
 from .cad import cad_attention
 from .cost import ModelSpec
 from .distributed import destroy, init_from_env, log, report_progress, write_result
-from .shard import CATask, Layout, Plan, layout_to_tasks
+from .plan import CATask, Layout, Plan, layout_to_tasks
 
 CASES = ("random", "one-token", "empty-rank", "spanning")
 PLANS = ("scheduler", "random", "colocated")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2, "fp16": 5e-3}
+RTOL = {"fp32": 1e-5, "bf16": 2e-2, "fp16": 5e-3}
 """Default max relative error (``max |diff| / max |ref|``) against the fp32 reference."""
 
 
@@ -58,7 +58,7 @@ def _docs(dist_name: str, total: int, seed: int, args) -> list[int]:
 def make_layout(case: str, dist_name: str, world: int, tokens_per_rank: int, seed: int,
                 args) -> Layout | None:
     """The linear layout of one case (None when the case needs more ranks than ``world``)."""
-    from .workload import pack
+    from .packing import pack
 
     total = world * tokens_per_rank
     if case == "random":
@@ -152,7 +152,7 @@ def reference(q, k, v, dout, doc_lens, docs) -> tuple[torch.Tensor, ...]:
 
 
 def check_case(layout: Layout, plan: Plan, model: ModelSpec, dtype: torch.dtype, device, group, seed: int,
-               backend: str | None, timing_iters: int = 0) -> dict:
+               attn_backend: str | None, timing_iters: int = 0) -> dict:
     """Run CAD forward+backward on this rank's rows and compare with the reference; with
     ``timing_iters``, also the median wall time of that many more forward+backward passes."""
     rank = dist.get_rank(group)
@@ -164,7 +164,7 @@ def check_case(layout: Layout, plan: Plan, model: ModelSpec, dtype: torch.dtype,
     q, k, v, dout = (t.index_select(0, rows) for t in full)
     q, k, v = (t.requires_grad_(True) for t in (q, k, v))
     t0 = time.perf_counter()
-    o = cad_attention(q, k, v, plan, group, backend=backend)
+    o = cad_attention(q, k, v, plan, group, attn_backend=attn_backend)
     o.backward(dout)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -185,7 +185,7 @@ def check_case(layout: Layout, plan: Plan, model: ModelSpec, dtype: torch.dtype,
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t1 = time.perf_counter()
-        cad_attention(q, k, v, plan, group, backend=backend).backward(dout)
+        cad_attention(q, k, v, plan, group, attn_backend=attn_backend).backward(dout)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t1)
@@ -213,11 +213,11 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=1, help="seeds seed, seed+1, ... per combination")
     p.add_argument("--model", default="tiny", help="ModelSpec name for head counts and head_dim")
-    p.add_argument("--backend", default=None, help="attention backend (cadlib.kernels); default: auto")
+    p.add_argument("--attn-backend", default=None, help="attention backend (cadlib.kernels); default: auto")
     p.add_argument("--pg-backend", default=None, help="process-group backend: gloo, nccl (default auto)")
     p.add_argument("--min-shard", type=int, default=None, help="scheduler min_shard (default: its own)")
     p.add_argument("--tolerance-eps", type=float, default=0.1, help="scheduler imbalance tolerance")
-    p.add_argument("--tol", type=float, default=None, help="max relative error (default by dtype)")
+    p.add_argument("--rtol", type=float, default=None, help="max relative error (default by dtype)")
     p.add_argument("--doc-len", type=int, default=None, help="uniform length / lognormal median")
     p.add_argument("--max-doc-len", type=int, default=None, help="clip sampled document lengths")
     p.add_argument("--timing-iters", type=int, default=0, help="extra timed fwd+bwd passes per case")
@@ -233,7 +233,7 @@ def main(argv=None) -> int:
     env = init_from_env(args.pg_backend)
     model = ModelSpec.from_name(args.model)
     dtype = DTYPES[args.dtype]
-    tol = args.tol if args.tol is not None else TOLERANCE[args.dtype]
+    rtol = args.rtol if args.rtol is not None else RTOL[args.dtype]
     combos = [(d, c, args.seed + i) for d in args.dist.split(",") for c in args.case.split(",")
               for i in range(args.repeats)]
     results, ok = [], True
@@ -245,9 +245,9 @@ def main(argv=None) -> int:
             results.append({**base, "skipped": f"case {case!r} needs >= 2 ranks"})
             continue
         plan = make_plan(layout, args.plan, model, seed, args)
-        res = {**base, **check_case(layout, plan, model, dtype, env.device, env.group, seed, args.backend,
+        res = {**base, **check_case(layout, plan, model, dtype, env.device, env.group, seed, args.attn_backend,
                                           args.timing_iters)}
-        res["passed"] = max(res["rel_err"].values()) <= tol
+        res["passed"] = max(res["rel_err"].values()) <= rtol
         ok &= res["passed"]
         results.append(res)
         if env.rank == 0:
@@ -259,7 +259,7 @@ def main(argv=None) -> int:
     cuda = env.device.type == "cuda"
     write_result({"rank": env.rank, "world": env.world, "device": str(env.device),
                   "device_name": torch.cuda.get_device_name(env.device) if cuda else "cpu",
-                  "torch": torch.__version__, "tolerance": tol, "passed": ok, "cases": results,
+                  "torch": torch.__version__, "rtol": rtol, "passed": ok, "cases": results,
                   "config": vars(args)})
     destroy()
     return 0 if ok else 1

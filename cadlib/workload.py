@@ -1,5 +1,4 @@
-"""Workloads: named document-length distributions, sampling to a token budget, and packing the
-documents into the **linear layout** (which rank holds which tokens for the linear layers).
+"""Workloads: named document-length distributions and sampling to a token budget.
 
 * A distribution is a quantile function ``Q(u)``, ``u in [0, 1)``: the tabulated ones interpolate
   their published percentiles log-linearly (linear in percentile, linear in ``log(length)``);
@@ -9,20 +8,16 @@ documents into the **linear layout** (which rank holds which tokens for the line
   reweights the density: ``g(x) = f(x) * (upsample if x >= T else 1) / Z`` with
   ``Z = F(T) + upsample * (1 - F(T))``. It is sampled exactly by mapping a uniform ``v`` to the
   original quantile level ``u = vZ`` if ``vZ < F(T)``, else ``u = F(T) + (vZ - F(T)) / upsample``.
-* **Packing**: ``sequential`` fills rank 0, then rank 1, ... and cuts a document that crosses a rank
-  boundary into head/tail chunks (every rank holds exactly ``tokens_per_rank`` tokens); ``balanced``
-  is WLB-LLM-style variable-length packing that evens out the estimated cost per rank under a cap.
+
+Packing the sampled documents into the linear layout lives in :mod:`cadlib.packing`.
 """
 from __future__ import annotations
 
 import math
 from statistics import NormalDist
-from typing import Sequence
 
 import numpy as np
 
-from .cost import ModelSpec, causal_pairs
-from .shard import Chunk, Layout
 
 # ---------------------------------------------------------------------------------------------------
 # Published document-length distributions
@@ -73,15 +68,6 @@ def sample_kwargs(distribution: str) -> dict:
     raise ValueError(f"unknown distribution {distribution!r}; choose one of: "
                      f"{', '.join((*DISTRIBUTIONS, *PRESETS))}")
 
-
-PACK_METHODS: tuple[str, ...] = ("sequential", "balanced")
-DEFAULT_CAP_FACTOR = 1.25
-"""``balanced`` packing lets a rank hold up to this many times ``tokens_per_rank`` tokens."""
-PIECE_COST_FRACTION = 0.5
-"""``balanced`` packing cuts a document costing more than this fraction of the mean rank cost into
-equal-cost pieces: no placement of a whole document can bring a rank's cost below the document's own.
-Half (not one) leaves LPT room to pair pieces; on 120 sampled batches (6 settings x 20 seeds) it
-lowered max/mean attention FLOPs vs sequential by 35% on average and never raised total-FLOP max/mean."""
 
 _NORMAL = NormalDist()
 _U_EPS = 1e-12
@@ -238,181 +224,3 @@ def doc_length_cdf(dist: str, *, elongate: float = 1.0, upsample: float = 1.0,
         return x, g
     mass = np.concatenate([[0.0], np.cumsum(0.5 * (x[1:] + x[:-1]) * np.diff(g))])
     return x, mass / mass[-1]
-
-
-# ---------------------------------------------------------------------------------------------------
-# Packing into the linear layout
-# ---------------------------------------------------------------------------------------------------
-
-def _check_docs(doc_lens: Sequence[int]) -> list[int]:
-    lens = [int(n) for n in doc_lens]
-    if not lens:
-        raise ValueError("doc_lens is empty; pack needs at least one document")
-    for i, (n, raw) in enumerate(zip(lens, doc_lens)):
-        if n < 1 or n != raw:
-            raise ValueError(f"document {i} has length {raw!r}; document lengths must be integers >= 1")
-    return lens
-
-
-def _model(model: ModelSpec | str | None) -> ModelSpec:
-    if model is None:
-        return ModelSpec.from_name("llama3-8b")
-    return ModelSpec.from_name(model) if isinstance(model, str) else model
-
-
-def pack(doc_lens: Sequence[int], n_ranks: int, tokens_per_rank: int | None = None,
-         method: str = "sequential", model: ModelSpec | str | None = None,
-         cap: int | None = None) -> Layout:
-    """Place documents on ``n_ranks`` ranks for the linear layers; returns a validated ``Layout``.
-
-    ``sequential``: documents in order fill rank 0, then rank 1, ...; a document crossing a rank
-    boundary is cut into chunks, so every rank holds exactly ``tokens_per_rank`` tokens (default
-    ``sum(doc_lens) / n_ranks``, which must be whole; ``sum(doc_lens) == n_ranks * tokens_per_rank``).
-
-    ``balanced`` (WLB-LLM var-len packing): documents, costliest (= longest) first, go to the rank with
-    the lowest estimated cost ``attention_flops(pairs) + linear_flops_per_token * tokens`` (fwd+bwd,
-    all layers of ``model``, default llama3-8b) among ranks with room for the whole document, under a
-    token cap per rank (default ``floor(1.25 * tokens_per_rank)``, ``tokens_per_rank`` defaulting to
-    ``ceil(sum / n_ranks)``). A document costing more than ``PIECE_COST_FRACTION`` of the mean rank
-    cost is first cut into consecutive equal-cost pieces (head/tail chunks), placed like documents.
-    A piece that fits nowhere whole is cut again: its next chunk fills the rank with the most room
-    (ties: lowest cost), and so on until nothing is left. Ranks hold between 0 and ``cap`` tokens.
-    """
-    lens = _check_docs(doc_lens)
-    if n_ranks < 1:
-        raise ValueError(f"n_ranks must be >= 1, got {n_ranks}")
-    if method not in PACK_METHODS:
-        raise ValueError(f"unknown pack method {method!r}; choose one of: {', '.join(PACK_METHODS)}")
-    if tokens_per_rank is not None and tokens_per_rank < 1:
-        raise ValueError(f"tokens_per_rank must be >= 1, got {tokens_per_rank}")
-    n_ranks, total = int(n_ranks), sum(lens)
-    if method == "sequential":
-        if cap is not None:
-            raise ValueError("cap applies only to method 'balanced'; sequential ranks hold exactly "
-                             "tokens_per_rank tokens")
-        if tokens_per_rank is None:
-            if total % n_ranks:
-                raise ValueError(f"{total} tokens do not split evenly over {n_ranks} ranks; pass "
-                                 "tokens_per_rank, or documents whose total is a multiple of n_ranks")
-            tokens_per_rank = total // n_ranks
-        if total != n_ranks * tokens_per_rank:
-            raise ValueError(f"sequential packing needs sum(doc_lens) == n_ranks * tokens_per_rank; got "
-                             f"{total} != {n_ranks} * {tokens_per_rank}")
-        return _pack_sequential(lens, n_ranks, int(tokens_per_rank))
-    if tokens_per_rank is None:
-        tokens_per_rank = -(-total // n_ranks)
-    if cap is None:
-        cap = int(DEFAULT_CAP_FACTOR * tokens_per_rank)
-    if cap < tokens_per_rank:
-        raise ValueError(f"cap ({cap}) must be >= tokens_per_rank ({tokens_per_rank})")
-    if total > n_ranks * cap:
-        raise ValueError(f"{total} tokens do not fit on {n_ranks} ranks of at most cap={cap} tokens; "
-                         "raise cap or tokens_per_rank")
-    return _pack_balanced(lens, n_ranks, int(cap), _model(model))
-
-
-def _pack_sequential(lens: list[int], n_ranks: int, tokens_per_rank: int) -> Layout:
-    """Cut the concatenated token stream at multiples of ``tokens_per_rank``."""
-    ranks: list[list[Chunk]] = [[] for _ in range(n_ranks)]
-    rank, room = 0, tokens_per_rank
-    for d, n in enumerate(lens):
-        pos = 0
-        while pos < n:
-            take = min(n - pos, room)
-            ranks[rank].append(Chunk(d, pos, pos + take))
-            pos += take
-            room -= take
-            if room == 0 and rank + 1 < n_ranks:
-                rank, room = rank + 1, tokens_per_rank
-    return Layout(ranks, lens)
-
-
-def _pieces_by_cost(lens: list[int], n_ranks: int, a: float, b: float) -> list[tuple[float, int, int, int]]:
-    """Cut every document costing more than ``target = PIECE_COST_FRACTION * sum C(n_d) / n_ranks``
-    (half the mean rank cost) into ``k = ceil(C(n) / target)`` consecutive pieces of equal cost,
-    where the cost of tokens ``[0, e)`` is ``C(e) = a e(e+1)/2 + b e`` (``a``: FLOPs per attention
-    pair, ``b``: linear FLOPs per token), and the ``j``-th cut is ``C^-1(c), c = j C(n) / k``, with
-    ``C^-1(c) = 2c / (h + sqrt(h^2 + 2ac))``, ``h = a/2 + b``.
-    Returns ``(cost, doc, start, end)`` per piece."""
-    def cum(e):
-        return a * causal_pairs(0, e) + b * e
-
-    target = PIECE_COST_FRACTION * sum(cum(n) for n in lens) / n_ranks
-    h = a / 2 + b
-    out = []
-    for d, n in enumerate(lens):
-        k = max(1, math.ceil(cum(n) / target - 1e-9))
-        cuts = {min(n - 1, max(1, round(2 * c / (h + math.sqrt(h * h + 2 * a * c)))))
-                for c in (j * cum(n) / k for j in range(1, k))}
-        bounds = [0, *sorted(cuts), n] if n > 1 else [0, n]
-        out += [(cum(e) - cum(s), d, s, e) for s, e in zip(bounds[:-1], bounds[1:])]
-    return out
-
-
-def _pack_balanced(lens: list[int], n_ranks: int, cap: int, model: ModelSpec) -> Layout:
-    """Longest-cost-first greedy assignment to the cheapest rank with room (see ``pack``).
-
-    Cost of a piece ``[s, e)``: ``attention_flops(pairs(s, e)) + linear_flops_per_token * (e - s)``,
-    fwd+bwd over all layers. Causal pairs add up over consecutive pieces, so cutting a document moves
-    its attention work between ranks without changing the total."""
-    a = float(model.attention_flops(1, backward=True))
-    b = model.linear_flops_per_token(backward=True)
-    ranks: list[list[Chunk]] = [[] for _ in range(n_ranks)]
-    tokens = np.zeros(n_ranks, dtype=np.int64)
-    cost = np.zeros(n_ranks, dtype=np.float64)
-    for _, d, pos, end in sorted(_pieces_by_cost(lens, n_ranks, a, b), key=lambda p: (-p[0], p[1], p[2])):
-        while pos < end:
-            room = cap - tokens
-            fits = room >= end - pos
-            if fits.any():
-                r = int(np.argmin(np.where(fits, cost, np.inf)))
-            else:
-                r = int(np.lexsort((cost, -room))[0])         # most room, then lowest cost
-            take = int(min(end - pos, room[r]))
-            ranks[r].append(Chunk(d, pos, pos + take))
-            cost[r] += a * causal_pairs(pos, pos + take) + b * take
-            tokens[r] += take
-            pos += take
-    return Layout([_merge(r) for r in ranks], lens)
-
-
-def _merge(chunks: list[Chunk]) -> list[Chunk]:
-    """Sort a rank's chunks and join neighbours of one document (``[s, e)`` + ``[e, f)`` = ``[s, f)``)."""
-    out: list[Chunk] = []
-    for c in sorted(chunks):
-        if out and out[-1].doc == c.doc and out[-1].end == c.start:
-            out[-1] = Chunk(c.doc, out[-1].start, c.end)
-        else:
-            out.append(c)
-    return out
-
-
-# ---------------------------------------------------------------------------------------------------
-# Per-rank costs of a layout
-# ---------------------------------------------------------------------------------------------------
-
-def rank_costs(layout: Layout, model: ModelSpec | str | None = None, backward: bool = False,
-               layers: int | None = None) -> dict[str, np.ndarray]:
-    """Per-rank load of a layout when every chunk runs where it lives (no CAD).
-
-    A chunk ``(doc, s, e)`` is the causal CA-task ``[s, e)`` with KV prefix ``[0, e)``:
-    ``pairs = (e(e+1) - s(s+1)) / 2``. Returns arrays ``tokens``, ``attention_pairs``,
-    ``linear_flops`` (``tokens * linear_flops_per_token``), ``attention_flops``
-    (``4 * pairs * n_heads * head_dim`` per layer, x3.5 with backward) and ``total_flops``;
-    ``layers=None`` counts all of ``model``'s layers (default model llama3-8b)."""
-    m = _model(model)
-    tokens = layout.tokens_per_rank()
-    pairs = np.array([sum(causal_pairs(c.start, c.end) for c in r) for r in layout.ranks], dtype=np.float64)
-    lin = tokens * m.linear_flops_per_token(backward=backward, layers=layers)
-    attn = np.asarray(m.attention_flops(pairs, backward=backward, layers=layers), dtype=np.float64)
-    return {"tokens": tokens, "attention_pairs": pairs, "linear_flops": lin, "attention_flops": attn,
-            "total_flops": lin + attn}
-
-
-def imbalance(values) -> float:
-    """``max / mean`` of a per-rank load (1.0 = perfectly balanced; 1.0 for an all-zero load)."""
-    v = np.asarray(values, dtype=np.float64)
-    if v.size == 0:
-        raise ValueError("imbalance needs at least one value")
-    mean = v.mean()
-    return float(v.max() / mean) if mean > 0 else 1.0

@@ -304,11 +304,11 @@ def _time_steps(rec, plan, spec, dtype, rt, backend, cfg, gen, flops) -> None:
 
     def step_fwd(comm=None):
         with torch.no_grad():
-            cad.cad_attention(q, k, v, plan, rt.group, backend=backend, comm=comm)
+            cad.cad_attention(q, k, v, plan, rt.group, attn_backend=backend, comm=comm)
 
     def step_fb(comm=None):
         qg.grad = kg.grad = vg.grad = None
-        cad.cad_attention(qg, kg, vg, plan, rt.group, backend=backend, comm=comm).backward(dout)
+        cad.cad_attention(qg, kg, vg, plan, rt.group, attn_backend=backend, comm=comm).backward(dout)
 
     for mode, fn in (("fwd", step_fwd), ("fwd_bwd", step_fb)):
         t = time_fn(fn, rt.device, cfg.warmup, cfg.iters, rt.group)
@@ -361,7 +361,8 @@ def _time_unsplit(rec, docs, spec, dtype, rt, backend, cfg, gen) -> None:
 def overhead_case(dist_name, tpg, spec, dtype, rt, backend, cfg) -> dict:
     """One batch (``tpg`` tokens per GPU of ``dist_name`` documents, sequential packing) on ``rt``."""
     from cadlib import cad
-    from cadlib.workload import pack, sample_docs
+    from cadlib.packing import pack
+    from cadlib.workload import sample_docs
 
     docs = sample_docs(dist_name, tpg * rt.world, seed=cfg.seed)
     layout = pack(docs, rt.world)

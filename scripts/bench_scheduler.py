@@ -23,7 +23,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from cadlib.cost import ModelSpec  # noqa: E402
 from cadlib.results import save_result  # noqa: E402
 from cadlib.scheduler import place  # noqa: E402
-from cadlib.workload import pack, sample_docs  # noqa: E402
+from cadlib.packing import pack  # noqa: E402
+from cadlib.workload import sample_docs  # noqa: E402
 
 
 def run_case(dist, n, tpr, args, model):

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cadlib.dispatch import build_all, build_dispatch, kv_needs, local_index_map, simulate_exchange
-from cadlib.shard import CATask, Layout, Plan, layout_to_tasks
+from cadlib.plan import CATask, Layout, Plan, layout_to_tasks
 
 BIG = 1 << 20
 
@@ -146,9 +146,10 @@ def test_tasks_spanning_two_chunks_of_one_rank():
 def test_scheduler_plans_round_trip():
     scheduler = pytest.importorskip("cadlib.scheduler")
     workload = pytest.importorskip("cadlib.workload")
+    packing = pytest.importorskip("cadlib.packing")
     for n_ranks, dist in [(2, "pretrain"), (3, "prolong"), (4, "pile")]:
         docs = workload.sample_docs(dist, 1200 * n_ranks, seed=n_ranks)
-        layout = workload.pack(docs, n_ranks, 1200)
+        layout = packing.pack(docs, n_ranks, 1200)
         check_plan(scheduler.schedule(layout, min_shard=16))
 
 

@@ -122,7 +122,7 @@ def test_sdpa_ref_row_blocks_give_the_same_result(monkeypatch):
     dout = torch.randn_like(q)
     out, lse = attend(q, k, v, cu_q, cu_k, mq, mk)
     grads = attend_backward(dout, q, k, v, out, lse, cu_q, cu_k, mq, mk)
-    monkeypatch.setattr(kernels, "_REF_BLOCK_ELEMS", 4 * 50 * 3)      # ~3 rows a block
+    monkeypatch.setattr(kernels.reference, "REF_BLOCK_ELEMS", 4 * 50 * 3)      # ~3 rows a block
     out2, lse2 = attend(q, k, v, cu_q, cu_k, mq, mk)
     grads2 = attend_backward(dout, q, k, v, out2, lse2, cu_q, cu_k, mq, mk)
     assert rel_err(out2, out) <= FP32_TOL and rel_err(lse2, lse) <= FP32_TOL
@@ -199,10 +199,10 @@ def test_lse_layout_round_trips():
     cu_q = torch.tensor([0, 3, 3, 7, 8], dtype=torch.int32)
     lse_tm = torch.randn(8, 4)
     for like in ((4, 8), (4, 4, 4)):                    # unpadded [H, T] and padded [B, H, max_q]
-        back = kernels._lse_from_token_major(lse_tm, like, cu_q)
+        back = kernels.flash.lse_from_token_major(lse_tm, like, cu_q)
         assert back.shape == like
-        assert torch.equal(kernels._lse_to_token_major(back, cu_q, 8), lse_tm)
-    padded = kernels._lse_from_token_major(lse_tm, (4, 4, 4), cu_q)
+        assert torch.equal(kernels.flash.lse_to_token_major(back, cu_q, 8), lse_tm)
+    padded = kernels.flash.lse_from_token_major(lse_tm, (4, 4, 4), cu_q)
     assert torch.equal(padded[2, :, :4], lse_tm[3:7].T)                # segment 2 = tokens 3..6
 
 
@@ -219,24 +219,24 @@ def test_fa2_backward_adapter_passes_the_right_arguments(monkeypatch, padded):
     """A stand-in with FA2 2.7's ``_flash_attn_varlen_backward`` signature, computing with sdpa_ref;
     the LSE goes back in the layout the forward returned (unpadded [H, T] or padded [B, H, max_q])."""
     q, k, v, cu_q, cu_k, mq, mk, out, lse, dout = _ref_problem()
-    monkeypatch.setitem(kernels._LSE_PADDED, "flash_attn", padded)
+    monkeypatch.setitem(kernels.flash.LSE_PADDED, "flash_attn", padded)
     want_shape = (cu_q.numel() - 1, q.shape[1], mq) if padded else (q.shape[1], q.shape[0])
 
     def fake_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                  max_seqlen_k, dropout_p, softmax_scale, causal, window_size_left, window_size_right,
                  softcap, alibi_slopes, deterministic, rng_state=None):
         assert tuple(softmax_lse.shape) == want_shape and dropout_p == 0.0
-        lse_tm = kernels._lse_to_token_major(softmax_lse, cu_seqlens_q, q.shape[0])
-        g = kernels._sdpa_ref_bwd(dout, q, k, v, out, lse_tm, cu_seqlens_q, cu_seqlens_k,
+        lse_tm = kernels.flash.lse_to_token_major(softmax_lse, cu_seqlens_q, q.shape[0])
+        g = kernels.reference.sdpa_ref_bwd(dout, q, k, v, out, lse_tm, cu_seqlens_q, cu_seqlens_k,
                                   max_seqlen_q, max_seqlen_k, causal, softmax_scale)
         for dst, src in zip((dq, dk, dv), g):
             dst.copy_(src)
         return None
 
-    monkeypatch.setattr(kernels, "_fa2_module", lambda: types.SimpleNamespace(
+    monkeypatch.setattr(kernels.flash, "fa2_module", lambda: types.SimpleNamespace(
         _flash_attn_varlen_backward=fake_bwd))
-    got = kernels._fa2_bwd(dout, q, k, v, out, lse, cu_q, cu_k, mq, mk, True, 0.25)
-    want = kernels._sdpa_ref_bwd(dout, q, k, v, out, lse, cu_q, cu_k, mq, mk, True, 0.25)
+    got = kernels.flash.fa2_bwd(dout, q, k, v, out, lse, cu_q, cu_k, mq, mk, True, 0.25)
+    want = kernels.reference.sdpa_ref_bwd(dout, q, k, v, out, lse, cu_q, cu_k, mq, mk, True, 0.25)
     for g_, w in zip(got, want):
         assert rel_err(g_, w) <= FP32_TOL
 
@@ -249,23 +249,23 @@ def test_fa4_adapter_uses_the_4_0_0b36_interface(monkeypatch):
                  max_seqlen_q=None, max_seqlen_k=None, softmax_scale=None, causal=False,
                  return_lse=False):
         assert return_lse
-        o, lse_tm = kernels._sdpa_ref_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+        o, lse_tm = kernels.reference.sdpa_ref_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                           max_seqlen_k, causal, softmax_scale)
         return o, lse_tm.T.contiguous(), None, None, None
 
     def fake_bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False, cu_seqlens_q=None,
                  cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
         assert lse.shape == (q.shape[1], q.shape[0])
-        return kernels._sdpa_ref_bwd(dout, q, k, v, out, lse.T, cu_seqlens_q, cu_seqlens_k,
+        return kernels.reference.sdpa_ref_bwd(dout, q, k, v, out, lse.T, cu_seqlens_q, cu_seqlens_k,
                                      max_seqlen_q, max_seqlen_k, causal, softmax_scale)
 
-    monkeypatch.setattr(kernels, "_fa4_module", lambda: types.SimpleNamespace(
+    monkeypatch.setattr(kernels.flash, "fa4_module", lambda: types.SimpleNamespace(
         _flash_attn_fwd=fake_fwd, _flash_attn_bwd=fake_bwd))
-    o4, l4 = kernels._fa4_fwd(q, k, v, cu_q, cu_k, mq, mk, True, 0.25)
-    o_ref, l_ref = kernels._sdpa_ref_fwd(q, k, v, cu_q, cu_k, mq, mk, True, 0.25)
+    o4, l4 = kernels.flash.fa4_fwd(q, k, v, cu_q, cu_k, mq, mk, True, 0.25)
+    o_ref, l_ref = kernels.reference.sdpa_ref_fwd(q, k, v, cu_q, cu_k, mq, mk, True, 0.25)
     assert rel_err(o4, o_ref) <= FP32_TOL and rel_err(l4, l_ref) <= FP32_TOL and l4.shape == l_ref.shape
-    got = kernels._fa4_bwd(dout, q, k, v, o4, l4, cu_q, cu_k, mq, mk, True, 0.25)
-    want = kernels._sdpa_ref_bwd(dout, q, k, v, o_ref, l_ref, cu_q, cu_k, mq, mk, True, 0.25)
+    got = kernels.flash.fa4_bwd(dout, q, k, v, o4, l4, cu_q, cu_k, mq, mk, True, 0.25)
+    want = kernels.reference.sdpa_ref_bwd(dout, q, k, v, o_ref, l_ref, cu_q, cu_k, mq, mk, True, 0.25)
     for g_, w in zip(got, want):
         assert rel_err(g_, w) <= FP32_TOL
 

@@ -15,10 +15,11 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cadlib import distributed, launch
+from cadlib import distributed, launch, proctree
 from cadlib.distributed import (format_progress, init_from_env, parse_progress, read_results,
                                 report_progress, write_result)
-from cadlib.launch import TorchrunError, run_torchrun, terminate_tree
+from cadlib.launch import TorchrunError, run_torchrun
+from cadlib.proctree import terminate_tree
 
 TARGETS = Path(__file__).parent / "launch_targets"
 REPO = Path(__file__).resolve().parents[1]
@@ -51,7 +52,7 @@ def wait_until(predicate, timeout: float) -> bool:
 @pytest.mark.parametrize("kwargs, fragment", [
     ({"nproc": 0}, "nproc must be an integer >= 1"),
     ({"nproc": 2.0}, "nproc must be an integer >= 1"),
-    ({"nproc": 2, "backend": "mpi"}, "unknown backend 'mpi'; choose one of: auto, gloo, nccl"),
+    ({"nproc": 2, "pg_backend": "mpi"}, "unknown process-group backend pg_backend='mpi'; choose one of: auto, gloo, nccl"),
     ({"nproc": 2, "timeout": 0}, "timeout must be a number of seconds > 0"),
     ({"nproc": 2, "timeout": -3}, "timeout must be a number of seconds > 0"),
 ])
@@ -71,8 +72,8 @@ def test_run_torchrun_rejects_unknown_targets(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised without CUDA")
 def test_nccl_without_cuda_is_refused():
-    with pytest.raises(ValueError, match="backend 'nccl' needs CUDA"):
-        run_torchrun(TARGETS / "ok.py", 2, backend="nccl")
+    with pytest.raises(ValueError, match="process-group backend 'nccl' needs CUDA"):
+        run_torchrun(TARGETS / "ok.py", 2, pg_backend="nccl")
 
 
 def test_command_line_matches_torchrun_flags(tmp_path):
@@ -82,7 +83,7 @@ def test_command_line_matches_torchrun_flags(tmp_path):
     assert cmd[cmd.index("--log-dir") + 1] == str(tmp_path)
     assert cmd[-4:] == ["-m", "cadlib.train", "--steps", "2"]
     env = launch._child_env({"FOO": "1", "HOME": None}, "gloo", tmp_path)
-    assert env["FOO"] == "1" and "HOME" not in env and env["CADLIB_BACKEND"] == "gloo"
+    assert env["FOO"] == "1" and "HOME" not in env and env["CADLIB_PG_BACKEND"] == "gloo"
     assert env["CADLIB_RESULTS_DIR"] == str(tmp_path / "results")
     assert env["TORCHELASTIC_ERROR_FILE"] == str(tmp_path / "error.json")
     assert str(REPO) in env["PYTHONPATH"].split(os.pathsep)
@@ -135,7 +136,7 @@ def test_init_from_env_without_torchrun_gives_a_usable_single_rank_group(monkeyp
         monkeypatch.delenv(key, raising=False)
     d = init_from_env("gloo")
     try:
-        assert (d.rank, d.world, d.device, d.backend) == (0, 1, torch.device("cpu"), "gloo")
+        assert (d.rank, d.world, d.device, d.pg_backend) == (0, 1, torch.device("cpu"), "gloo")
         t = torch.tensor([2.0, 3.0])
         dist.all_reduce(t, group=d.group)
         assert t.tolist() == [2.0, 3.0]
@@ -143,7 +144,7 @@ def test_init_from_env_without_torchrun_gives_a_usable_single_rank_group(monkeyp
     finally:
         distributed.destroy()
     assert not dist.is_initialized()
-    with pytest.raises(ValueError, match="unknown backend 'ucc'; choose one of: auto, gloo, nccl"):
+    with pytest.raises(ValueError, match="unknown process-group backend 'ucc'; choose one of: auto, gloo, nccl"):
         init_from_env("ucc")
 
 
@@ -158,7 +159,7 @@ def test_terminate_tree_stops_children_in_other_sessions():
     root = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
                             start_new_session=True)
     child = int(root.stdout.readline())
-    found = launch._descendants(root.pid)
+    found = proctree._descendants(root.pid)
     assert child in found
     try:
         import psutil
@@ -174,11 +175,11 @@ def test_terminate_tree_stops_children_in_other_sessions():
 # ------------------------------------------------------------------------------- real torchrun runs
 @pytest.mark.multiproc
 def test_two_ranks_succeed_with_results_progress_and_logs(tmp_path, capsys):
-    df = run_torchrun(TARGETS / "ok.py", 2, args="--steps 3", timeout=120, backend="gloo",
+    df = run_torchrun(TARGETS / "ok.py", 2, args="--steps 3", timeout=120, pg_backend="gloo",
                       log_dir=tmp_path)
     assert df["rank"].tolist() == [0, 1]
     assert df["world"].tolist() == [2, 2] and df["sum"].tolist() == [3.0, 3.0]  # all-reduce of rank+1
-    assert df["square"].tolist() == [[0], [1]] and (df["backend"] == "gloo").all()
+    assert df["square"].tolist() == [[0], [1]] and (df["pg_backend"] == "gloo").all()
     assert df.attrs["results"][1]["pid"] == df["pid"][1] and df.attrs["missing_ranks"] == []
     assert df.attrs["progress"] == [{"step": s, "total": 3, "desc": "reduce"} for s in (1, 2, 3)]
     logs = Path(df.attrs["log_dir"])
@@ -195,7 +196,7 @@ def test_two_ranks_succeed_with_results_progress_and_logs(tmp_path, capsys):
 def test_auto_backend_is_nccl_on_two_gpus(tmp_path):
     df = run_torchrun(TARGETS / "ok.py", 2, args=["--steps", "2"], timeout=300, log_dir=tmp_path,
                       echo=False, progress=False)
-    assert df.attrs["backend"] == "nccl" and (df["backend"] == "nccl").all()
+    assert df.attrs["pg_backend"] == "nccl" and (df["pg_backend"] == "nccl").all()
     assert df["sum"].tolist() == [3.0, 3.0]
 
 
@@ -220,7 +221,7 @@ def test_failing_rank_raises_with_its_traceback(tmp_path, target, source, expect
 
 @pytest.mark.multiproc
 def test_timeout_stops_every_process_of_the_run(tmp_path, monkeypatch):
-    monkeypatch.setattr(launch, "KILL_GRACE_S", 1.0)
+    monkeypatch.setattr(proctree, "KILL_GRACE_S", 1.0)
     pids = tmp_path / "pids"
     pids.mkdir()
     with pytest.raises(TimeoutError, match="did not finish within 8 s") as info:

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from cadlib.cost import ModelSpec, causal_pairs
 from cadlib.scheduler import _cut, _Greedy, _tri_le, colocated, equal_flops, place, schedule
-from cadlib.shard import Layout, layout_from_lists
+from cadlib.plan import Layout, layout_from_lists
 
 MODEL = ModelSpec.from_name("llama3-8b")
 
@@ -250,7 +250,8 @@ def test_kept_rows_and_moves_match_fresh_scoring(layout, tol, min_shard, servers
 
 def test_kept_rows_match_fresh_scoring_at_scale():
     """Same check on a sequentially packed prolong-like workload (long documents over many ranks)."""
-    from cadlib.workload import pack, sample_docs
+    from cadlib.packing import pack
+    from cadlib.workload import sample_docs
     layout = pack(sample_docs("prolong", 16 * 65536, seed=3), 16, 65536, method="sequential")
     ch = layout.chunk_array()
     res = []
@@ -305,7 +306,8 @@ def test_cad_moves_no_more_bytes_than_equal_flops_on_prolong(tokens_per_rank):
     """ProLong at 64 servers (long documents cut over neighbouring ranks): the communication-aware
     greedy dispatches no more bytes than the bytes-blind water-filling, both reaching 1.1 x mean.
     Measured: 16.97 vs 18.45 GB at 32K tokens per rank, 17.17 vs 17.73 GB at 128K."""
-    from cadlib.workload import pack, sample_docs
+    from cadlib.packing import pack
+    from cadlib.workload import sample_docs
     tpr = tokens_per_rank
     layout = pack(sample_docs("prolong", 64 * tpr, seed=0), 64, tpr, method="sequential")
     ch = layout.chunk_array()

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from cadlib.cost import (H200_MATMUL_TFLOPS, H200_NVLINK_ALL_TO_ALL_GBPS, IB_GBPS_PER_GPU, ModelSpec,
                          attention_tflops)
-from cadlib.shard import CATask, Layout, Plan, layout_to_tasks
+from cadlib.plan import CATask, Layout, Plan, layout_to_tasks
 from cadlib.sim import (Hardware, StepTimes, attention_seconds, comm_seconds, idle_fraction_sweep,
                         linear_seconds, one_f_one_b, simulate, simulate_cad, simulate_cp, simulate_dp,
                         simulate_pp, zigzag_layout)
@@ -348,7 +348,8 @@ def test_sweep_end_to_end_with_workload_and_scheduler():
 
 def test_simulate_cad_schedules_a_layout():
     from cadlib.scheduler import schedule
-    from cadlib.workload import pack, sample_docs
+    from cadlib.packing import pack
+    from cadlib.workload import sample_docs
     lay = pack(sample_docs("pretrain", 8 * 16384, seed=3, max_doc_len=16384), 8)
     via_layout = simulate("cad", lay, MODEL, tolerance=0.05)
     direct = simulate_cad(schedule(lay, 8, MODEL, 0.05), MODEL)

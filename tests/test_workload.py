@@ -6,10 +6,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cadlib.cost import ModelSpec
-from cadlib.shard import Chunk
+from cadlib.cost import ModelSpec, imbalance
+from cadlib.packing import pack, rank_costs
+from cadlib.plan import Chunk
 from cadlib.workload import (DISTRIBUTIONS, PERCENTILES, PRESETS, QUANTILE_TABLES, doc_length_cdf,
-                             imbalance, long_doc_level, pack, rank_costs, sample_docs)
+                             long_doc_level, sample_docs)
 
 TABLES = tuple(QUANTILE_TABLES)
 EXTRA = {"uniform": {"length": 700}, "lognormal": {"mu": 7.0, "sigma": 1.2}}

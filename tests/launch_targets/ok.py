@@ -23,7 +23,7 @@ def main():
     dist.all_reduce(total, group=d.group)
     log(f"sum of rank+1 over {d.world} ranks = {total.item():g}")
     print(f"note from rank {d.rank} on stderr", file=sys.stderr, flush=True)
-    write_result({"world": d.world, "sum": total.item(), "backend": d.backend, "steps": opts.steps,
+    write_result({"world": d.world, "sum": total.item(), "pg_backend": d.pg_backend, "steps": opts.steps,
                   "pid": os.getpid(), "square": torch.tensor([d.rank]) ** 2})
     destroy()
 

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from cadlib.cost import ModelSpec
-from cadlib.shard import CATask, Chunk, Layout, Plan, layout_to_tasks, split_even, split_task
+from cadlib.plan import CATask, Chunk, Layout, Plan, layout_to_tasks, split_even, split_task
 
 
 def two_rank_layout():

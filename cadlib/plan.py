@@ -18,7 +18,7 @@ from typing import Iterable, NamedTuple, Sequence
 
 import numpy as np
 
-from .cost import MIN_SHARD_TOKENS, ModelSpec, causal_pairs
+from .cost import MIN_SHARD_TOKENS, ModelSpec, causal_pairs, imbalance
 
 
 class Chunk(NamedTuple):
@@ -232,9 +232,7 @@ class Plan:
 
     def imbalance(self) -> float:
         """max / mean of the per-server attention load (1.0 = perfectly balanced)."""
-        load = self.server_pairs()
-        mean = load.mean()
-        return float(load.max() / mean) if mean > 0 else 1.0
+        return imbalance(self.server_pairs())
 
     # -- communication ---------------------------------------------------------------------------
     def token_matrices(self) -> tuple[np.ndarray, np.ndarray]:
