@@ -48,6 +48,33 @@ CoreAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.
 # Building blocks
 # ---------------------------------------------------------------------------------------------------
 
+def _up(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in at least fp32 (fp64 stays fp64)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+class _RMSNormFn(torch.autograd.Function):
+    """``y = (x * r).to(dtype) * w`` with ``r = 1 / sqrt(mean(x^2) + eps)`` in fp32; saves only ``x``
+    and ``r`` (autograd of the plain expression would also keep fp32 copies of ``x``). Backward, with
+    ``xh = x r`` and ``gw = dy * w`` (fp32): ``dx = r (gw - xh mean(gw * xh))``, ``dw = sum_i dy_i xh_i``."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps: float):
+        xf = _up(x)
+        r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, r)
+        return (xf * r).to(x.dtype) * weight
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, r = ctx.saved_tensors
+        xh = _up(x) * r
+        gw = _up(dy) * _up(weight)
+        dx = r * (gw - xh * (gw * xh).mean(-1, keepdim=True))
+        dw = (_up(dy) * _up(xh.to(x.dtype))).reshape(-1, x.shape[-1]).sum(0)
+        return dx.to(x.dtype), dw.to(weight.dtype), None
+
+
 class RMSNorm(nn.Module):
     """``y = x / sqrt(mean(x^2) + eps) * w`` over the last dimension, computed in fp32."""
 
@@ -57,9 +84,26 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return y.to(x.dtype) * self.weight
+        return _RMSNormFn.apply(x, self.weight, self.eps)
+
+
+class _SwiGLUFn(torch.autograd.Function):
+    """``silu(a) * b`` with ``silu(a) = a sigmoid(a)``, keeping only ``a`` and ``b`` for backward
+    (autograd of the plain expression also keeps ``silu(a)``). With ``s = sigmoid(a)``:
+    ``da = dy b s (1 + a (1 - s))``, ``db = dy silu(a)`` (fp32)."""
+
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a, b)
+        return F.silu(a) * b
+
+    @staticmethod
+    def backward(ctx, dy):
+        a, b = ctx.saved_tensors
+        af, g = _up(a), _up(dy)
+        s = torch.sigmoid(af)
+        da = g * _up(b) * s * (1 + af * (1 - s))
+        return da.to(a.dtype), (g * af * s).to(b.dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -110,7 +154,7 @@ class DecoderLayer(nn.Module):
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         """SwiGLU on the normed input: ``W2 (silu(W1 rms(x)) * W3 rms(x))``, ``silu(a) = a sigmoid(a)``."""
         h = self.mlp_norm(x)
-        return self.w2(F.silu(self.w1(h)) * self.w3(h))
+        return self.w2(_SwiGLUFn.apply(self.w1(h), self.w3(h)))
 
     def post_attention(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         """``x = x + Wo o``, then ``x = x + mlp(x)``. With ``mlp_recompute`` the norm and MLP keep only
@@ -260,6 +304,19 @@ class Decoder(nn.Module):
     def parameter_count(self) -> int:
         """Number of parameters (embedding and LM head included)."""
         return sum(p.numel() for p in self.parameters())
+
+    def saved_bytes_per_token(self) -> int:
+        """Bytes one layer's linear part keeps for backward per token, core attention's own excluded
+        (it adds ``q, k, v, o`` and an fp32 lse with a flash kernel). ``b`` = bytes per element::
+
+            plain:          (4 hidden + Hq D + 3 ffn) b + 2 * 4   (norm inputs and outputs, Wo input,
+                                                                    gate, up, SwiGLU output; 2 fp32 rstd)
+            mlp_recompute:  (3 hidden + Hq D) b + 4                 (the MLP keeps only its input)
+        """
+        sp, b = self.spec, torch.empty(0, dtype=self.dtype).element_size()
+        if self.mlp_recompute:
+            return (3 * sp.hidden + sp.q_dim) * b + 4
+        return (4 * sp.hidden + sp.q_dim + 3 * sp.ffn) * b + 8
 
     def rope(self, positions: torch.Tensor):
         """``(cos, sin)`` each ``[n, D]``: angle ``m * theta_i`` with ``theta_i = rope_theta^(-2i/D)``
