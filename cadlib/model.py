@@ -106,20 +106,16 @@ class _SwiGLUFn(torch.autograd.Function):
         return da.to(a.dtype), (g * af * s).to(b.dtype)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """``[x1, x2] -> [-x2, x1]`` on the last dimension, split in halves."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary position embedding, rotate-half convention, on ``x [n, H, D]`` with ``cos, sin [n, D]``::
 
         rope(x)_m = x_m * cos(m theta) + rotate_half(x_m) * sin(m theta)
 
     i.e. each pair ``(x_i, x_{i + D/2})`` is rotated by the angle ``m * theta_i`` of its token's
-    position ``m``, so ``rope(q)_m . rope(k)_n`` depends on positions only through ``m - n``."""
-    return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
+    position ``m``, so ``rope(q)_m . rope(k)_n`` depends on positions only through ``m - n``.
+    ``rotate_half([x1, x2]) = [-x2, x1]`` (halves of the last dimension)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos[:, None, :] + torch.cat((-x2, x1), dim=-1) * sin[:, None, :]
 
 
 class DecoderLayer(nn.Module):
@@ -194,8 +190,9 @@ class ChunkedCrossEntropy(torch.autograd.Function):
 
         dh_i = (dL/dz_i) W,    dW = sum_i (dL/dz_i)^T h_i
 
-    Peak extra memory is one chunk's ``[chunk, vocab]`` fp32 logits (plus, for a low-precision W,
-    an fp32 ``[vocab, hidden]`` accumulator for dW during backward), never ``[n, vocab]``."""
+    Peak extra memory is about two ``[chunk, vocab]`` fp32 buffers (logits and their exp), never
+    ``[n, vocab]``; backward also holds dW as fp32 ``[vocab, hidden]`` (and, for a low-precision W,
+    one more such buffer for each chunk's product): ~2 GiB each at llama3-8b's vocabulary."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, chunk: int):
@@ -236,7 +233,9 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             del p
             if need_h:
                 dh[s:e] = g @ weight
-            if need_w:
+            if need_w and g.dtype == torch.float32:
+                dw.addmm_(g.t(), h)                                       # in place, no [V, hidden] temp
+            elif need_w:
                 dw += _mm_f32(g.t(), h)
         return dh, (dw.to(weight.dtype) if need_w else None), None, None
 
@@ -268,7 +267,7 @@ class Decoder(nn.Module):
             raise ValueError(f"RoPE needs an even head_dim; got {spec.head_dim}")
         if not rope_theta > 0:
             raise ValueError(f"rope_theta must be > 0; got {rope_theta}")
-        self.spec, self.rope_theta, self.seed, self.dtype = spec, float(rope_theta), int(seed), dtype
+        self.spec, self.rope_theta, self.seed = spec, float(rope_theta), int(seed)
         device = torch.device(device) if device is not None else torch.device("cpu")
         meta = dict(dtype=dtype, device="meta")
         self.embed = nn.Embedding(spec.vocab, spec.hidden, **meta)              # [vocab, hidden]
@@ -293,13 +292,12 @@ class Decoder(nn.Module):
         return len(self.layers)
 
     @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    @property
     def mlp_recompute(self) -> bool:
         return all(layer.mlp_recompute for layer in self.layers)
-
-    @mlp_recompute.setter
-    def mlp_recompute(self, on: bool) -> None:
-        for layer in self.layers:
-            layer.mlp_recompute = bool(on)
 
     def parameter_count(self) -> int:
         """Number of parameters (embedding and LM head included)."""
@@ -440,18 +438,8 @@ def synthetic_tokens(layout: Layout, rank: int, vocab: int, seed: int, device=No
         t = cache[c.doc]
         toks.append(t[c.start:c.end])
         nxt = t[c.start + 1:c.end + 1]
-        if c.end == len(t):
-            nxt = np.concatenate([nxt, np.array([IGNORE_INDEX], dtype=np.int64)])
-        tgts.append(nxt)
-    if not toks:
-        z = torch.zeros(0, dtype=torch.int64, device=device)
-        return z, z.clone()
-    return (torch.from_numpy(np.concatenate(toks)).to(device),
-            torch.from_numpy(np.concatenate(tgts)).to(device))
-
-
-def logits_bytes(n_tokens: int, vocab: int, dtype_bytes: int = 4) -> int:
-    """Bytes of a full ``[n_tokens, vocab]`` logits tensor (what chunked CE avoids):
-    128K tokens x 128256 vocab in fp32 is ``~63 GiB``."""
-    return int(n_tokens) * int(vocab) * int(dtype_bytes)
+        tgts.append(np.append(nxt, IGNORE_INDEX) if c.end == len(t) else nxt)
+    def cat(parts):
+        return torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0, np.int64)).to(device)
+    return cat(toks), cat(tgts)
 

@@ -298,3 +298,10 @@ def test_custom_norm_and_swiglu_gradients():
     b = torch.randn(5, 8, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(_SwiGLUFn.apply, (a, b))
     torch.testing.assert_close(_SwiGLUFn.apply(a, b), F.silu(a) * b)
+
+
+def test_a_rank_without_tokens_gets_empty_tensors():
+    layout = Layout(ranks=[[Chunk(0, 0, 4)], []], doc_lens=[4])
+    assert positions(layout, 1).shape == (0,)
+    toks, tgts = synthetic_tokens(layout, 1, 10, seed=0)
+    assert toks.shape == tgts.shape == (0,) and toks.dtype == tgts.dtype == torch.int64
