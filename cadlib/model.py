@@ -155,7 +155,7 @@ class DecoderLayer(nn.Module):
     def post_attention(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         """``x = x + Wo o``, then ``x = x + mlp(x)``. With ``mlp_recompute`` the norm and MLP keep only
         their input for backward and run again there (``torch.utils.checkpoint``, non-reentrant)."""
-        x = x + self.wo(o.reshape(o.shape[0], -1))
+        x = x + self.wo(o.flatten(1))
         if self.mlp_recompute and torch.is_grad_enabled():
             return x + checkpoint(self.mlp, x, use_reentrant=False)
         return x + self.mlp(x)

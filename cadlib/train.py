@@ -34,7 +34,7 @@ from . import scheduler
 from .cad import AllToAll, cad_attention, prepare
 from .cost import MODELS, as_model
 from .distributed import destroy, init_from_env, log, report_progress, write_result
-from .model import Decoder, positions, synthetic_tokens
+from .model import ChunkedCrossEntropy, Decoder, positions, synthetic_tokens
 from .packing import pack
 from .pingpong import _spanned, pingpong_layers, split_nano_batches
 from .stages import SignalOnly, Streams, Timeline, staged_attention
@@ -96,7 +96,9 @@ def forward(step: Step, model, group, streams, tl, args, signal_only: bool):
     comm = SignalOnly(group) if signal_only else AllToAll(group)
 
     def head(h, tgt):
-        return _spanned(tl, "head", lambda x: model.loss(x, tgt, args.ce_chunk)[0], h)
+        # the chunked LM-head loss, called directly: Decoder.loss also counts targets on the host
+        return _spanned(tl, "head", lambda x: ChunkedCrossEntropy.apply(x, model.lm_head.weight, tgt,
+                                                                        args.ce_chunk), h)
 
     if step.method in ("cad-pingpong", "signal-only"):
         (ta, ya, pa), (tb, yb, pb) = step.inputs
