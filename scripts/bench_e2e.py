@@ -1,0 +1,108 @@
+#!/usr/bin/env python
+"""End-to-end training steps: CAD (with and without ping-pong) against colocated, WLB-ideal and the
+signal-only control, on the same sampled batches; one JSON per setting under results/.
+
+    python scripts/bench_e2e.py --smoke                           # CPU/gloo, tiny model, seconds
+    python scripts/bench_e2e.py --nproc 2 --tokens 65536,131072 --dists pretrain,prolong,uniform
+    python scripts/bench_e2e.py --nproc 2 --link inter-node-like  # NCCL_P2P_DISABLE=1: via host memory
+
+Each setting is one ``python -m cadlib.train`` launch (cadlib.launch.run_torchrun) running every
+method over the same batches; :func:`cadlib.e2e.summarise` turns the per-rank records into per-batch
+speedups, the saving balancing could bring and how much CAD recovers, exposed communication, the
+ping-pong gain and the calibrated prediction. Results record device, torch, commit and configuration.
+"""
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from cadlib import e2e, launch  # noqa: E402
+from cadlib.results import save_result  # noqa: E402
+
+LINKS = {"nvlink": {}, "inter-node-like": {"NCCL_P2P_DISABLE": "1"}}
+METHODS = "colocated,wlb,cad,cad-pingpong,signal-only"
+
+
+def run_setting(args, tokens: int, dist: str, link: str) -> dict:
+    train_args = ["--methods", args.methods, "--model", args.model, "--tokens-per-rank", str(tokens),
+                  "--dist", dist, "--steps", str(args.steps), "--warmup", str(args.warmup),
+                  "--dtype", args.dtype, "--tolerance", str(args.tolerance), "--min-shard", str(args.min_shard),
+                  "--seed", str(args.seed)]
+    if args.layers:
+        train_args += ["--layers", str(args.layers)]
+    if dist == "uniform":
+        train_args += ["--doc-len", str(args.uniform_len)]
+    if args.max_doc_len:
+        train_args += ["--max-doc-len", str(args.max_doc_len)]
+    if args.mlp_recompute:
+        train_args += ["--mlp-recompute"]
+    if args.attn_backend:
+        train_args += ["--attn-backend", args.attn_backend]
+    df = launch.run_torchrun("cadlib.train", args.nproc, train_args, timeout=args.timeout,
+                             pg_backend=args.pg_backend, env=LINKS[link], echo=False, progress=True)
+    results = list(df.attrs["results"])
+    config = dict(results[0]["config"])
+    out = e2e.summarise(results, config, args.nproc)
+    out["timelines"] = {f"rank{r['rank']}": r["timelines"] for r in results}
+    out["records"] = [rec for r in results for rec in r["records"]]
+    out["model"] = results[0]["model"]
+    out["device_name"] = results[0]["device_name"]
+    return {"config": {**config, "link": link, "nproc": args.nproc}, **out}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="CPU/gloo, tiny model, 2 ranks, few steps")
+    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--model", default="llama3-8b")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--tokens", default="65536,131072", help="tokens per GPU, comma-separated")
+    ap.add_argument("--dists", default="pretrain,prolong,uniform")
+    ap.add_argument("--uniform-len", type=int, default=2048, help="document length of 'uniform'")
+    ap.add_argument("--max-doc-len", type=int, default=None)
+    ap.add_argument("--link", default="nvlink", help=f"comma-separated: {', '.join(LINKS)}")
+    ap.add_argument("--methods", default=METHODS)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--tolerance", type=float, default=0.05)
+    ap.add_argument("--min-shard", type=int, default=512)
+    ap.add_argument("--mlp-recompute", action="store_true", default=True)
+    ap.add_argument("--attn-backend", default=None)
+    ap.add_argument("--pg-backend", default="auto")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--out", default=str(ROOT / "results"), help="folder for bench_e2e_*.json")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.model, args.layers, args.tokens, args.dtype = "tiny", 2, "512", "fp32"
+        args.dists, args.steps, args.warmup, args.min_shard = "pretrain", 2, 1, 32
+        args.max_doc_len, args.pg_backend, args.mlp_recompute = 700, "gloo", False
+    for link in args.link.split(","):
+        if link not in LINKS:
+            ap.error(f"unknown --link {link!r}; choose from: {', '.join(LINKS)}")
+    status = 0
+    for link in args.link.split(","):
+        for dist in args.dists.split(","):
+            for tokens in (int(t) for t in args.tokens.split(",")):
+                name = f"bench_e2e_{'smoke_' if args.smoke else ''}{args.nproc}x_{dist}_{tokens // 1024}k_{link}"
+                try:
+                    res = run_setting(args, tokens, dist, link)
+                except Exception as e:      # one failing setting must not lose the others
+                    print(f"{name}: FAILED {e!r}", flush=True)
+                    status = 1
+                    continue
+                path = save_result(pathlib.Path(args.out) / f"{name}.json", res["config"],
+                                   {k: v for k, v in res.items() if k != "config"})
+                s = res["summary"]
+                print(f"{name}: " + ", ".join(f"{k} {v:.3f}" for k, v in s.items() if isinstance(v, float)),
+                      f"-> {path}", flush=True)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
