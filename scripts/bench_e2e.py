@@ -30,8 +30,9 @@ METHODS = "colocated,wlb,cad,cad-pingpong,signal-only"
 def run_setting(args, tokens: int, dist: str, link: str) -> dict:
     train_args = ["--methods", args.methods, "--model", args.model, "--tokens-per-rank", str(tokens),
                   "--dist", dist, "--steps", str(args.steps), "--warmup", str(args.warmup),
-                  "--dtype", args.dtype, "--tolerance", str(args.tolerance), "--min-shard", str(args.min_shard),
-                  "--seed", str(args.seed)]
+                  "--dtype", args.dtype, "--tolerance", str(args.tolerance),
+                  "--min-shard", str(args.min_shard),
+                  "--seed", str(args.seed), "--lr", str(args.lr)]
     if args.layers:
         train_args += ["--layers", str(args.layers)]
     if dist == "uniform":
@@ -75,6 +76,7 @@ def main(argv=None) -> int:
     ap.add_argument("--attn-backend", default=None)
     ap.add_argument("--pg-backend", default="auto")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate (timing only needs sane values)")
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--out", default=str(ROOT / "results"), help="folder for bench_e2e_*.json")
     args = ap.parse_args(argv)
@@ -89,7 +91,8 @@ def main(argv=None) -> int:
     for link in args.link.split(","):
         for dist in args.dists.split(","):
             for tokens in (int(t) for t in args.tokens.split(",")):
-                name = f"bench_e2e_{'smoke_' if args.smoke else ''}{args.nproc}x_{dist}_{tokens // 1024}k_{link}"
+                tag = "smoke_" if args.smoke else ""
+                name = f"bench_e2e_{tag}{args.nproc}x_{dist}_{tokens // 1024}k_{link}"
                 try:
                     res = run_setting(args, tokens, dist, link)
                 except Exception as e:      # one failing setting must not lose the others
