@@ -7,24 +7,23 @@ meet at the gradient all-reduce):
 
 * ``speedup(m) = step(colocated) / step(m)``; ``layers`` variants use the decoder layers alone
   (forward + backward minus the LM head), which the head's ~2.4 layers of FLOPs would otherwise dilute.
-* The **saving** balancing could bring, from the colocated run alone: every rank's attention time
-  replaced by the mean over ranks, ``ideal = max_r (fwd_bwd_r - attn_r + mean_r attn_r)`` and
-  ``saving = max_r fwd_bwd_r - ideal``. CAD **recovers** ``(step(colocated) - step(cad-pingpong)) /
-  saving`` of it.
+* The **saving** balancing could bring, from the colocated run alone: ``attn_r`` is rank ``r``'s
+  attention kernel time over the step (forward and backward, without the all-gathers and the waits
+  inside them; sequential packing gives every rank the same linear work). The ranks meet at every
+  layer's all-gather and at the all-reduce, so the step follows the slowest rank's attention; with
+  every rank at the mean it would be ``saving = max_r attn_r - mean_r attn_r`` shorter. CAD
+  **recovers** ``(step(colocated) - step(cad-pingpong)) / saving`` of it.
 * **Exposed communication** of CAD with ping-pong: ``(step(cad-pingpong) - step(signal-only)) /
   step(cad-pingpong)``: the signal-only control runs the same schedule with one element per peer.
 * **Ping-pong gain**: ``step(cad) / step(cad-pingpong)`` (DistCA: without ping-pong the step is 10-17%
   slower).
-* **Prediction**: the simulator's straggler model, ``step = max_r busy_r``, calibrated on colocated's
-  measured rates: each rank's attention seconds per attention FLOP ``rho = sum_r attn_r / sum_r F_r``
-  (fwd+bwd FLOPs of its chunks), and its non-attention time as measured. CAD's predicted busy time on
-  rank ``r`` is ``fwd_bwd_r - attn_r + rho F^plan_r`` (its plan's server FLOPs; communication assumed
-  hidden by ping-pong), so ``predicted speedup = step(colocated) / (step(colocated) - max_r fwd_bwd_r +
-  max_r predicted_r)``.
+* **Prediction**: the straggler model (the step follows the slowest rank's attention), calibrated on
+  colocated's measured kernel rate ``rho = sum_r attn_r / sum_r F_r`` (seconds per fwd+bwd attention
+  FLOP of the rank's chunks): CAD's step is predicted as ``step(colocated) - max_r attn_r +
+  max_s rho F^plan_s`` (its plan's server FLOPs; communication assumed hidden by ping-pong).
 """
 from __future__ import annotations
 
-import numpy as np
 import pandas as pd
 
 from .cost import as_model
@@ -53,11 +52,9 @@ def saving(df: pd.DataFrame) -> pd.DataFrame:
     c = df[df.method == "colocated"]
     rows = []
     for b, grp in c.groupby("batch"):
-        busy = grp.fwd_bwd_ms.to_numpy()
         attn = grp.attention_ms.to_numpy()
-        ideal = float(np.max(busy - attn + attn.mean()))
         rows.append({"batch": b, "colocated_step_ms": float(grp.step_ms.max()),
-                     "saving_ms": float(busy.max() - ideal)})
+                     "saving_ms": float(attn.max() - attn.mean())})
     return pd.DataFrame(rows)
 
 
@@ -78,12 +75,10 @@ def predicted_speedup(df: pd.DataFrame, config: dict, world: int) -> pd.DataFram
         flops = rank_costs(layout, spec, backward=True)["attention_flops"]
         plan = scheduler.schedule(layout, model=spec, tolerance=args.tolerance, min_shard=args.min_shard)
         plan_flops = plan.server_flops(spec, backward=True, layers=None)
-        busy = grp.fwd_bwd_ms.to_numpy()
         attn = grp.attention_ms.to_numpy()
         rho = attn.sum() / max(float(flops.sum()), 1.0)
-        pred = busy - attn + rho * plan_flops
         step = float(grp.step_ms.max())
-        rows.append({"batch": b, "predicted_speedup": step / (step - busy.max() + pred.max()),
+        rows.append({"batch": b, "predicted_speedup": step / (step - attn.max() + rho * plan_flops.max()),
                      "ms_per_tflop": rho * 1e12})
     return pd.DataFrame(rows)
 

@@ -87,6 +87,11 @@ class RMSNorm(nn.Module):
         return _RMSNormFn.apply(x, self.weight, self.eps)
 
 
+SWIGLU_BWD_ELEMS = 1 << 27
+"""The SwiGLU backward works in fp32 on row blocks of at most this many elements (512 MiB each), not on
+the whole ``[n, ffn]`` at once (at 128K tokens x 14336 that would be 7 GiB per temporary)."""
+
+
 class _SwiGLUFn(torch.autograd.Function):
     """``silu(a) * b`` with ``silu(a) = a sigmoid(a)``, keeping only ``a`` and ``b`` for backward
     (autograd of the plain expression also keeps ``silu(a)``). With ``s = sigmoid(a)``:
@@ -100,10 +105,14 @@ class _SwiGLUFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         a, b = ctx.saved_tensors
-        af, g = _up(a), _up(dy)
-        s = torch.sigmoid(af)
-        da = g * _up(b) * s * (1 + af * (1 - s))
-        return da.to(a.dtype), (g * af * s).to(b.dtype)
+        da, db = torch.empty_like(a), torch.empty_like(b)
+        rows = max(1, SWIGLU_BWD_ELEMS // max(1, a.shape[-1]))
+        for i in range(0, a.shape[0], rows):                 # fp32 temporaries of bounded size
+            af, g = _up(a[i:i + rows]), _up(dy[i:i + rows])
+            s = torch.sigmoid(af)
+            da[i:i + rows] = g * _up(b[i:i + rows]) * s * (1 + af * (1 - s))
+            db[i:i + rows] = g * af * s
+        return da, db
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

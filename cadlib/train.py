@@ -55,11 +55,13 @@ def batch_docs(args, b: int, world: int) -> list[int]:
                        max_doc_len=args.max_doc_len, **kw)
 
 
-def _colocated_attention(layout, group, attn_backend):
-    """Per-document CP on ``layout``: the all-gather mechanism of :mod:`cadlib.cp`."""
+def _colocated_attention(layout, group, attn_backend, tl):
+    """Per-document CP on ``layout``: the all-gather mechanism of :mod:`cadlib.cp` (the kernel calls
+    alone are the timeline's attention spans; the whole call, all-gathers and waits included, is a
+    ``cp`` span)."""
     from .cp.allgather import layout_attention
 
-    return lambda q, k, v: layout_attention(q, k, v, layout, group, attn_backend=attn_backend)
+    return lambda q, k, v: layout_attention(q, k, v, layout, group, attn_backend=attn_backend, timeline=tl)
 
 
 class Step:
@@ -114,10 +116,10 @@ def forward(step: Step, model, group, streams, tl, args, signal_only: bool):
             def attn(q, k, v, i):
                 return staged_attention(q, k, v, plan, group, args.attn_backend, comm, streams, tl, "")
         elif args.colocated_impl == "allgather":
-            fn = _colocated_attention(step.layout, group, args.attn_backend)
+            fn = _colocated_attention(step.layout, group, args.attn_backend, tl)
 
             def attn(q, k, v, i):
-                return _spanned(tl, "attn", fn, q, k, v)
+                return _spanned(tl, "cp", fn, q, k, v)
         else:
             plan = scheduler.colocated(step.layout)
 

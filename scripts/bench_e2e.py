@@ -43,8 +43,9 @@ def run_setting(args, tokens: int, dist: str, link: str) -> dict:
         train_args += ["--mlp-recompute"]
     if args.attn_backend:
         train_args += ["--attn-backend", args.attn_backend]
+    env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", **LINKS[link]}
     df = launch.run_torchrun("cadlib.train", args.nproc, train_args, timeout=args.timeout,
-                             pg_backend=args.pg_backend, env=LINKS[link], echo=False, progress=True)
+                             pg_backend=args.pg_backend, env=env, echo=False, progress=not args.quiet)
     results = list(df.attrs["results"])
     config = dict(results[0]["config"])
     out = e2e.summarise(results, config, args.nproc)
@@ -58,6 +59,7 @@ def run_setting(args, tokens: int, dist: str, link: str) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--smoke", action="store_true", help="CPU/gloo, tiny model, 2 ranks, few steps")
+    ap.add_argument("--quiet", action="store_true", help="no progress bar (logs, CI)")
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--model", default="llama3-8b")
     ap.add_argument("--layers", type=int, default=4)

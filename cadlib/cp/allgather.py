@@ -29,6 +29,8 @@ value is read on the host in the communication path.
 """
 from __future__ import annotations
 
+import contextlib
+
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -207,13 +209,14 @@ class AllGatherAttention(torch.autograd.Function):
     dK/dV of gathered rows back to their owners, summed in fp32."""
 
     @staticmethod
-    def forward(ctx, q, k, v, dm: DeviceGatherMeta, group, attn_backend):
+    def forward(ctx, q, k, v, dm: DeviceGatherMeta, group, attn_backend, timeline):
         m = dm.meta
         ks, vs = _segments(_gather_kv(k, v, dm, group), dm)
-        out, lse = attend(q, ks, vs, dm.cu_q, dm.cu_k, m.max_q, m.max_k, causal=m.causal,
-                          backend=attn_backend)
+        with _span(timeline, "attn"):
+            out, lse = attend(q, ks, vs, dm.cu_q, dm.cu_k, m.max_q, m.max_k, causal=m.causal,
+                              backend=attn_backend)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.dm, ctx.group, ctx.attn_backend = dm, group, attn_backend
+        ctx.dm, ctx.group, ctx.attn_backend, ctx.timeline = dm, group, attn_backend, timeline
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -222,13 +225,19 @@ class AllGatherAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         dm, m = ctx.dm, ctx.dm.meta
         ks, vs = _segments(_gather_kv(k, v, dm, ctx.group), dm)
-        dq, dks, dvs = attend_backward(dout.contiguous(), q, ks, vs, out, lse, dm.cu_q, dm.cu_k, m.max_q,
-                                       m.max_k, causal=m.causal, backend=ctx.attn_backend)
+        with _span(ctx.timeline, "attn'"):
+            dq, dks, dvs = attend_backward(dout.contiguous(), q, ks, vs, out, lse, dm.cu_q, dm.cu_k, m.max_q,
+                                           m.max_k, causal=m.causal, backend=ctx.attn_backend)
         dbuf = torch.zeros((m.n_buf, 2, *k.shape[1:]), dtype=torch.float32, device=k.device)
         dbuf[:, 0].index_add_(0, dm.kv_rows, dks.float())
         dbuf[:, 1].index_add_(0, dm.kv_rows, dvs.float())
         dkv = _return_dkv(dbuf, dm, ctx.group, k.dtype)
-        return dq.to(q.dtype), dkv[:, 0].to(k.dtype), dkv[:, 1].to(v.dtype), None, None, None
+        return dq.to(q.dtype), dkv[:, 0].to(k.dtype), dkv[:, 1].to(v.dtype), None, None, None, None
+
+
+def _span(timeline, phase: str):
+    """``timeline.span("compute", phase)`` (a :class:`cadlib.stages.Timeline`), or nothing."""
+    return timeline.span("compute", phase) if timeline is not None else contextlib.nullcontext()
 
 
 def _check(q, k, v, n_local: int) -> None:
@@ -250,14 +259,17 @@ def _check(q, k, v, n_local: int) -> None:
 
 
 def layout_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout, group,
-                     attn_backend: str | None = None, causal: bool = True, return_lse: bool = False):
+                     attn_backend: str | None = None, causal: bool = True, return_lse: bool = False,
+                     timeline=None):
     """Per-document attention of this rank's tokens (layout order), K, V of documents held by several
     ranks all-gathered over ``group``. ``q [n_local, Hq, D]``, ``k, v [n_local, Hkv, D]``; returns
     ``o`` like ``q`` (and the float32 ``lse [n_local, Hq]`` with ``return_lse``). Differentiable in
-    q, k, v. Every check happens before any collective."""
+    q, k, v. Every check happens before any collective. ``timeline`` (a :class:`cadlib.stages.Timeline`)
+    records the kernel calls alone as ``("compute", "attn")`` / ``"attn'"`` spans, without the
+    all-gathers and the waits for other ranks inside them."""
     dm = prepare(layout, group, q.device, causal)
     _check(q, k, v, dm.meta.n_local)
-    o, lse = AllGatherAttention.apply(q, k, v, dm, group, attn_backend)
+    o, lse = AllGatherAttention.apply(q, k, v, dm, group, attn_backend, timeline)
     return (o, lse) if return_lse else o
 
 
