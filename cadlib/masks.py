@@ -49,6 +49,9 @@ LONG_DOC_RANGE = (8 * 1024, 30 * 1024)
 """Length range (uniform, end excluded) of the long documents of the ``_long`` variants."""
 LONG_FRACTION = 0.6
 """Fraction of the tokens in long documents in the ``_long`` variants."""
+MASK_MOD_COLS = 3
+"""``mask_mod`` looks up at least this many covering slices per query row (padded), so masks of
+one length share tensor shapes and a compiled FlexAttention can be reused across them."""
 DENSE_MAX_ELEMS = 1 << 28
 """``to_dense`` refuses masks larger than this many elements."""
 
@@ -162,21 +165,24 @@ class Mask:
 
     def mask_mod(self, device="cpu"):
         """A FlexAttention ``mask_mod(b, h, q_idx, kv_idx) -> bool`` equal to :meth:`to_dense`: it
-        looks up the (few) slices covering ``q_idx`` and applies each one's kind condition."""
+        looks up the (few) slices covering ``q_idx`` (1-D tables, one per column, ``-1`` = none) and
+        applies each one's kind condition."""
         import torch
 
-        table = torch.as_tensor(self._row_table(), device=device)
-        par = torch.as_tensor(np.stack([self.q0, self.q1, self.k0, self.k1, self.kind], 1), device=device)
-        if self.n_slices == 0:
-            par = torch.zeros((1, 5), dtype=torch.int64, device=device)
-        n_cols = table.shape[1]
+        table = self._row_table()
+        n_cols = max(MASK_MOD_COLS, table.shape[1])
+        table = np.pad(table, ((0, 0), (0, n_cols - table.shape[1])), constant_values=-1)
+        per_col = [torch.as_tensor(np.ascontiguousarray(table[:, c]), device=device) for c in range(n_cols)]
+        n = max(16, 1 << max(0, self.n_slices - 1).bit_length())        # padded: few distinct shapes
+        cols = [np.pad(a, (0, n - a.size)) for a in (self.q0, self.q1, self.k0, self.k1, self.kind)]
+        q0s, q1s, k0s, k1s, kinds = (torch.as_tensor(a, device=device) for a in cols)
 
         def mod(b, h, q_idx, kv_idx):
             ok = q_idx < 0                                   # False, shaped like the indices
-            for c in range(n_cols):
-                s = table[q_idx, c]
-                p = par[s.clamp(min=0)]
-                q0, q1, k0, k1, kind = p[..., 0], p[..., 1], p[..., 2], p[..., 3], p[..., 4]
+            for col in per_col:                              # 1-D lookups only (vmap/compile friendly)
+                s = col[q_idx]
+                si = s.clamp(min=0)
+                q0, q1, k0, k1, kind = q0s[si], q1s[si], k0s[si], k1s[si], kinds[si]
                 j, t = q_idx - q0, kv_idx - k0
                 causal = t <= j + (k1 - k0) - (q1 - q0)
                 inv = t >= j

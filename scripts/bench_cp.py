@@ -127,6 +127,8 @@ def run_case(mech_name, mask_name, dist_name, tpg, args, env, heads, dtype) -> d
         rec["fwd_bwd_tflops_per_gpu"] = fb / world / (tot_ms * 1e-3) / 1e12
         rec["peak_mem_gb"] = float(pk.item())
         rec["tokens_per_rank"] = mech.tokens_per_rank().tolist()
+        if mech_name == "usp":
+            rec["ulysses_size"] = mech.u                  # u = world: Ulysses; u = 1: ring
         rec["status"] = "ok"
     except ValueError as e:                      # a mechanism that does not serve this mask (CAD: full)
         rec.update(status="X", error=str(e)[:300])

@@ -179,6 +179,7 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="fp32", choices=tuple(DTYPES))
     p.add_argument("--rtol", type=float, default=None)
     p.add_argument("--pg-backend", default=None)
+    p.add_argument("--out", default=None, help="also save rank 0's cases here (cadlib.results.save_result)")
     args = p.parse_args(argv)
     for s in args.suite.split(","):
         if s not in SUITES:
@@ -221,6 +222,11 @@ def main(argv=None) -> int:
         report_progress(step + 1, len(jobs), suite)
     write_result({"rank": env.rank, "world": env.world, "rtol": rtol, "passed": ok, "cases": results,
                   "config": vars(args)})
+    if args.out and env.rank == 0:
+        from ..results import save_result
+
+        save_result(args.out, {**vars(args), "world": env.world, "device": str(env.device)}, results,
+                    passed=ok, rtol=rtol)
     destroy()
     return 0 if ok else 1
 
