@@ -11,7 +11,10 @@ import torch
 
 from cadlib.cp import contiguous_layout, layout_rows, zigzag_layout
 from cadlib.cp.allgather import build_meta, gathered_tokens, layout_attention, prepare, shared_docs
-from cadlib.cp.check import random_layout, reference
+from cadlib.cp import MECHANISMS, make
+from cadlib.cp.check import PROTOCOL_MASKS, random_layout, reference
+from cadlib.cp.ring import build_ring_meta
+from cadlib.cp.ulysses import kv_head_map
 from cadlib.plan import Layout
 
 FP32_RTOL = 1e-5
@@ -98,6 +101,57 @@ def test_random_layouts_split_documents_and_leave_a_rank_nearly_empty():
     assert (random_layout(4, seed=1).tokens_per_rank() > 0).all()
 
 
+def test_ring_steps_see_earlier_chunks_in_full_and_their_own_causally():
+    lay = zigzag_layout([16], 2)                  # rank 0: [0, 4) and [12, 16); rank 1: [4, 8), [8, 12)
+    m0 = build_ring_meta(lay, 0, causal=True)
+    s0, s1 = m0.steps
+    assert s0.causal and not s1.causal and s1.src == 1
+    assert s0.cu_k.tolist() == [0, 4, 12]        # [0, 4) alone; [12, 16) after [0, 4) ...
+    assert s1.q_rows.tolist() == list(range(4, 8)) and s1.cu_k.tolist() == [0, 8]   # ... and all of rank 1
+    m1 = build_ring_meta(lay, 1, causal=True)
+    assert m1.steps[1].cu_k.tolist() == [0, 4, 8]   # both of rank 1's chunks see rank 0's head only
+
+
+def test_ulysses_head_map_replicates_kv_heads():
+    assert kv_head_map(8, 8, 4) is None
+    assert kv_head_map(8, 2, 4) == [0, 0, 1, 1]
+    assert kv_head_map(8, 1, 8) == [0] * 8
+    with pytest.raises(ValueError, match="query heads"):
+        kv_head_map(6, 2, 4)
+    with pytest.raises(ValueError, match="multiple or a divisor"):
+        kv_head_map(12, 3, 4)
+
+
+@pytest.mark.parametrize("name", MECHANISMS)
+def test_every_mechanism_on_one_rank(name):
+    """World 1 (no process group): each mechanism is plain per-document attention."""
+    doc_lens = [5, 1, 9]
+    mech = make(name, None, doc_lens, causal=True, **({"min_shard": 2} if name == "cad" else {}))
+    gen = torch.Generator().manual_seed(0)
+    full = [torch.randn(15, h, 8, generator=gen) for h in (4, 2, 2, 4)]
+    q, k, v = (mech.dispatch(t).clone().requires_grad_(True) for t in full[:3])
+    out, lse = mech.apply_attn(q, k, v)
+    out.backward(mech.dispatch(full[3]))
+    ref = reference(*full, doc_lens, True)
+    for g, r in zip((out, q.grad, k.grad, v.grad), ref):
+        assert float((mech.undispatch(g.detach()).double() - r).abs().max() / r.abs().max()) <= FP32_RTOL
+    assert torch.isfinite(lse).all()
+
+
+def test_protocol_errors():
+    with pytest.raises(ValueError, match="unknown CP mechanism 'rings'; choose one of: allgather, ring"):
+        make("rings", None, [4])
+    with pytest.raises(ValueError, match="CAD serves causal masks only"):
+        make("cad", None, [4], causal=False)
+    with pytest.raises(ValueError, match="ulysses_size must divide"):
+        make("usp", None, [4], ulysses_size=3)
+    mech = make("ring", None, [4, 4])
+    with pytest.raises(ValueError, match="n_local=8"):
+        mech.apply_attn(*(torch.zeros(3, 2, 4) for _ in range(3)))
+    with pytest.raises(ValueError, match="T=8 rows"):
+        mech.dispatch(torch.zeros(3))
+
+
 # ------------------------------------------------------------------------------------ multi-process
 def launch(world, args):
     launch_mod = pytest.importorskip("cadlib.launch")
@@ -105,14 +159,23 @@ def launch(world, args):
                                  echo=False, progress=False)
     assert len(df) == world
     cases = df.attrs["results"][0]["cases"]
-    for c in cases:
+    for c in (c for c in cases if "skipped" not in c):
         assert max(c["rel_err"].values()) <= FP32_RTOL and not c["nan"], c
     assert df["passed"].all()
     return cases
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("world", [2, 4])
-def test_layout_attention_matches_reference(world):
-    cases = launch(world, ["--suite", "layout", "--seeds", "4"])
-    assert len(cases) == 4 and all(c["shared_docs"] >= 1 for c in cases)
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_cp_mechanisms_match_reference(world):
+    """One launch per world size: random layouts for layout_attention, then every mechanism x mask."""
+    cases = launch(world, ["--suite", "layout,protocol", "--seeds", "4"])
+    layout = [c for c in cases if c["suite"] == "layout"]
+    assert len(layout) == 4 and all(c["shared_docs"] >= 1 for c in layout)
+    proto = [c for c in cases if c["suite"] == "protocol"]
+    ran = {(c["mechanism"], c["mask"]) for c in proto if "skipped" not in c}
+    want = {(m, k) for m in MECHANISMS for k in PROTOCOL_MASKS}
+    assert ran == want - {("cad", "full"), ("cad", "full_document")}
+    assert all(c["undispatch_ok"] for c in proto if "skipped" not in c)
+    assert any(0 in c["tokens_per_rank"] for c in proto if "skipped" not in c) or world == 2
+    assert any(c["min_doc"] < world for c in proto)

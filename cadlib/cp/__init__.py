@@ -93,11 +93,17 @@ def layout_rows(layout: Layout, rank: int) -> np.ndarray:
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
-class CPMechanism:
-    """Base class: a layout per rank, row dispatch by index, an all-gather undispatch.
+def global_rank(group, group_rank: int) -> int:
+    """The default-group rank of ``group_rank`` in ``group`` (for point-to-point peers)."""
+    if group is None or group is dist.group.WORLD or not dist.is_initialized():
+        return int(group_rank)
+    return dist.get_global_rank(group, group_rank)
 
-    Subclasses set ``self.layout`` (or override :meth:`dispatch`/:meth:`undispatch`) and implement
-    :meth:`apply_attn`."""
+
+class CPMechanism:
+    """Base class: which global rows each rank holds, row dispatch by index, an all-gather undispatch.
+
+    Subclasses call :meth:`set_rows` (or :meth:`set_layout`) and implement :meth:`apply_attn`."""
 
     name = "base"
     pads = False
@@ -112,12 +118,22 @@ class CPMechanism:
         self.doc_lens, self.causal, self.attn_backend = doc_lens, bool(causal), attn_backend
         self.total = int(sum(doc_lens))
         self.layout: Layout | None = None
+        self.rows_per_rank: list[np.ndarray] = []
         self._rows: dict[str, torch.Tensor] = {}
 
     # -- rows ------------------------------------------------------------------------------------
+    def set_layout(self, layout: Layout) -> None:
+        self.layout = layout
+        self.set_rows([layout_rows(layout, r) for r in range(self.world)])
+
+    def set_rows(self, rows: list[np.ndarray]) -> None:
+        if len(rows) != self.world or sorted(np.concatenate(rows).tolist()) != list(range(self.total)):
+            raise ValueError("every token must be on exactly one rank")
+        self.rows_per_rank = [np.asarray(r, dtype=np.int64) for r in rows]
+
     def local_rows(self, rank: int | None = None) -> np.ndarray:
-        """Global token positions of ``rank``'s local rows (default: this rank)."""
-        return layout_rows(self.layout, self.rank if rank is None else rank)
+        """Global token positions of ``rank``'s local rows (default: this rank), in local order."""
+        return self.rows_per_rank[self.rank if rank is None else rank]
 
     def _rows_on(self, device) -> torch.Tensor:
         key = str(device)
@@ -127,7 +143,10 @@ class CPMechanism:
 
     @property
     def n_local(self) -> int:
-        return int(self.layout.tokens_per_rank()[self.rank])
+        return int(self.local_rows().size)
+
+    def tokens_per_rank(self) -> np.ndarray:
+        return np.array([r.size for r in self.rows_per_rank], dtype=np.int64)
 
     def dispatch(self, x_global: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a ``[T, ...]`` tensor (every rank passes the same global tensor)."""
@@ -137,7 +156,7 @@ class CPMechanism:
 
     def undispatch(self, x_local: torch.Tensor) -> torch.Tensor:
         """The global ``[T, ...]`` tensor from every rank's local rows (an all-gather, padded)."""
-        counts = self.layout.tokens_per_rank()
+        counts = self.tokens_per_rank()
         if x_local.shape[0] != counts[self.rank]:
             raise ValueError(f"x_local must have n_local={counts[self.rank]} rows, got {x_local.shape[0]}")
         pad = int(counts.max())
@@ -151,7 +170,7 @@ class CPMechanism:
             buf = send
         out = x_local.new_empty((self.total, *x_local.shape[1:]))
         src = np.concatenate([np.arange(r * pad, r * pad + counts[r]) for r in range(self.world)])
-        dst = np.concatenate([self.local_rows(r) for r in range(self.world)])
+        dst = np.concatenate(self.rows_per_rank)
         out[torch.as_tensor(dst, device=out.device)] = buf.index_select(0, torch.as_tensor(src,
                                                                                           device=buf.device))
         return out

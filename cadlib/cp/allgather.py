@@ -281,7 +281,7 @@ class AllGatherCP(CPMechanism):
 
     def __init__(self, group, doc_lens, causal: bool = True, attn_backend: str | None = None):
         super().__init__(group, doc_lens, causal, attn_backend)
-        self.layout = zigzag_layout(self.doc_lens, self.world)
+        self.set_layout(zigzag_layout(self.doc_lens, self.world))
 
     def apply_attn(self, q, k, v):
         self.check_qkv(q, k, v)

@@ -1,0 +1,406 @@
+"""Kernel x mask benchmark: attention backends on the 12 mask types (+ 2 long variants), fwd and bwd.
+
+Each backend declares the masks it supports; a cell it does not support is ``X``, one that runs out
+of memory ``E``, one that fails otherwise ``!`` (the error is recorded), one skipped for the time
+budget or after a slower smaller size ``-``. Work is counted from the exact mask area
+(:meth:`cadlib.masks.Mask.flops`: forward ``4 * area * Hq * D``, backward 2.5x), never from what a
+kernel computes, so TF/s compare across backends.
+
+Backends (``BACKENDS``)::
+
+    sdpa_math, sdpa_efficient   torch SDPA; full/causal by flag, every other mask as a dense boolean mask
+    sdpa_flash, sdpa_cudnn      torch SDPA; full and causal only
+    torch_flash                 torch's built-in FA2 varlen (cadlib.kernels), masks with a varlen form
+    fa4                         FlashAttention-4 varlen (cadlib.kernels), masks with a varlen form
+    flash_attn                  FlashAttention-2 varlen (cadlib.kernels) when importable
+    flex                        FlexAttention, torch.compile'd, block mask from the mask's slices
+    flex_eager, sdpa_ref        CPU smoke only (unfused flex; cadlib's per-segment reference)
+
+Timing (GPU): per cell ``--warmup`` untimed calls, then ``--reps`` calls each after an L2 flush
+(a 256 MB write), CUDA events around the kernel alone; median and 20/80% quantiles; peak memory
+(``max_memory_allocated``, inputs included). The smallest size of each (backend, mask) is also
+checked against a float32 dense reference (``max_err``). Results are saved after every cell, so an
+interrupted run keeps what it measured; ``--merge`` adds to an existing file (replacing equal cells).
+
+    python scripts/bench_kernels.py --backends fa4,torch_flash --out results/bench_kernels.json --merge
+    python scripts/bench_kernels.py --smoke        # CPU, tiny, seconds
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from cadlib import kernels  # noqa: E402
+from cadlib.masks import ALL_TYPES, FULL, Mask, make_mask  # noqa: E402
+from cadlib.results import save_result  # noqa: E402
+
+BACKENDS = ("sdpa_math", "sdpa_efficient", "sdpa_flash", "sdpa_cudnn", "torch_flash", "fa4", "flash_attn",
+            "flex", "flex_eager", "sdpa_ref")
+GPU_DEFAULT = ("sdpa_math", "sdpa_efficient", "sdpa_flash", "sdpa_cudnn", "torch_flash", "fa4", "flash_attn",
+               "flex")
+SMOKE_BACKENDS = ("sdpa_math", "flex_eager", "sdpa_ref")
+SEQLENS = (1024, 2048, 4096, 8192, 16384, 24576, 32768, 40960, 49152)
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+SYMBOL = {"X": "unsupported", "E": "out of memory", "!": "failed", "-": "skipped"}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Backends: each returns (fwd, bwd_prepare, bwd) closures over prepared inputs
+# ---------------------------------------------------------------------------------------------------
+
+class Unsupported(Exception):
+    pass
+
+
+def dense_mask(mask: Mask, device) -> torch.Tensor:
+    """Boolean ``[T, T]`` built slice by slice on ``device`` (no host ``T x T`` array)."""
+    T = mask.total
+    out = torch.zeros(T, T, dtype=torch.bool, device=device)
+    for a, b, c, d, kind in zip(mask.q0, mask.q1, mask.k0, mask.k1, mask.kind):
+        a, b, c, d, kind = int(a), int(b), int(c), int(d), int(kind)
+        if kind == FULL:
+            out[a:b, c:d] = True
+            continue
+        j = torch.arange(b - a, device=device)[:, None]
+        t = torch.arange(d - c, device=device)[None, :]
+        cond = {1: t <= j + (d - c) - (b - a), 2: t >= j, 3: (t <= j + (d - c) - (b - a)) & (t >= j)}[kind]
+        out[a:b, c:d] |= cond
+    return out
+
+
+def _plain(mask: Mask):
+    """``is_causal`` for the single-slice full/causal masks, else None."""
+    if mask.name in ("full", "causal"):
+        return mask.name == "causal"
+    return None
+
+
+def _sdpa(variant: str):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    which = {"sdpa_math": SDPBackend.MATH, "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION,
+             "sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}[variant]
+
+    def setup(mask, q, k, v, dout):
+        is_causal = _plain(mask)
+        if is_causal is None and variant in ("sdpa_flash", "sdpa_cudnn"):
+            raise Unsupported
+        attn_mask = dense_mask(mask, q.device) if is_causal is None else None
+        qh, kh, vh, dh = (t.transpose(0, 1).unsqueeze(0).contiguous() for t in (q, k, v, dout))
+        qh, kh, vh = (t.requires_grad_(True) for t in (qh, kh, vh))
+        gqa = {"enable_gqa": True} if kh.shape[1] != qh.shape[1] else {}
+
+        def call(kk, vv, **kw):
+            with sdpa_kernel([which]):
+                return F.scaled_dot_product_attention(qh, kk, vv, attn_mask=attn_mask,
+                                                      is_causal=bool(is_causal), **kw)
+        try:
+            call(kh, vh, **gqa)
+        except RuntimeError:                  # this SDPA backend takes no GQA: expand the KV heads
+            if not gqa:
+                raise
+            rep = qh.shape[1] // kh.shape[1]
+            kh = kh.detach().repeat_interleave(rep, 1).requires_grad_(True)
+            vh = vh.detach().repeat_interleave(rep, 1).requires_grad_(True)
+            gqa = {}
+
+        def fwd():
+            return call(kh, vh, **gqa)
+
+        def bwd(out):
+            out.backward(dh)
+        return fwd, fwd, bwd
+    return setup
+
+
+def _varlen(backend: str):
+    def setup(mask, q, k, v, dout):
+        try:
+            vf = mask.to_varlen()
+        except ValueError:
+            raise Unsupported from None
+        dev = q.device
+        if vf.k_index is not None:
+            idx = torch.as_tensor(vf.k_index, device=dev)
+            k, v = k.index_select(0, idx), v.index_select(0, idx)
+        cu_q, cu_k = (torch.as_tensor(c, device=dev) for c in (vf.cu_q, vf.cu_k))
+        args = (cu_q, cu_k, vf.max_q, vf.max_k)
+
+        def fwd():
+            return kernels.attend(q, k, v, *args, causal=vf.causal, backend=backend)
+
+        def bwd(res):
+            kernels.attend_backward(dout, q, k, v, res[0], res[1], *args, causal=vf.causal, backend=backend)
+        return fwd, fwd, bwd
+    return setup
+
+
+def _flex(compiled: bool):
+    def setup(mask, q, k, v, dout):
+        from torch.nn.attention.flex_attention import flex_attention
+
+        fn = torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
+        bm = mask.block_mask(q.device, block_size=128, compile=compiled and q.device.type == "cuda")
+        qh, kh, vh, dh = (t.transpose(0, 1).unsqueeze(0).contiguous() for t in (q, k, v, dout))
+        grad = q.device.type == "cuda"              # FlexAttention has no backward on the CPU
+        qh, kh, vh = (t.requires_grad_(grad) for t in (qh, kh, vh))
+        gqa = kh.shape[1] != qh.shape[1]
+
+        def fwd():
+            return fn(qh, kh, vh, block_mask=bm, enable_gqa=gqa)
+
+        def bwd(out):
+            out.backward(dh)
+        return fwd, fwd, (bwd if grad else None)
+    return setup
+
+
+SETUP = {**{b: _sdpa(b) for b in ("sdpa_math", "sdpa_efficient", "sdpa_flash", "sdpa_cudnn")},
+         "torch_flash": _varlen("torch_flash"), "fa4": _varlen("fa4"), "flash_attn": _varlen("flash_attn"),
+         "sdpa_ref": _varlen("sdpa_ref"), "flex": _flex(True), "flex_eager": _flex(False)}
+
+
+def available(backend: str, device: torch.device) -> str | None:
+    """None when ``backend`` can run on ``device``, else the reason."""
+    if backend in ("torch_flash", "fa4", "flash_attn", "sdpa_ref"):
+        return None if backend in kernels.available_backends(device) else f"{backend} not available here"
+    if backend in ("sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "flex") and device.type != "cuda":
+        return f"{backend} needs CUDA"
+    if backend in ("flex", "flex_eager"):
+        try:
+            import torch.nn.attention.flex_attention  # noqa: F401
+        except ImportError as e:
+            return f"FlexAttention not importable: {e}"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Timing
+# ---------------------------------------------------------------------------------------------------
+
+class Timer:
+    def __init__(self, device: torch.device, flush_mb: int = 256):
+        self.device = device
+        self.flush_buf = (torch.empty(flush_mb * 2 ** 20, dtype=torch.uint8, device=device)
+                          if device.type == "cuda" else None)
+
+    def measure(self, fn, pre, warmup: int, reps: int) -> list[float]:
+        """Milliseconds of ``fn(pre())`` per rep (``pre`` untimed), after ``warmup`` calls."""
+        for _ in range(warmup):
+            fn(pre())
+        if self.device.type != "cuda":
+            out = []
+            for _ in range(reps):
+                x = pre()
+                t0 = time.perf_counter()
+                fn(x)
+                out.append((time.perf_counter() - t0) * 1e3)
+            return out
+        events = []
+        for _ in range(reps):
+            x = pre()
+            self.flush_buf.zero_()                                 # evict L2 between repetitions
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn(x)
+            e.record()
+            events.append((s, e))
+        torch.cuda.synchronize(self.device)
+        return [s.elapsed_time(e) for s, e in events]
+
+
+def _stats(ms: list[float]) -> dict:
+    return {"median_ms": float(np.median(ms)), "q20_ms": float(np.quantile(ms, 0.2)),
+            "q80_ms": float(np.quantile(ms, 0.8)), "reps": len(ms)}
+
+
+def _reference_error(mask, q, k, v, out) -> float:
+    """``max |out - ref| / max |ref|`` against float32 SDPA math with the dense mask."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    rep = q.shape[1] // k.shape[1]
+    qh, kh, vh = (t.float().transpose(0, 1).unsqueeze(0)
+                  for t in (q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)))
+    with sdpa_kernel([SDPBackend.MATH]):
+        ref = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=dense_mask(mask, q.device))
+    ref = ref[0].transpose(0, 1)                                  # [T, Hq, D]
+    got = out[0] if isinstance(out, tuple) else out[0].transpose(0, 1)
+    return float((got.float() - ref).abs().max() / ref.abs().max())
+
+
+def run_cell(backend, mask, heads, dim, dtype, device, timer, args, check: bool) -> list[dict]:
+    """fwd and bwd records of one (backend, mask, seqlen)."""
+    T = mask.total
+    base = {"backend": backend, "mask": mask.name, "seqlen": T, "area": mask.area(),
+            "sparsity": mask.sparsity()}
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    recs = []
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    baseline = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    try:
+        q = torch.randn(T, heads[0], dim, generator=gen, device=device).to(dtype)
+        k, v = (torch.randn(T, heads[1], dim, generator=gen, device=device).to(dtype) for _ in range(2))
+        dout = torch.randn(T, heads[0], dim, generator=gen, device=device).to(dtype)
+        fwd, pre, bwd = SETUP[backend](mask, q, k, v, dout)
+        first = fwd()
+        err = _reference_error(mask, q, k, v, first) if check and T <= args.check_max_len else None
+        del first
+        for direction in ("fwd", "bwd"):
+            if bwd is None and direction == "bwd":
+                recs.append({**base, "direction": direction, "status": "X", "error": "no backward here"})
+                continue
+            if direction == "fwd":
+                ms = timer.measure(lambda _: fwd(), lambda: None, args.warmup, args.reps)
+            else:
+                ms = timer.measure(bwd, pre, args.warmup, args.reps)
+            flops = mask.flops(heads[0], dim, direction)
+            st = _stats(ms)
+            recs.append({**base, "direction": direction, "status": "ok", **st, "flops": flops,
+                         "tflops": flops / (st["median_ms"] * 1e-3) / 1e12, "max_err": err})
+        peak = ((torch.cuda.max_memory_allocated(device) - baseline) / 1e9 if device.type == "cuda"
+                else None)                                   # inputs, masks, kernel workspace
+        for r in recs:
+            r["peak_mem_gb"] = peak
+    except Unsupported:
+        recs = [{**base, "direction": d, "status": "X"} for d in ("fwd", "bwd")]
+    except torch.cuda.OutOfMemoryError:
+        recs = [{**base, "direction": d, "status": "E"} for d in ("fwd", "bwd")]
+    except Exception as e:                                # a failing backend must not stop the run
+        msg = f"{type(e).__name__}: {e}"
+        if "out of memory" in msg.lower():
+            recs = [{**base, "direction": d, "status": "E"} for d in ("fwd", "bwd")]
+        else:
+            tb = traceback.format_exc(limit=3)
+            recs = [{**base, "direction": d, "status": "!", "error": msg[:500], "trace": tb[-1500:]}
+                    for d in ("fwd", "bwd")]
+    finally:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return recs
+
+
+# ---------------------------------------------------------------------------------------------------
+# Driver
+# ---------------------------------------------------------------------------------------------------
+
+def _brief(r: dict) -> str:
+    if r["status"] == "ok":
+        return f"{r['median_ms']:.2f} ms {r['tflops']:.3g} TF/s"
+    return f"{r['status']} {r.get('error', '')[:80]}"
+
+
+def table(rows: list[dict], seqlen: int, direction: str) -> str:
+    """Mask x backend: TF/s at ``seqlen`` or the status symbol."""
+    cells = {(r["mask"], r["backend"]): (f"{r['tflops']:.3g}" if r["status"] == "ok" else r["status"])
+             for r in rows if r["seqlen"] == seqlen and r["direction"] == direction}
+    masks = [m for m in ALL_TYPES if any(k[0] == m for k in cells)]
+    backs = [b for b in BACKENDS if any(k[1] == b for k in cells)]
+    lines = [f"{direction} TF/s at {seqlen} tokens", "mask".ljust(24) + "".join(b.rjust(15) for b in backs)]
+    for m in masks:
+        lines.append(m.ljust(24) + "".join(cells.get((m, b), "").rjust(15) for b in backs))
+    return "\n".join(lines)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--backends", default=None, help=f"comma-separated, from: {', '.join(BACKENDS)}")
+    p.add_argument("--masks", default=",".join(ALL_TYPES))
+    p.add_argument("--seqlens", default=",".join(str(s) for s in SEQLENS))
+    p.add_argument("--heads", default="64,8", help="query heads,KV heads")
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--dtype", default="bf16", choices=tuple(DTYPES))
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--window", type=int, default=1024)
+    p.add_argument("--block", type=int, default=1024)
+    p.add_argument("--check", type=int, default=1,
+                   help="1: check the smallest size against a dense reference")
+    p.add_argument("--check-max-len", type=int, default=4096)
+    p.add_argument("--slow-ms", type=float, default=3000.0,
+                   help="after a fwd or bwd median above this, skip larger sizes of that (backend, mask)")
+    p.add_argument("--time-budget-s", type=float, default=None, help="start no new cell after this long")
+    p.add_argument("--out", default="results/bench_kernels.json")
+    p.add_argument("--merge", action="store_true", help="add to --out, replacing equal cells")
+    p.add_argument("--smoke", action="store_true", help="CPU, tiny sizes, sdpa_math/flex_eager/sdpa_ref")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.seqlens = "256"
+        args.heads, args.head_dim, args.dtype = "4,2", 16, "fp32"
+        args.warmup, args.reps, args.window, args.block = 1, 3, 32, 64
+        args.backends = args.backends or ",".join(SMOKE_BACKENDS)
+        if args.out == "results/bench_kernels.json":
+            args.out = "results/bench_kernels_smoke.json"
+    for b in (args.backends or "").split(","):
+        if b and b not in BACKENDS:
+            p.error(f"unknown backend {b!r}; choose from: {', '.join(BACKENDS)}")
+    for m in args.masks.split(","):
+        if m not in ALL_TYPES:
+            p.error(f"unknown mask {m!r}; choose from: {', '.join(ALL_TYPES)}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = torch.device("cuda") if torch.cuda.is_available() and not args.smoke else torch.device("cpu")
+    default = GPU_DEFAULT if device.type == "cuda" else SMOKE_BACKENDS
+    backends = (args.backends or ",".join(default)).split(",")
+    heads = tuple(int(x) for x in args.heads.split(","))
+    seqlens = [int(s) for s in args.seqlens.split(",")]
+    dtype = DTYPES[args.dtype]
+    if device.type == "cpu" and dtype != torch.float32:
+        dtype = torch.float32
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
+    out = Path(args.out)
+    rows: list[dict] = []
+    if args.merge and out.exists():
+        rows = json.loads(out.read_text()).get("results", [])
+    config = {**vars(args), "device": str(device), "backends_run": backends}
+    timer = Timer(device)
+    t_start = time.monotonic()
+    for backend in backends:
+        why = available(backend, device)
+        for name in args.masks.split(","):
+            too_slow = None
+            for i, T in enumerate(seqlens):
+                key = (backend, name, T)
+                mask = make_mask(name, T, args.seed, window=args.window, block=args.block)
+                base = {"backend": backend, "mask": name, "seqlen": T, "area": mask.area(),
+                        "sparsity": mask.sparsity()}
+                over = args.time_budget_s is not None and time.monotonic() - t_start > args.time_budget_s
+                if why is not None or too_slow is not None or over:
+                    status, err = ("X", why) if why is not None else ("-", too_slow or "time budget")
+                    recs = [{**base, "direction": d, "status": status, "error": err} for d in ("fwd", "bwd")]
+                else:
+                    recs = run_cell(backend, mask, heads, args.head_dim, dtype, device, timer, args,
+                                    check=bool(args.check) and i == 0)
+                    slow = [r["median_ms"] for r in recs
+                            if r["status"] == "ok" and r["median_ms"] > args.slow_ms]
+                    if slow:
+                        too_slow = f"a smaller size took {max(slow):.0f} ms > --slow-ms {args.slow_ms:.0f}"
+                rows = [r for r in rows if (r["backend"], r["mask"], r["seqlen"]) != key] + recs
+                fr = {r["direction"]: r for r in recs}
+                print(f"{backend:>15} {name:>24} {T:>6}: " + "  ".join(f"{d} " + _brief(fr[d])
+                                                                       for d in ("fwd", "bwd")), flush=True)
+                save_result(out, config, rows)
+    for direction in ("fwd", "bwd"):
+        if rows:
+            print(table(rows, max(r["seqlen"] for r in rows), direction))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
