@@ -16,7 +16,8 @@ Backends (``BACKENDS``)::
     flex                        FlexAttention, torch.compile'd, block mask from the mask's slices
     flex_eager, sdpa_ref        CPU smoke only (unfused flex; cadlib's per-segment reference)
 
-Timing (GPU): per cell ``--warmup`` untimed calls, then ``--reps`` calls each after an L2 flush
+Timing (GPU): per cell one untimed call (compilation, autotuning; fewer repetitions when it is slow),
+``--warmup`` untimed calls, then ``--reps`` calls each after an L2 flush
 (a 256 MB write), CUDA events around the kernel alone; median and 20/80% quantiles; peak memory
 (``max_memory_allocated``, inputs included). The smallest size of each (backend, mask) is also
 checked against a float32 dense reference (``max_err``). Results are saved after every cell, so an
@@ -145,11 +146,16 @@ def _varlen(backend: str):
     return setup
 
 
+_FLEX = {}
+
+
 def _flex(compiled: bool):
     def setup(mask, q, k, v, dout):
         from torch.nn.attention.flex_attention import flex_attention
 
-        fn = torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
+        if compiled and "fn" not in _FLEX:
+            _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)    # one wrapper for every cell
+        fn = _FLEX["fn"] if compiled else flex_attention
         bm = mask.block_mask(q.device, block_size=128, compile=compiled and q.device.type == "cuda")
         qh, kh, vh, dh = (t.transpose(0, 1).unsqueeze(0).contiguous() for t in (q, k, v, dout))
         grad = q.device.type == "cuda"              # FlexAttention has no backward on the CPU
@@ -254,17 +260,24 @@ def run_cell(backend, mask, heads, dim, dtype, device, timer, args, check: bool)
         k, v = (torch.randn(T, heads[1], dim, generator=gen, device=device).to(dtype) for _ in range(2))
         dout = torch.randn(T, heads[0], dim, generator=gen, device=device).to(dtype)
         fwd, pre, bwd = SETUP[backend](mask, q, k, v, dout)
-        first = fwd()
+        t0 = time.perf_counter()
+        first = fwd()                                    # also compiles / autotunes, untimed
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t_first = time.perf_counter() - t0
         err = _reference_error(mask, q, k, v, first) if check and T <= args.check_max_len else None
         del first
+        warmup, reps = args.warmup, args.reps
+        if t_first * 1e3 > args.slow_ms / 3:             # a slow cell: fewer repetitions
+            warmup, reps = min(warmup, 1), min(reps, 3)
         for direction in ("fwd", "bwd"):
             if bwd is None and direction == "bwd":
                 recs.append({**base, "direction": direction, "status": "X", "error": "no backward here"})
                 continue
             if direction == "fwd":
-                ms = timer.measure(lambda _: fwd(), lambda: None, args.warmup, args.reps)
+                ms = timer.measure(lambda _: fwd(), lambda: None, warmup, reps)
             else:
-                ms = timer.measure(bwd, pre, args.warmup, args.reps)
+                ms = timer.measure(bwd, pre, warmup, reps)
             flops = mask.flops(heads[0], dim, direction)
             st = _stats(ms)
             recs.append({**base, "direction": direction, "status": "ok", **st, "flops": flops,
@@ -321,15 +334,15 @@ def parse_args(argv=None):
     p.add_argument("--heads", default="64,8", help="query heads,KV heads")
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", default="bf16", choices=tuple(DTYPES))
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--reps", type=int, default=7)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--window", type=int, default=1024)
     p.add_argument("--block", type=int, default=1024)
     p.add_argument("--check", type=int, default=1,
                    help="1: check the smallest size against a dense reference")
     p.add_argument("--check-max-len", type=int, default=4096)
-    p.add_argument("--slow-ms", type=float, default=3000.0,
+    p.add_argument("--slow-ms", type=float, default=1500.0,
                    help="after a fwd or bwd median above this, skip larger sizes of that (backend, mask)")
     p.add_argument("--time-budget-s", type=float, default=None, help="start no new cell after this long")
     p.add_argument("--out", default="results/bench_kernels.json")
