@@ -11,7 +11,7 @@ Backends (``BACKENDS``)::
     sdpa_math, sdpa_efficient   torch SDPA; full/causal by flag, every other mask as a dense boolean mask
     sdpa_flash, sdpa_cudnn      torch SDPA; full and causal only
     torch_flash                 torch's built-in FA2 varlen (cadlib.kernels), masks with a varlen form
-    fa4                         FlashAttention-4 varlen (cadlib.kernels), masks with a varlen form
+    fa4                         FlashAttention-4: varlen masks (cadlib.kernels) and its sliding windows
     flash_attn                  FlashAttention-2 varlen (cadlib.kernels) when importable
     flex                        FlexAttention, torch.compile'd, block mask from the mask's slices
     flex_eager, sdpa_ref        CPU smoke only (unfused flex; cadlib's per-segment reference)
@@ -146,6 +146,28 @@ def _varlen(backend: str):
     return setup
 
 
+def _fa4(mask, q, k, v, dout):
+    """FA4: the sliding windows through its windowed ``flash_attn_func`` (``window_size=(left, right)``,
+    query ``i`` sees keys ``[i - left, i + right]``), every varlen-expressible mask through
+    :mod:`cadlib.kernels`, nothing else."""
+    if mask.name not in ("sliding_window_causal", "sliding_window"):
+        return _varlen("fa4")(mask, q, k, v, dout)
+    from flash_attn.cute import flash_attn_func
+
+    w = int(mask.params["window"])
+    window = (w, 0 if mask.name == "sliding_window_causal" else w)
+    qb, kb, vb = (t.unsqueeze(0).clone().requires_grad_(True) for t in (q, k, v))     # [1, T, H, D]
+
+    def fwd():
+        res = flash_attn_func(qb, kb, vb, causal=False, window_size=window)
+        out = res[0] if isinstance(res, tuple) else res
+        return out[0], None                          # [T, Hq, D], like the varlen backends
+
+    def bwd(res):
+        res[0].backward(dout)
+    return fwd, fwd, bwd
+
+
 _FLEX = {}
 
 
@@ -172,7 +194,7 @@ def _flex(compiled: bool):
 
 
 SETUP = {**{b: _sdpa(b) for b in ("sdpa_math", "sdpa_efficient", "sdpa_flash", "sdpa_cudnn")},
-         "torch_flash": _varlen("torch_flash"), "fa4": _varlen("fa4"), "flash_attn": _varlen("flash_attn"),
+         "torch_flash": _varlen("torch_flash"), "fa4": _fa4, "flash_attn": _varlen("flash_attn"),
          "sdpa_ref": _varlen("sdpa_ref"), "flex": _flex(True), "flex_eager": _flex(False)}
 
 
