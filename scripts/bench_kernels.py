@@ -35,9 +35,11 @@ import time
 import traceback
 from pathlib import Path
 
-import numpy as np
-import torch
-import torch.nn.functional as F
+_T0 = time.monotonic()          # --time-budget-s counts from here (torch import and CUDA start included)
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -369,6 +371,8 @@ def parse_args(argv=None):
     p.add_argument("--time-budget-s", type=float, default=None, help="start no new cell after this long")
     p.add_argument("--out", default="results/bench_kernels.json")
     p.add_argument("--merge", action="store_true", help="add to --out, replacing equal cells")
+    p.add_argument("--combine", nargs="+", default=None, metavar="JSON",
+                   help="only merge these result files (later ones win on equal cells) into --out")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny sizes, sdpa_math/flex_eager/sdpa_ref")
     args = p.parse_args(argv)
     if args.smoke:
@@ -387,8 +391,29 @@ def parse_args(argv=None):
     return args
 
 
+def combine(paths: list[str], out: Path) -> list[dict]:
+    """Merge result files of separate runs (e.g. one per GPU) into one; later files win on equal cells."""
+    rows: dict = {}
+    metas, configs = [], []
+    for path in paths:
+        res = json.loads(Path(path).read_text())
+        metas.append(res.get("meta"))
+        configs.append(res.get("config"))
+        for r in res.get("results", []):
+            rows[(r["backend"], r["mask"], r["seqlen"], r["direction"])] = r
+    merged = list(rows.values())
+    save_result(out, {"combined_from": [str(p) for p in paths], "configs": configs}, merged, parts_meta=metas)
+    return merged
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.combine:
+        rows = combine(args.combine, Path(args.out))
+        for direction in ("fwd", "bwd"):
+            print(table(rows, max(r["seqlen"] for r in rows), direction))
+        print(f"wrote {args.out} ({len(rows)} records from {len(args.combine)} files)")
+        return 0
     device = torch.device("cuda") if torch.cuda.is_available() and not args.smoke else torch.device("cpu")
     default = GPU_DEFAULT if device.type == "cuda" else SMOKE_BACKENDS
     backends = (args.backends or ",".join(default)).split(",")
@@ -404,7 +429,7 @@ def main(argv=None) -> int:
         rows = json.loads(out.read_text()).get("results", [])
     config = {**vars(args), "device": str(device), "backends_run": backends}
     timer = Timer(device)
-    t_start = time.monotonic()
+    t_start = _T0
     for backend in backends:
         why = available(backend, device)
         for name in args.masks.split(","):
