@@ -58,11 +58,15 @@ def shared_docs(layout: Layout) -> np.ndarray:
     return holders > 1
 
 
-def gathered_tokens(layout: Layout) -> int:
+def gathered_tokens(layout: Layout, rank: int | None = None) -> int:
     """KV tokens every rank holds after the all-gather: all tokens of documents held by more than one
-    rank (rank ``p`` received those of them it did not own; padding rows are not counted)."""
+    rank (padding rows not counted). With ``rank``: only those that rank receives from the others
+    (the gathered tokens minus its own rows of shared documents)."""
     sh = shared_docs(layout)
-    return int(np.asarray(layout.doc_lens, dtype=np.int64)[sh].sum())
+    total = int(np.asarray(layout.doc_lens, dtype=np.int64)[sh].sum())
+    if rank is None:
+        return total
+    return total - int(sum(c.length for c in layout.ranks[rank] if sh[c.doc]))
 
 
 @dataclass
