@@ -52,6 +52,8 @@ LONG_FRACTION = 0.6
 MASK_MOD_COLS = 3
 """``mask_mod`` looks up at least this many covering slices per query row (padded), so masks of
 one length share tensor shapes and a compiled FlexAttention can be reused across them."""
+MASK_MOD_SLICES = 4096
+"""``mask_mod``'s slice tables are padded to at least this many entries (same reason)."""
 DENSE_MAX_ELEMS = 1 << 28
 """``to_dense`` refuses masks larger than this many elements."""
 
@@ -173,7 +175,7 @@ class Mask:
         n_cols = max(MASK_MOD_COLS, table.shape[1])
         table = np.pad(table, ((0, 0), (0, n_cols - table.shape[1])), constant_values=-1)
         per_col = [torch.as_tensor(np.ascontiguousarray(table[:, c]), device=device) for c in range(n_cols)]
-        n = max(16, 1 << max(0, self.n_slices - 1).bit_length())        # padded: few distinct shapes
+        n = max(MASK_MOD_SLICES, 1 << max(0, self.n_slices - 1).bit_length())   # padded: shared shapes
         cols = [np.pad(a, (0, n - a.size)) for a in (self.q0, self.q1, self.k0, self.k1, self.kind)]
         q0s, q1s, k0s, k1s, kinds = (torch.as_tensor(a, device=device) for a in cols)
 

@@ -55,8 +55,11 @@ def _json_default(o):
 
 
 def git_commit(root: str | os.PathLike = REPO_ROOT) -> str:
-    """The checkout's commit, with ``-dirty`` when tracked files differ. Outside a git checkout (e.g.
-    a working tree copied to a GPU node) the ``CADLIB_COMMIT`` environment variable, else ``unknown``."""
+    """The ``CADLIB_COMMIT`` environment variable when set (a working tree copied to a GPU node may
+    carry a stale ``.git``: the launcher of such a run names the commit it sent), else the checkout's
+    commit with ``-dirty`` when tracked files differ, else ``unknown``."""
+    if os.environ.get("CADLIB_COMMIT"):
+        return os.environ["CADLIB_COMMIT"]
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
                              timeout=10, check=True).stdout.strip()
@@ -64,7 +67,7 @@ def git_commit(root: str | os.PathLike = REPO_ROOT) -> str:
                                capture_output=True, text=True, timeout=10).stdout.strip()
         return sha + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
-        return os.environ.get("CADLIB_COMMIT", "unknown")
+        return "unknown"
 
 
 def device_name() -> str:

@@ -11,12 +11,13 @@ Backends (``BACKENDS``)::
     sdpa_math, sdpa_efficient   torch SDPA; full/causal by flag, every other mask as a dense boolean mask
     sdpa_flash, sdpa_cudnn      torch SDPA; full and causal only
     torch_flash                 torch's built-in FA2 varlen (cadlib.kernels), masks with a varlen form
-    fa4                         FlashAttention-4 varlen (cadlib.kernels), masks with a varlen form
+    fa4                         FlashAttention-4: varlen masks (cadlib.kernels) and its sliding windows
     flash_attn                  FlashAttention-2 varlen (cadlib.kernels) when importable
     flex                        FlexAttention, torch.compile'd, block mask from the mask's slices
     flex_eager, sdpa_ref        CPU smoke only (unfused flex; cadlib's per-segment reference)
 
-Timing (GPU): per cell ``--warmup`` untimed calls, then ``--reps`` calls each after an L2 flush
+Timing (GPU): per cell one untimed call (compilation, autotuning; fewer repetitions when it is slow),
+``--warmup`` untimed calls, then ``--reps`` calls each after an L2 flush
 (a 256 MB write), CUDA events around the kernel alone; median and 20/80% quantiles; peak memory
 (``max_memory_allocated``, inputs included). The smallest size of each (backend, mask) is also
 checked against a float32 dense reference (``max_err``). Results are saved after every cell, so an
@@ -34,15 +35,17 @@ import time
 import traceback
 from pathlib import Path
 
-import numpy as np
-import torch
-import torch.nn.functional as F
+_T0 = time.monotonic()          # --time-budget-s counts from here (torch import and CUDA start included)
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cadlib import kernels  # noqa: E402
 from cadlib.masks import ALL_TYPES, FULL, Mask, make_mask  # noqa: E402
-from cadlib.results import save_result  # noqa: E402
+from cadlib.results import atomic_write_json, save_result  # noqa: E402
 
 BACKENDS = ("sdpa_math", "sdpa_efficient", "sdpa_flash", "sdpa_cudnn", "torch_flash", "fa4", "flash_attn",
             "flex", "flex_eager", "sdpa_ref")
@@ -145,11 +148,38 @@ def _varlen(backend: str):
     return setup
 
 
+def _fa4(mask, q, k, v, dout):
+    """FA4: the sliding windows through its windowed ``flash_attn_func`` (``window_size=(left, right)``,
+    query ``i`` sees keys ``[i - left, i + right]``), every varlen-expressible mask through
+    :mod:`cadlib.kernels`, nothing else."""
+    if mask.name not in ("sliding_window_causal", "sliding_window"):
+        return _varlen("fa4")(mask, q, k, v, dout)
+    from flash_attn.cute import flash_attn_func
+
+    w = int(mask.params["window"])
+    window = (w, 0 if mask.name == "sliding_window_causal" else w)
+    qb, kb, vb = (t.unsqueeze(0).clone().requires_grad_(True) for t in (q, k, v))     # [1, T, H, D]
+
+    def fwd():
+        res = flash_attn_func(qb, kb, vb, causal=False, window_size=window)
+        out = res[0] if isinstance(res, tuple) else res
+        return out[0], None                          # [T, Hq, D], like the varlen backends
+
+    def bwd(res):
+        res[0].backward(dout)
+    return fwd, fwd, bwd
+
+
+_FLEX = {}
+
+
 def _flex(compiled: bool):
     def setup(mask, q, k, v, dout):
         from torch.nn.attention.flex_attention import flex_attention
 
-        fn = torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
+        if compiled and "fn" not in _FLEX:
+            _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)    # one wrapper for every cell
+        fn = _FLEX["fn"] if compiled else flex_attention
         bm = mask.block_mask(q.device, block_size=128, compile=compiled and q.device.type == "cuda")
         qh, kh, vh, dh = (t.transpose(0, 1).unsqueeze(0).contiguous() for t in (q, k, v, dout))
         grad = q.device.type == "cuda"              # FlexAttention has no backward on the CPU
@@ -166,7 +196,7 @@ def _flex(compiled: bool):
 
 
 SETUP = {**{b: _sdpa(b) for b in ("sdpa_math", "sdpa_efficient", "sdpa_flash", "sdpa_cudnn")},
-         "torch_flash": _varlen("torch_flash"), "fa4": _varlen("fa4"), "flash_attn": _varlen("flash_attn"),
+         "torch_flash": _varlen("torch_flash"), "fa4": _fa4, "flash_attn": _varlen("flash_attn"),
          "sdpa_ref": _varlen("sdpa_ref"), "flex": _flex(True), "flex_eager": _flex(False)}
 
 
@@ -254,17 +284,24 @@ def run_cell(backend, mask, heads, dim, dtype, device, timer, args, check: bool)
         k, v = (torch.randn(T, heads[1], dim, generator=gen, device=device).to(dtype) for _ in range(2))
         dout = torch.randn(T, heads[0], dim, generator=gen, device=device).to(dtype)
         fwd, pre, bwd = SETUP[backend](mask, q, k, v, dout)
-        first = fwd()
+        t0 = time.perf_counter()
+        first = fwd()                                    # also compiles / autotunes, untimed
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t_first = time.perf_counter() - t0
         err = _reference_error(mask, q, k, v, first) if check and T <= args.check_max_len else None
         del first
+        warmup, reps = args.warmup, args.reps
+        if t_first * 1e3 > args.slow_ms / 3:             # a slow cell: fewer repetitions
+            warmup, reps = min(warmup, 1), min(reps, 3)
         for direction in ("fwd", "bwd"):
             if bwd is None and direction == "bwd":
                 recs.append({**base, "direction": direction, "status": "X", "error": "no backward here"})
                 continue
             if direction == "fwd":
-                ms = timer.measure(lambda _: fwd(), lambda: None, args.warmup, args.reps)
+                ms = timer.measure(lambda _: fwd(), lambda: None, warmup, reps)
             else:
-                ms = timer.measure(bwd, pre, args.warmup, args.reps)
+                ms = timer.measure(bwd, pre, warmup, reps)
             flops = mask.flops(heads[0], dim, direction)
             st = _stats(ms)
             recs.append({**base, "direction": direction, "status": "ok", **st, "flops": flops,
@@ -321,19 +358,21 @@ def parse_args(argv=None):
     p.add_argument("--heads", default="64,8", help="query heads,KV heads")
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", default="bf16", choices=tuple(DTYPES))
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--reps", type=int, default=7)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--window", type=int, default=1024)
     p.add_argument("--block", type=int, default=1024)
     p.add_argument("--check", type=int, default=1,
                    help="1: check the smallest size against a dense reference")
     p.add_argument("--check-max-len", type=int, default=4096)
-    p.add_argument("--slow-ms", type=float, default=3000.0,
+    p.add_argument("--slow-ms", type=float, default=1500.0,
                    help="after a fwd or bwd median above this, skip larger sizes of that (backend, mask)")
     p.add_argument("--time-budget-s", type=float, default=None, help="start no new cell after this long")
     p.add_argument("--out", default="results/bench_kernels.json")
     p.add_argument("--merge", action="store_true", help="add to --out, replacing equal cells")
+    p.add_argument("--combine", nargs="+", default=None, metavar="JSON",
+                   help="only merge these result files (later ones win on equal cells) into --out")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny sizes, sdpa_math/flex_eager/sdpa_ref")
     args = p.parse_args(argv)
     if args.smoke:
@@ -352,8 +391,37 @@ def parse_args(argv=None):
     return args
 
 
+def combine(paths: list[str], out: Path) -> list[dict]:
+    """Merge result files of separate runs (e.g. one per GPU) into one; later files win on equal cells."""
+    rows: dict = {}
+    metas, configs = [], []
+    for path in paths:
+        res = json.loads(Path(path).read_text())
+        metas.append(res.get("meta"))
+        configs.append(res.get("config"))
+        for r in res.get("results", []):
+            rows[(r["backend"], r["mask"], r["seqlen"], r["direction"])] = r
+    merged = list(rows.values())
+    path = save_result(out, {"combined_from": [str(p) for p in paths], "configs": configs}, merged,
+                       parts_meta=metas)
+    # the measurement's provenance is the parts' (the machine that merges them only merged)
+    res = json.loads(path.read_text())
+    res["meta"]["combined_on"] = res["meta"].get("device")
+    for key in ("device", "torch", "cuda", "commit", "date"):
+        vals = {json.dumps((m or {}).get(key)) for m in metas}
+        res["meta"][key] = (metas[0] or {}).get(key) if len(vals) == 1 else [(m or {}).get(key) for m in metas]
+    atomic_write_json(path, res)
+    return merged
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.combine:
+        rows = combine(args.combine, Path(args.out))
+        for direction in ("fwd", "bwd"):
+            print(table(rows, max(r["seqlen"] for r in rows), direction))
+        print(f"wrote {args.out} ({len(rows)} records from {len(args.combine)} files)")
+        return 0
     device = torch.device("cuda") if torch.cuda.is_available() and not args.smoke else torch.device("cpu")
     default = GPU_DEFAULT if device.type == "cuda" else SMOKE_BACKENDS
     backends = (args.backends or ",".join(default)).split(",")
@@ -369,7 +437,7 @@ def main(argv=None) -> int:
         rows = json.loads(out.read_text()).get("results", [])
     config = {**vars(args), "device": str(device), "backends_run": backends}
     timer = Timer(device)
-    t_start = time.monotonic()
+    t_start = _T0
     for backend in backends:
         why = available(backend, device)
         for name in args.masks.split(","):

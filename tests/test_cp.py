@@ -49,6 +49,7 @@ def test_meta_of_a_split_layout():
     layout = Layout([[(0, 0, 3), (1, 0, 2)], [(0, 3, 10)], []], [10, 2])
     assert shared_docs(layout).tolist() == [True, False]
     assert gathered_tokens(layout) == 10
+    assert [gathered_tokens(layout, r) for r in range(3)] == [7, 3, 10]
     m0, m1, m2 = (build_meta(layout, r) for r in range(3))
     assert m0.pad == m1.pad == 7 and m0.send_index.tolist() == [0, 1, 2]
     # rank 1's chunk (0, 3, 10) reads the document's prefix [0, 10) from the gathered buffer

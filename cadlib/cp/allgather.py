@@ -60,11 +60,15 @@ def shared_docs(layout: Layout) -> np.ndarray:
     return holders > 1
 
 
-def gathered_tokens(layout: Layout) -> int:
+def gathered_tokens(layout: Layout, rank: int | None = None) -> int:
     """KV tokens every rank holds after the all-gather: all tokens of documents held by more than one
-    rank (rank ``p`` received those of them it did not own; padding rows are not counted)."""
+    rank (padding rows not counted). With ``rank``: only those that rank receives from the others
+    (the gathered tokens minus its own rows of shared documents)."""
     sh = shared_docs(layout)
-    return int(np.asarray(layout.doc_lens, dtype=np.int64)[sh].sum())
+    total = int(np.asarray(layout.doc_lens, dtype=np.int64)[sh].sum())
+    if rank is None:
+        return total
+    return total - int(sum(c.length for c in layout.ranks[rank] if sh[c.doc]))
 
 
 @dataclass
@@ -190,18 +194,19 @@ def _segments(buf, dm: DeviceGatherMeta):
     return buf[:, 0].index_select(0, dm.kv_rows), buf[:, 1].index_select(0, dm.kv_rows)
 
 
-def _return_dkv(dbuf: torch.Tensor, dm: DeviceGatherMeta, group, dtype) -> torch.Tensor:
-    """Local ``[n_local, 2, Hkv, D]`` fp32 gradient: own part plus the owners' share of every rank's
+def _return_dkv(dk: torch.Tensor, dv: torch.Tensor, dm: DeviceGatherMeta, group, dtype):
+    """Local fp32 ``dk, dv [n_local, Hkv, D]``: own part plus the owners' share of every rank's
     gradient of the gathered rows (sent in ``dtype``, summed in fp32)."""
     m = dm.meta
-    local = dbuf[:m.n_local]
+    dk_loc, dv_loc = dk[:m.n_local], dv[:m.n_local]
     if m.active:
-        send = dbuf[m.n_local:].to(dtype).contiguous()
+        send = torch.stack([dk[m.n_local:], dv[m.n_local:]], 1).to(dtype)
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=group)            # block p (M rows) -> rank p
-        mine = recv.view(m.world, m.pad, *recv.shape[1:]).float().sum(0)
-        local.index_add_(0, dm.send_index, mine[:dm.send_index.numel()])
-    return local
+        mine = recv.view(m.world, m.pad, *recv.shape[1:]).float().sum(0)[:dm.send_index.numel()]
+        dk_loc.index_add_(0, dm.send_index, mine[:, 0])
+        dv_loc.index_add_(0, dm.send_index, mine[:, 1])
+    return dk_loc, dv_loc
 
 
 class AllGatherAttention(torch.autograd.Function):
@@ -228,11 +233,12 @@ class AllGatherAttention(torch.autograd.Function):
         with _span(ctx.timeline, "attn'"):
             dq, dks, dvs = attend_backward(dout.contiguous(), q, ks, vs, out, lse, dm.cu_q, dm.cu_k, m.max_q,
                                            m.max_k, causal=m.causal, backend=ctx.attn_backend)
-        dbuf = torch.zeros((m.n_buf, 2, *k.shape[1:]), dtype=torch.float32, device=k.device)
-        dbuf[:, 0].index_add_(0, dm.kv_rows, dks.float())
-        dbuf[:, 1].index_add_(0, dm.kv_rows, dvs.float())
-        dkv = _return_dkv(dbuf, dm, ctx.group, k.dtype)
-        return dq.to(q.dtype), dkv[:, 0].to(k.dtype), dkv[:, 1].to(v.dtype), None, None, None, None
+        dk = torch.zeros((m.n_buf, *k.shape[1:]), dtype=torch.float32, device=k.device)
+        dv = torch.zeros_like(dk)
+        dk.index_add_(0, dm.kv_rows, dks.float())          # a KV row read by several chunks: summed
+        dv.index_add_(0, dm.kv_rows, dvs.float())
+        dk, dv = _return_dkv(dk, dv, dm, ctx.group, k.dtype)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
 def _span(timeline, phase: str):

@@ -167,7 +167,8 @@ class RingAttention(torch.autograd.Function):
         dout = dout.contiguous()
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         cur = torch.stack([k, v], 1)
-        dkv = torch.zeros(cur.shape, dtype=torch.float32, device=q.device)    # accumulator of block src
+        dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)      # accumulators of block src
+        dv = torch.zeros_like(dk)
         for s, st in enumerate(m.steps):
             nxt = m.steps[s + 1].src if s + 1 < m.world else None
             wait_kv = _shift(cur, m.sizes[nxt], m, group) if nxt is not None else None
@@ -178,13 +179,15 @@ class RingAttention(torch.autograd.Function):
                                     out.index_select(0, qr), lse.index_select(0, qr), cq, ck, st.max_q,
                                     st.max_k, causal=st.causal, backend=ctx.attn_backend)
                 dq.index_add_(0, qr, g[0].float())
-                dkv[:, 0].index_add_(0, kr, g[1].float())
-                dkv[:, 1].index_add_(0, kr, g[2].float())
-            if m.world > 1:    # pass the accumulator on; receive the one of the next block (last: our own)
-                dkv = _shift(dkv, m.sizes[nxt if nxt is not None else m.rank], m, group, tag=1)()
+                dk.index_add_(0, kr, g[1].float())
+                dv.index_add_(0, kr, g[2].float())
+            if m.world > 1:    # pass the accumulators on; receive those of the next block (last: our own)
+                dkv = _shift(torch.stack([dk, dv], 1), m.sizes[nxt if nxt is not None else m.rank], m, group,
+                             tag=1)()
+                dk, dv = dkv[:, 0].contiguous(), dkv[:, 1].contiguous()
             if wait_kv is not None:
                 cur = wait_kv()
-        return dq.to(q.dtype), dkv[:, 0].to(k.dtype), dkv[:, 1].to(v.dtype), None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
 def ring_attention(q, k, v, meta: RingMeta, group, attn_backend: str | None = None):

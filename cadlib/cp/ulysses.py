@@ -33,7 +33,7 @@ def seq_to_head(x: torch.Tensor, parts: list[int], me: int, group) -> torch.Tens
     if u == 1:
         return x
     n, h, d = x.shape
-    send = x.view(n, u, h // u, d).transpose(0, 1).reshape(u * n, h // u, d)
+    send = x.reshape(n, u, h // u, d).transpose(0, 1).reshape(u * n, h // u, d)
     return _a2a(send, [n] * u, parts, group)
 
 
