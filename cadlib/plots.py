@@ -110,3 +110,52 @@ def lines(df, x: str, y: str, color: str, title: str, xlog=False, ylabel=None, x
     fig.update_layout(title=title, xaxis=dict(title=xlabel or x, type="log" if xlog else "linear"),
                       yaxis=dict(title=ylabel or y), height=380)
     return fig
+
+
+def timeline(df, *, lane: str = "lane", phase: str = "phase", start: str = "start_ms", end: str = "end_ms",
+             facet: str | None = None, title: str | None = None, colors: Mapping[str, str] | None = None,
+             hover: Sequence[str] = ()):
+    """A Gantt chart: one horizontal bar per row of ``df``, from ``df[start]`` to ``df[end]`` on lane
+    ``df[lane]`` (y axis), coloured by ``df[phase]``.
+
+    Built from ``go.Bar(orientation="h", base=start, x=end - start)``, one trace per phase, so numeric
+    times (ms, s, ticks) work as they are (``px.timeline`` wants dates). Phases keep a stable colour:
+    the palette in order of first appearance, unless ``colors`` maps a phase to one. With ``facet``
+    (a column such as ``rank``) the rows are split into vertically stacked subplots sharing the time
+    axis, one per value of that column. ``hover`` names extra columns shown on hover. Lanes keep
+    their order of first appearance, top to bottom."""
+    go = _go()
+    from plotly.subplots import make_subplots
+
+    missing = [c for c in (lane, phase, start, end, facet, *hover) if c is not None and c not in df.columns]
+    if missing:
+        raise ValueError(f"timeline: column(s) {missing} not in the frame; it has {list(df.columns)}")
+    if len(df) and (df[end] < df[start]).any():
+        raise ValueError(f"timeline: every row needs {end} >= {start}")
+    phases = list(dict.fromkeys(df[phase]))
+    cmap = {p: (colors or {}).get(p, _color(i)) for i, p in enumerate(phases)}
+    groups = list(df.groupby(facet, sort=True)) if facet is not None else [(None, df)]
+    fig = make_subplots(rows=len(groups), cols=1, shared_xaxes=True, vertical_spacing=0.06 if
+                        len(groups) > 1 else 0.0,
+                        subplot_titles=[f"{facet} {k}" for k, _ in groups] if facet is not None else None)
+    seen: set = set()
+    extra = "".join(f"<br>{c}: %{{customdata[{k}]}}" for k, c in enumerate(hover))
+    for row, (_, g) in enumerate(groups, start=1):
+        lanes = [str(v) for v in dict.fromkeys(g[lane])]
+        for p in phases:
+            s = g[g[phase] == p]
+            if s.empty:
+                continue
+            fig.add_trace(go.Bar(
+                orientation="h", y=s[lane].astype(str), base=s[start], x=s[end] - s[start], name=str(p),
+                marker_color=cmap[p], legendgroup=str(p), showlegend=p not in seen,
+                customdata=s[list(hover)].to_numpy() if hover else None,
+                hovertemplate=f"{p}<br>{start}: %{{base:.4g}}<br>duration: %{{x:.4g}}{extra}"
+                              "<extra>%{y}</extra>"), row=row, col=1)
+            seen.add(p)
+        fig.update_yaxes(categoryorder="array", categoryarray=lanes[::-1], title_text=lane, row=row, col=1)
+    unit = end.rsplit("_", 1)[-1] if "_" in end else ""
+    fig.update_xaxes(title_text=f"time ({unit})" if unit else "time", row=len(groups), col=1)
+    fig.update_layout(title=title, barmode="overlay", height=max(260, 60 + sum(
+        28 * g[lane].nunique() + 40 for _, g in groups)), legend_title_text=phase)
+    return fig
