@@ -122,8 +122,9 @@ def timeline(df, *, lane: str = "lane", phase: str = "phase", start: str = "star
     times (ms, s, ticks) work as they are (``px.timeline`` wants dates). Phases keep a stable colour:
     the palette in order of first appearance, unless ``colors`` maps a phase to one. With ``facet``
     (a column such as ``rank``) the rows are split into vertically stacked subplots sharing the time
-    axis, one per value of that column. ``hover`` names extra columns shown on hover. Lanes keep
-    their order of first appearance, top to bottom."""
+    axis, one per value of that column (titled "<facet> <value>", or the value if it is a string).
+    ``hover`` names extra columns shown on hover. Lanes keep their order of first appearance, top to
+    bottom."""
     go = _go()
     from plotly.subplots import make_subplots
 
@@ -135,9 +136,10 @@ def timeline(df, *, lane: str = "lane", phase: str = "phase", start: str = "star
     phases = list(dict.fromkeys(df[phase]))
     cmap = {p: (colors or {}).get(p, _color(i)) for i, p in enumerate(phases)}
     groups = list(df.groupby(facet, sort=True)) if facet is not None else [(None, df)]
-    fig = make_subplots(rows=len(groups), cols=1, shared_xaxes=True, vertical_spacing=0.06 if
-                        len(groups) > 1 else 0.0,
-                        subplot_titles=[f"{facet} {k}" for k, _ in groups] if facet is not None else None)
+    titles = [k if isinstance(k, str) else f"{facet} {k}" for k, _ in groups] if facet is not None else None
+    height = 110 + sum(30 * g[lane].nunique() + 70 for _, g in groups)
+    fig = make_subplots(rows=len(groups), cols=1, shared_xaxes=True, subplot_titles=titles,
+                        vertical_spacing=min(0.3, 60 / height) if len(groups) > 1 else 0.0)
     seen: set = set()
     extra = "".join(f"<br>{c}: %{{customdata[{k}]}}" for k, c in enumerate(hover))
     for row, (_, g) in enumerate(groups, start=1):
@@ -156,6 +158,5 @@ def timeline(df, *, lane: str = "lane", phase: str = "phase", start: str = "star
         fig.update_yaxes(categoryorder="array", categoryarray=lanes[::-1], title_text=lane, row=row, col=1)
     unit = end.rsplit("_", 1)[-1] if "_" in end else ""
     fig.update_xaxes(title_text=f"time ({unit})" if unit else "time", row=len(groups), col=1)
-    fig.update_layout(title=title, barmode="overlay", height=max(260, 60 + sum(
-        28 * g[lane].nunique() + 40 for _, g in groups)), legend_title_text=phase)
+    fig.update_layout(title=title, barmode="overlay", height=max(260, height), legend_title_text=phase)
     return fig
