@@ -62,7 +62,7 @@ class _Pending:
         return self.recv
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     """``[n, ...]`` as ``[n, bytes]`` uint8 (a view when contiguous)."""
     t = t.contiguous()
     return t.view(t.shape[0], math.prod(t.shape[1:])).view(torch.uint8)
@@ -70,7 +70,7 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 def pack_rows(tensors: list[torch.Tensor]) -> torch.Tensor:
     """Concatenate per-row tensors of any dtypes into one uint8 ``[n, sum bytes]`` buffer."""
-    return tensors[0].contiguous() if len(tensors) == 1 else torch.cat([_rows(t) for t in tensors], 1)
+    return tensors[0].contiguous() if len(tensors) == 1 else torch.cat([_as_bytes(t) for t in tensors], 1)
 
 
 def unpack_rows(buf: torch.Tensor, likes: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -80,7 +80,9 @@ def unpack_rows(buf: torch.Tensor, likes: list[torch.Tensor]) -> list[torch.Tens
     out, off, n = [], 0, buf.shape[0]
     for like in likes:
         width = math.prod(like.shape[1:]) * like.element_size()
-        part = buf[:, off:off + width].contiguous().view(like.dtype)
+        # Always a fresh, aligned copy: ``.contiguous()`` of a 0- or 1-row slice is the slice itself,
+        # whose byte offset need not be a multiple of the part's element size.
+        part = buf.new_empty((n, width)).copy_(buf[:, off:off + width]).view(like.dtype)
         out.append(part.view(n, *like.shape[1:]))
         off += width
     return out
@@ -161,6 +163,54 @@ class CADAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+_AGREED: set = set()
+"""Input signatures every rank of a group has already agreed on (checked once, then cached)."""
+
+
+def check_inputs(q, k, v, n_local: int, attn_backend: str | None, group) -> str:
+    """Validate this rank's inputs BEFORE any collective, identically on every rank (a rank that serves
+    no task must fail as loudly as one that does), and return the resolved attention backend.
+
+    Checks: ``q [n_local, Hq, D]``, ``k, v [n_local, Hkv, D]``; one floating dtype (float32, float16,
+    bfloat16) and one device; ``Hq`` a multiple of ``Hkv``; the backend available for that dtype. The
+    first time a signature ``(dtype, Hq, Hkv, D, backend)`` is seen on a group, the ranks compare it
+    with one small all-gather (a one-off host synchronisation, never repeated for that signature), so
+    ranks that disagree raise together instead of hanging in the first all-to-all."""
+    from .kernels import resolve_backend
+
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise ValueError(f"{name} must be a 3-D tensor [n_local, heads, head_dim]; got "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+        if t.dtype not in _FLOATS:
+            raise ValueError(f"{name} has dtype {t.dtype}; cad_attention takes float32, float16 or bfloat16")
+        if t.shape[0] != n_local:
+            raise ValueError(f"{name} has {t.shape[0]} rows, but this rank holds n_local={n_local} tokens "
+                             "of the plan's layout (its tokens in layout order)")
+    if not q.dtype == k.dtype == v.dtype:
+        raise ValueError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not q.device == k.device == v.device:
+        raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape; got {tuple(k.shape)} and {tuple(v.shape)}")
+    if q.shape[2] != k.shape[2] or q.shape[2] < 1:
+        raise ValueError(f"q and k must share head_dim >= 1; got {q.shape[2]} and {k.shape[2]}")
+    if k.shape[1] < 1 or q.shape[1] % k.shape[1]:
+        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of KV heads ({k.shape[1]})")
+    backend = resolve_backend(attn_backend, q.device, q.dtype)
+    sig = (str(q.dtype), int(q.shape[1]), int(k.shape[1]), int(q.shape[2]), backend)
+    if dist.is_initialized() and (id(group), sig) not in _AGREED:
+        seen: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(seen, sig, group=group)
+        if any(s != sig for s in seen):
+            raise ValueError("the ranks disagree on (dtype, query heads, KV heads, head_dim, attention "
+                             f"backend): {seen}; every rank must call cad_attention with the same kind of "
+                             "tensors")
+        _AGREED.add((id(group), sig))
+    return backend
+
+
 def prepare(plan: Plan | Dispatch, group, device) -> DeviceDispatch:
     """This rank's dispatch for ``plan`` on ``device``: built once per plan (cached on the plan
     object, which must not change afterwards) so every layer of a step reuses the host metadata and
@@ -193,10 +243,7 @@ def cad_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan 
     ``start(send, send_splits, recv_splits).wait() -> recv``; default :class:`AllToAll` on ``group``).
     Returns ``o`` (and the float32 ``lse [n_local, Hq]`` with ``return_lse``)."""
     dd = prepare(plan, group, q.device)
-    n = dd.meta.n_local
-    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3 or not q.shape[0] == k.shape[0] == v.shape[0] == n:
-        raise ValueError(f"q, k, v must be [n_local={n}, heads, head_dim] (this rank's tokens in layout "
-                         f"order); got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    attn_backend = check_inputs(q, k, v, dd.meta.n_local, attn_backend, group)
     o, lse = CADAttention.apply(q, k, v, dd, comm if comm is not None else AllToAll(group),
                               attn_backend)
     return (o, lse) if return_lse else o

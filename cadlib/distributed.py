@@ -64,7 +64,8 @@ def resolve_pg_backend(pg_backend: str | None = None) -> str:
     if name == "auto":
         name = "nccl" if torch.cuda.is_available() else "gloo"
     if name not in BACKENDS:
-        raise ValueError(f"unknown process-group backend {name!r}; choose one of: auto, {', '.join(BACKENDS)}")
+        raise ValueError(f"unknown process-group backend {name!r}; choose one of: auto, "
+                         f"{', '.join(BACKENDS)}")
     if name == "nccl" and not torch.cuda.is_available():
         raise ValueError("process-group backend 'nccl' needs CUDA, but torch.cuda.is_available() is False; "
                          "use 'gloo' or 'auto'")

@@ -282,8 +282,9 @@ def run_torchrun(module_or_script: str | os.PathLike, nproc: int, args: Sequence
                  echo: bool = True, progress: bool = True) -> pd.DataFrame:
     """Run ``module_or_script`` on ``nproc`` local ranks with torchrun; one result row per rank.
 
-    ``args`` are passed to the script (a string is split like a shell would). ``pg_backend`` (process-group backend: "auto",
-    "gloo", "nccl"; auto = nccl when CUDA is available) reaches the ranks as ``$CADLIB_PG_BACKEND``.
+    ``args`` are passed to the script (a string is split like a shell would). ``pg_backend``, the
+    process-group backend ("auto", "gloo", "nccl"; auto = nccl when CUDA is available), reaches the
+    ranks as ``$CADLIB_PG_BACKEND``.
     ``env`` overrides entries of ``os.environ`` (None removes one). Each run gets a fresh folder
     ``torchrun-<date>-<time>-<random>`` under ``log_dir`` (default: the system temp folder).
     The frame's ``attrs`` hold ``results`` (the raw objects by rank), ``missing_ranks``, ``run_dir``,

@@ -38,18 +38,27 @@ def serve_forward(q_buf: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
 def serve_backward(q_buf: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, o_buf: torch.Tensor,
                    do_buf: torch.Tensor, lse_buf: torch.Tensor, dd: DeviceDispatch,
                    attn_backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One ``attend_backward`` call over this server's tasks.
+    """One ``attend_backward`` call over this server's tasks; ``o_buf``, ``do_buf``, ``lse_buf`` are
+    per-query buffers laid out like ``q_buf``.
 
     Returns ``dq`` in task-row order (``[n_rows, Hq, D]``) and ``dk``, ``dv`` as float32 buffers
     aligned with the KV buffer (``[len(k_buf), Hkv, D]``), every task's contribution summed."""
+    rows = dd.q_rows
+    return serve_backward_tasks(q_buf, k_buf, v_buf, _gather(o_buf, rows), _gather(do_buf, rows),
+                                _gather(lse_buf, rows), dd, attn_backend)
+
+
+def serve_backward_tasks(q_buf, k_buf, v_buf, o_t, do_t, lse_t, dd: DeviceDispatch,
+                         attn_backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`serve_backward` with ``o``, ``dO`` and ``lse`` already in task-row order (what
+    :func:`serve_forward` returned): the form a server that kept its forward outputs uses."""
     m = dd.meta
     dk = torch.zeros(k_buf.shape, dtype=torch.float32, device=k_buf.device)
     dv = torch.zeros(v_buf.shape, dtype=torch.float32, device=v_buf.device)
     if m.n_tasks == 0:
         return q_buf.new_empty((0, *q_buf.shape[1:])), dk, dv
     dq, dk_seg, dv_seg = attend_backward(
-        _gather(do_buf, dd.q_rows), _gather(q_buf, dd.q_rows), _gather(k_buf, dd.kv_rows),
-        _gather(v_buf, dd.kv_rows), _gather(o_buf, dd.q_rows), _gather(lse_buf, dd.q_rows),
+        do_t, _gather(q_buf, dd.q_rows), _gather(k_buf, dd.kv_rows), _gather(v_buf, dd.kv_rows), o_t, lse_t,
         dd.cu_q, dd.cu_k, m.max_q, m.max_k, causal=True, backend=attn_backend)
     dk.index_add_(0, dd.kv_rows, dk_seg.float())
     dv.index_add_(0, dd.kv_rows, dv_seg.float())

@@ -117,16 +117,60 @@ def global_rows(layout: Layout, rank: int) -> np.ndarray:
 
 
 REF_SDPA_ELEMS = 1 << 27
-"""Documents whose fp32 score matrix (heads x L x L) is larger than this are checked against the
-kernels' blocked ``sdpa_ref`` (bounded memory) instead of torch SDPA's math path."""
+"""Documents whose fp32 score matrix (heads x L x L) is larger than this are checked against
+:func:`blocked_reference` (bounded memory) instead of torch SDPA's math path."""
+REF_BLOCK = 1024
+"""Query rows per block of :func:`blocked_reference`."""
+
+
+def blocked_reference(q, k, v, dout) -> tuple[torch.Tensor, ...]:
+    """Causal attention of ONE document and its gradients in float64, in query blocks (memory
+    ``heads x REF_BLOCK x L``), written out from the textbook formulas and independent of
+    :mod:`cadlib.kernels` (whose ``sdpa_ref`` is the backend under test on CPU)::
+
+        S = scale Q K^T (j <= i),  lse = log sum_j exp S,  P = exp(S - lse),  O = P V
+        Delta = rowsum(dO * O),  dV = P^T dO,  dS = P * (dO V^T - Delta),  dQ = scale dS K,
+        dK = scale dS^T Q   (dK, dV summed over the query heads sharing a KV head)
+    """
+    n, hq, d = q.shape
+    g = hq // k.shape[1]
+    q, dout = q.double(), dout.double()
+    k, v = k.double().repeat_interleave(g, 1), v.double().repeat_interleave(g, 1)
+    scale = 1.0 / math.sqrt(d)
+    o, lse = torch.empty_like(q), torch.empty(n, hq, dtype=torch.float64, device=q.device)
+
+    def probs(a, b):
+        s = torch.einsum("qhd,khd->hqk", q[a:b], k[:b]) * scale
+        mask = torch.arange(b, device=q.device)[None, :] > torch.arange(a, b, device=q.device)[:, None]
+        s = s.masked_fill(mask, float("-inf"))
+        return s, torch.logsumexp(s, dim=-1)
+
+    for a in range(0, n, REF_BLOCK):
+        b = min(n, a + REF_BLOCK)
+        s, l_blk = probs(a, b)
+        lse[a:b] = l_blk.transpose(0, 1)
+        o[a:b] = torch.einsum("hqk,khd->qhd", torch.exp(s - l_blk[..., None]), v[:b])
+    delta = (dout * o).sum(-1)                                          # [n, hq]
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for a in range(0, n, REF_BLOCK):
+        b = min(n, a + REF_BLOCK)
+        s, l_blk = probs(a, b)
+        p = torch.exp(s - l_blk[..., None])                             # [hq, rows, b]
+        dv[:b] += torch.einsum("hqk,qhd->khd", p, dout[a:b])
+        dp = torch.einsum("qhd,khd->hqk", dout[a:b], v[:b])
+        ds = p * (dp - delta[a:b].transpose(0, 1)[..., None])
+        dq[a:b] = torch.einsum("hqk,khd->qhd", ds, k[:b]) * scale
+        dk[:b] += torch.einsum("hqk,qhd->khd", ds, q[a:b]) * scale
+    hkv = hq // g
+    dk, dv = (t.view(n, hkv, g, d).sum(2) for t in (dk, dv))
+    return o.float(), dq.float(), dk.float(), dv.float()
 
 
 def reference(q, k, v, dout, doc_lens, docs) -> tuple[torch.Tensor, ...]:
     """Per-document causal attention in fp32 (only documents in ``docs``; other rows 0):
     ``o_i = sum_{j<=i} softmax_j(q_i . k_j / sqrt(D)) v_j``. Torch SDPA with autograd per document,
-    or for a long document the blocked ``sdpa_ref`` of :mod:`cadlib.kernels`. Returns o, dq, dk, dv."""
-    from .kernels import attend, attend_backward
-
+    or for a long document :func:`blocked_reference` (float64, bounded memory). Neither is a
+    :mod:`cadlib.kernels` backend. Returns o, dq, dk, dv."""
     q, k, v, dout = (t.float() for t in (q, k, v, dout))
     group = q.shape[1] // k.shape[1]
     outs = [torch.zeros_like(q), torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)]
@@ -135,10 +179,7 @@ def reference(q, k, v, dout, doc_lens, docs) -> tuple[torch.Tensor, ...]:
         sl = slice(int(base[d]), int(base[d + 1]))
         n = sl.stop - sl.start
         if q.shape[1] * n * n > REF_SDPA_ELEMS:
-            cu = torch.tensor([0, n], dtype=torch.int32, device=q.device)
-            o, lse = attend(q[sl], k[sl], v[sl], cu, cu, n, n, causal=True, backend="sdpa_ref")
-            grads = attend_backward(dout[sl], q[sl], k[sl], v[sl], o, lse, cu, cu, n, n, causal=True,
-                                    backend="sdpa_ref")
+            o, *grads = blocked_reference(q[sl], k[sl], v[sl], dout[sl])
         else:
             qd, kd, vd = (t[sl].detach().clone().requires_grad_(True) for t in (q, k, v))
             o = F.scaled_dot_product_attention(
@@ -222,9 +263,27 @@ def parse_args(argv=None):
     p.add_argument("--max-doc-len", type=int, default=None, help="clip sampled document lengths")
     p.add_argument("--timing-iters", type=int, default=0, help="extra timed fwd+bwd passes per case")
     args = p.parse_args(argv)
+    from .cost import MODELS
+    from .workload import DISTRIBUTIONS
+
     for c in args.case.split(","):
         if c not in CASES:
             p.error(f"unknown case {c!r}; choose one of: {', '.join(CASES)}")
+    for d in args.dist.split(","):
+        if d not in DISTRIBUTIONS:
+            p.error(f"unknown distribution {d!r} in --dist; choose from: {', '.join(DISTRIBUTIONS)}")
+    if args.model.lower() not in MODELS:
+        p.error(f"unknown --model {args.model!r}; choose one of: {', '.join(MODELS)}")
+    for flag, val, lo in (("--tokens-per-rank", args.tokens_per_rank, 1), ("--repeats", args.repeats, 1),
+                          ("--timing-iters", args.timing_iters, 0), ("--min-shard", args.min_shard, 1),
+                          ("--doc-len", args.doc_len, 1), ("--max-doc-len", args.max_doc_len, 1)):
+        if val is not None and val < lo:
+            p.error(f"{flag} must be >= {lo}, got {val}")
+    if not args.tolerance_eps >= 0:
+        p.error(f"--tolerance-eps (the scheduler's imbalance tolerance) must be >= 0, got "
+                f"{args.tolerance_eps}")
+    if args.rtol is not None and not args.rtol > 0:
+        p.error(f"--rtol must be > 0, got {args.rtol}")
     return args
 
 
@@ -245,8 +304,8 @@ def main(argv=None) -> int:
             results.append({**base, "skipped": f"case {case!r} needs >= 2 ranks"})
             continue
         plan = make_plan(layout, args.plan, model, seed, args)
-        res = {**base, **check_case(layout, plan, model, dtype, env.device, env.group, seed, args.attn_backend,
-                                          args.timing_iters)}
+        res = {**base, **check_case(layout, plan, model, dtype, env.device, env.group, seed,
+                                    args.attn_backend, args.timing_iters)}
         res["passed"] = max(res["rel_err"].values()) <= rtol
         ok &= res["passed"]
         results.append(res)
@@ -256,10 +315,17 @@ def main(argv=None) -> int:
                 + f" imbalance {max(res['load_before']) / max(np.mean(res['load_before']), 1):.2f}"
                 + f" -> {res['imbalance_after']:.2f} {'ok' if res['passed'] else 'FAILED'}")
         report_progress(step + 1, len(combos), f"{dist_name}/{case}")
+    checked = sum("rel_err" in r for r in results)
+    if checked == 0:
+        ok = False
+        if env.rank == 0:
+            log(f"FAILED: no case was checked ({len(results)} skipped: "
+                f"{sorted({r.get('skipped', '') for r in results})}); nothing verifies CAD here")
     cuda = env.device.type == "cuda"
     write_result({"rank": env.rank, "world": env.world, "device": str(env.device),
                   "device_name": torch.cuda.get_device_name(env.device) if cuda else "cpu",
-                  "torch": torch.__version__, "rtol": rtol, "passed": ok, "cases": results,
+                  "torch": torch.__version__, "rtol": rtol, "passed": ok, "checked": checked,
+                  "cases": results,
                   "config": vars(args)})
     destroy()
     return 0 if ok else 1

@@ -75,11 +75,64 @@ def test_pack_rows_round_trip_mixed_dtypes():
     assert [t.shape for t in unpack_rows(pack_rows(empty), empty)] == [(0, 3, 4), (0, 3)]
 
 
+@pytest.mark.parametrize("n", [0, 1, 2, 5])
+def test_unpack_rows_with_odd_half_widths(n):
+    # bf16 with an odd heads x head_dim puts the next part at an odd byte offset; a 0/1-row slice is
+    # already "contiguous", so the unpack must copy before viewing it as float32
+    a = torch.randn(n, 3, 5).to(torch.bfloat16)
+    b = torch.randn(n, 3, dtype=torch.float32)
+    c = torch.randn(n, 1, 3).to(torch.float16)
+    got = unpack_rows(pack_rows([a, b, c]), [a[:0], b[:0], c[:0]])
+    assert all(torch.equal(x, y) for x, y in zip(got, (a, b, c)))
+
+
+def test_blocked_reference_matches_sdpa():
+    from cadlib import verify
+    gen = torch.Generator().manual_seed(0)
+    n = 37
+    q, dout = torch.randn(n, 4, 8, generator=gen), torch.randn(n, 4, 8, generator=gen)
+    k, v = torch.randn(n, 2, 8, generator=gen), torch.randn(n, 2, 8, generator=gen)
+    old, verify.REF_BLOCK = verify.REF_BLOCK, 10
+    try:
+        got = verify.blocked_reference(q, k, v, dout)
+    finally:
+        verify.REF_BLOCK = old
+    want = reference(q, k, v, dout, [n], [0])
+    for g, w in zip(got, want):
+        assert torch.allclose(g, w, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--repeats", "0"], "--repeats must be >= 1"),
+    (["--tokens-per-rank", "0"], "--tokens-per-rank must be >= 1"),
+    (["--dist", "prolog"], "unknown distribution 'prolog'"),
+    (["--model", "gpt5"], "unknown --model 'gpt5'"),
+    (["--tolerance-eps", "-1"], "--tolerance-eps"),
+    (["--rtol", "0"], "--rtol must be > 0"),
+])
+def test_verify_rejects_bad_flags(argv, fragment, capsys):
+    from cadlib import verify
+    with pytest.raises(SystemExit):
+        verify.parse_args(argv)
+    assert fragment in capsys.readouterr().err
+
+
 def test_errors_say_what_is_valid():
     layout, plan, full = one_rank_problem()
     q = torch.zeros(3, TINY.n_heads, TINY.head_dim)
-    with pytest.raises(ValueError, match=r"must be \[n_local=121, heads, head_dim\]"):
+    with pytest.raises(ValueError, match=r"q has 3 rows, but this rank holds n_local=121 tokens"):
         cad_attention(q, q, q, plan, None)
+    rows = torch.as_tensor(global_rows(layout, 0))
+    qq, kk, vv = (t.index_select(0, rows) for t in full[:3])
+    for bad, what in (((qq.long(), kk.long(), vv.long()), "dtype torch.int64; cad_attention takes"),
+                      ((qq, kk[:, :1, :3], vv[:, :1, :3]), "q and k must share head_dim"),
+                      ((qq[:, :3], kk, vv), r"query heads \(3\) must be a multiple of KV heads"),
+                      ((qq[0], kk, vv), "q must be a 3-D tensor"),
+                      ((qq.half(), kk, vv), "q, k, v must share a dtype")):
+        with pytest.raises(ValueError, match=what):
+            cad_attention(*bad, plan, None)
+    with pytest.raises(ValueError, match="unknown attention backend 'fa9'"):
+        cad_attention(qq, kk, vv, plan, None, attn_backend="fa9")
     two = Plan(Layout([[(0, 0, 4)], [(0, 4, 8)]], [8]), [CATask(0, 0, 4, 0, 0), CATask(0, 4, 8, 1, 1)])
     with pytest.raises(ValueError, match="plan is for rank 0 of 2 but this process is rank 0 of a group of"):
         cad_attention(q, q, q, two, None)
@@ -134,6 +187,27 @@ def test_cad_matches_reference_random_plans():
     _, cases = launch(3, ["--plan", "random", "--case", "random,one-token,empty-rank,spanning",
                           "--dist", "pretrain,pile,uniform", "--repeats", "2"])
     assert len(cases) == 3 * 4 * 2 and all(c["kv_tokens_sent"] > 0 for c in cases)
+
+
+@pytest.mark.multiproc
+def test_bad_input_raises_on_every_rank_before_the_all_to_all():
+    # rank 0 passes bf16, rank 1 float32 (and, second round, every rank passes integers): each rank
+    # must raise a ValueError; none may hang in a collective
+    from pathlib import Path
+    launch_mod = pytest.importorskip("cadlib.launch")
+    target = Path(__file__).parent / "launch_targets" / "cad_bad_input.py"
+    df = launch_mod.run_torchrun(target, 2, timeout=120, pg_backend="gloo", echo=False, progress=False)
+    assert len(df) == 2
+    for errs in df["errors"]:
+        assert "ranks disagree" in errs[0] and "dtype torch.int64" in errs[1], errs
+
+
+@pytest.mark.multiproc
+def test_verify_fails_when_it_checked_nothing():
+    launch_mod = pytest.importorskip("cadlib.launch")
+    with pytest.raises(launch_mod.TorchrunError):
+        launch_mod.run_torchrun("cadlib.verify", 1, ["--case", "empty-rank", "--tokens-per-rank", "64"],
+                                timeout=120, pg_backend="gloo", echo=False, progress=False)
 
 
 @pytest.mark.multiproc

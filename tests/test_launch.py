@@ -52,7 +52,8 @@ def wait_until(predicate, timeout: float) -> bool:
 @pytest.mark.parametrize("kwargs, fragment", [
     ({"nproc": 0}, "nproc must be an integer >= 1"),
     ({"nproc": 2.0}, "nproc must be an integer >= 1"),
-    ({"nproc": 2, "pg_backend": "mpi"}, "unknown process-group backend pg_backend='mpi'; choose one of: auto, gloo, nccl"),
+    ({"nproc": 2, "pg_backend": "mpi"},
+     "unknown process-group backend pg_backend='mpi'; choose one of: auto, gloo, nccl"),
     ({"nproc": 2, "timeout": 0}, "timeout must be a number of seconds > 0"),
     ({"nproc": 2, "timeout": -3}, "timeout must be a number of seconds > 0"),
 ])
@@ -144,7 +145,8 @@ def test_init_from_env_without_torchrun_gives_a_usable_single_rank_group(monkeyp
     finally:
         distributed.destroy()
     assert not dist.is_initialized()
-    with pytest.raises(ValueError, match="unknown process-group backend 'ucc'; choose one of: auto, gloo, nccl"):
+    with pytest.raises(ValueError,
+                       match="unknown process-group backend 'ucc'; choose one of: auto, gloo, nccl"):
         init_from_env("ucc")
 
 

@@ -183,7 +183,8 @@ def attend_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal=Tr
     if q.shape[0] == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     if name == "sdpa_ref":
-        return reference.sdpa_ref_bwd(dout, q, k, v, out, lse, cu_q, cu_k, int(max_q), int(max_k), causal, scale)
+        return reference.sdpa_ref_bwd(dout, q, k, v, out, lse, cu_q, cu_k, int(max_q), int(max_k), causal,
+                                      scale)
     q, k, v, out = q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous()
     dout = dout.to(q.dtype)
     cu_q, cu_k = cu_q.to(q.device).contiguous(), cu_k.to(q.device).contiguous()

@@ -1,0 +1,186 @@
+"""Context-parallel (CP) attention mechanisms under one protocol.
+
+A CP mechanism spreads ONE global token sequence (documents concatenated, ``T`` tokens) over the ranks
+of an explicit process group and computes its core attention. Every mechanism offers::
+
+    mech = make(name, group, doc_lens, causal, attn_backend=None)
+    x_local = mech.dispatch(x_global)        # [T, ...] -> this rank's rows [n_local, ...]
+    x_global = mech.undispatch(x_local)      # inverse (an all-gather; for checking and plotting)
+    out, lse = mech.apply_attn(q, k, v)      # local q [n_local, Hq, D], k, v [n_local, Hkv, D];
+                                             # differentiable in q, k, v; lse float32 [n_local, Hq]
+
+The mask is given by ``doc_lens`` and ``causal``: ``full`` / ``causal`` are one document of length
+``T``; ``full_document`` / ``causal_document`` are several (see :mod:`cadlib.masks`). Token ``i`` of a
+document attends to tokens ``[0, i]`` (causal) or all tokens (full) of its own document. No
+mechanism requires document lengths, or ``T``, to divide by the group size; those that need equal
+shards pad internally and say so in their docstring.
+
+Mechanisms (``MECHANISMS``):
+
+* ``allgather``: zigzag layout, K, V of documents held by several ranks all-gathered (Llama-3 style);
+  :func:`cadlib.cp.allgather.layout_attention`, the same function the end-to-end training uses.
+* ``ring``: zigzag layout, K, V passed around the ring point-to-point, overlapped with compute,
+  partial results merged by log-sum-exp in fp32 (:mod:`cadlib.cp.ring`).
+* ``ulysses``: contiguous layout, all-to-all from sequence- to head-sharding (:mod:`cadlib.cp.ulysses`).
+* ``usp``: Ulysses inside groups of ``ulysses_size`` ranks, ring across them (:mod:`cadlib.cp.usp`).
+* ``cad``: contiguous layout, the CAD scheduler's plan run on cadlib's attention servers
+  (:mod:`cadlib.cp.cad`).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..plan import Chunk, Layout
+
+MECHANISMS = ("allgather", "ring", "ulysses", "usp", "cad")
+
+
+def group_rank_world(group) -> tuple[int, int]:
+    """``(rank, world)`` of ``group``, or ``(0, 1)`` when no process group exists."""
+    if not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def split_points(total: int, parts: int) -> np.ndarray:
+    """``parts + 1`` boundaries cutting ``[0, total)`` into near-equal pieces (sizes differ by <= 1)."""
+    return (np.arange(parts + 1, dtype=np.int64) * int(total)) // int(parts)
+
+
+def _chunks_of(doc_lens: Sequence[int], start: int, end: int) -> list[Chunk]:
+    """The document chunks covering global token positions ``[start, end)``."""
+    base = np.concatenate([[0], np.cumsum(doc_lens)]).astype(np.int64)
+    out = []
+    d = int(np.searchsorted(base, start, side="right") - 1)
+    pos = start
+    while pos < end:
+        e = min(end, int(base[d + 1]))
+        if e > pos:
+            out.append(Chunk(d, pos - int(base[d]), e - int(base[d])))
+        pos, d = e, d + 1
+    return out
+
+
+def zigzag_layout(doc_lens: Sequence[int], world: int) -> Layout:
+    """The global sequence cut into ``2 * world`` near-equal pieces; rank ``r`` holds pieces ``r`` and
+    ``2 * world - 1 - r`` (a head and a tail: equal causal work on every rank). Pieces are cut at
+    token positions, not document boundaries, so a rank holds pieces of documents; when
+    ``T < 2 * world`` some pieces are empty."""
+    if world < 1:
+        raise ValueError(f"world must be >= 1, got {world}")
+    b = split_points(int(sum(doc_lens)), 2 * world)
+    ranks = [_chunks_of(doc_lens, b[r], b[r + 1]) + _chunks_of(doc_lens, b[2 * world - 1 - r],
+                                                                 b[2 * world - r]) for r in range(world)]
+    return Layout(ranks, list(doc_lens))
+
+
+def contiguous_layout(doc_lens: Sequence[int], world: int) -> Layout:
+    """The global sequence cut into ``world`` near-equal contiguous pieces, one per rank."""
+    if world < 1:
+        raise ValueError(f"world must be >= 1, got {world}")
+    b = split_points(int(sum(doc_lens)), world)
+    return Layout([_chunks_of(doc_lens, b[r], b[r + 1]) for r in range(world)], list(doc_lens))
+
+
+def layout_rows(layout: Layout, rank: int) -> np.ndarray:
+    """Global (doc-major) token positions of ``rank``'s local rows, in layout order."""
+    base = np.concatenate([[0], np.cumsum(layout.doc_lens)]).astype(np.int64)
+    parts = [np.arange(base[c.doc] + c.start, base[c.doc] + c.end) for c in layout.ranks[rank]]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
+class CPMechanism:
+    """Base class: a layout per rank, row dispatch by index, an all-gather undispatch.
+
+    Subclasses set ``self.layout`` (or override :meth:`dispatch`/:meth:`undispatch`) and implement
+    :meth:`apply_attn`."""
+
+    name = "base"
+    pads = False
+    """Whether the mechanism pads the sequence internally (see its docstring)."""
+
+    def __init__(self, group, doc_lens: Sequence[int], causal: bool = True, attn_backend: str | None = None):
+        doc_lens = [int(n) for n in doc_lens]
+        if not doc_lens or min(doc_lens) < 1:
+            raise ValueError(f"doc_lens must be a non-empty list of lengths >= 1, got {doc_lens[:8]}")
+        self.group = group
+        self.rank, self.world = group_rank_world(group)
+        self.doc_lens, self.causal, self.attn_backend = doc_lens, bool(causal), attn_backend
+        self.total = int(sum(doc_lens))
+        self.layout: Layout | None = None
+        self._rows: dict[str, torch.Tensor] = {}
+
+    # -- rows ------------------------------------------------------------------------------------
+    def local_rows(self, rank: int | None = None) -> np.ndarray:
+        """Global token positions of ``rank``'s local rows (default: this rank)."""
+        return layout_rows(self.layout, self.rank if rank is None else rank)
+
+    def _rows_on(self, device) -> torch.Tensor:
+        key = str(device)
+        if key not in self._rows:
+            self._rows[key] = torch.as_tensor(self.local_rows()).to(device)
+        return self._rows[key]
+
+    @property
+    def n_local(self) -> int:
+        return int(self.layout.tokens_per_rank()[self.rank])
+
+    def dispatch(self, x_global: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a ``[T, ...]`` tensor (every rank passes the same global tensor)."""
+        if x_global.shape[0] != self.total:
+            raise ValueError(f"x_global must have T={self.total} rows, got {tuple(x_global.shape)}")
+        return x_global.index_select(0, self._rows_on(x_global.device))
+
+    def undispatch(self, x_local: torch.Tensor) -> torch.Tensor:
+        """The global ``[T, ...]`` tensor from every rank's local rows (an all-gather, padded)."""
+        counts = self.layout.tokens_per_rank()
+        if x_local.shape[0] != counts[self.rank]:
+            raise ValueError(f"x_local must have n_local={counts[self.rank]} rows, got {x_local.shape[0]}")
+        pad = int(counts.max())
+        send = x_local.new_zeros((pad, *x_local.shape[1:]))
+        send[:x_local.shape[0]] = x_local
+        if self.world > 1:
+            buf = x_local.new_empty((self.world * pad, *x_local.shape[1:]))
+            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+            gather(buf, send, group=self.group)
+        else:
+            buf = send
+        out = x_local.new_empty((self.total, *x_local.shape[1:]))
+        src = np.concatenate([np.arange(r * pad, r * pad + counts[r]) for r in range(self.world)])
+        dst = np.concatenate([self.local_rows(r) for r in range(self.world)])
+        out[torch.as_tensor(dst, device=out.device)] = buf.index_select(0, torch.as_tensor(src,
+                                                                                          device=buf.device))
+        return out
+
+    def apply_attn(self, q, k, v):
+        raise NotImplementedError
+
+    def check_qkv(self, q, k, v) -> None:
+        """ValueError unless q, k, v are this rank's ``[n_local, H, D]`` rows (before any collective)."""
+        n = self.n_local
+        if q.dim() != 3 or k.dim() != 3 or v.dim() != 3 or not q.shape[0] == k.shape[0] == v.shape[0] == n:
+            raise ValueError(f"q, k, v must be [n_local={n}, heads, head_dim]; got {tuple(q.shape)}, "
+                             f"{tuple(k.shape)}, {tuple(v.shape)}")
+        if k.shape != v.shape or q.shape[2] != k.shape[2] or q.shape[1] % k.shape[1]:
+            raise ValueError(f"need k, v of one shape, equal head_dim and Hq a multiple of Hkv; got "
+                             f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+        if not (q.dtype == k.dtype == v.dtype):
+            raise ValueError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+
+
+def make(name: str, group, doc_lens: Sequence[int], causal: bool = True, attn_backend: str | None = None,
+         **kwargs) -> CPMechanism:
+    """The CP mechanism ``name`` (one of ``MECHANISMS``) for this group and mask."""
+    import importlib
+
+    classes = {"allgather": "allgather.AllGatherCP", "ring": "ring.RingCP", "ulysses": "ulysses.UlyssesCP",
+               "usp": "usp.USPCP", "cad": "cad.CADCP"}
+    if name not in classes:
+        raise ValueError(f"unknown CP mechanism {name!r}; choose one of: {', '.join(MECHANISMS)}")
+    module, cls = classes[name].split(".")
+    mech = getattr(importlib.import_module(f"{__name__}.{module}"), cls)
+    return mech(group, doc_lens, causal=causal, attn_backend=attn_backend, **kwargs)

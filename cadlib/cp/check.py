@@ -1,0 +1,218 @@
+"""Check the CP mechanisms against a single-process reference (a torchrun entry; one launch, many cases).
+
+    python -m torch.distributed.run --nproc-per-node 4 -m cadlib.cp.check --suite layout,protocol
+    # from a notebook or a test: cadlib.launch.run_torchrun("cadlib.cp.check", 4, [...], pg_backend="gloo")
+
+Every rank builds the same problem from the seed (no broadcast): documents, global q, k, v, dO.
+Each rank takes its local rows, runs forward and backward, and the errors
+``max |got - ref| / max |ref|`` of o, dq, dk, dv over all ranks (all-reduced) are compared with the
+tolerance (default 1e-5 in fp32). The reference is per-document attention in float64 (torch SDPA
+math with autograd). Suites:
+
+* ``layout``: :func:`cadlib.cp.allgather.layout_attention` on random layouts (documents split
+  across ranks in shuffled chunks, 1-token documents, a rank with at most one 1-token document).
+* ``protocol``: every mechanism of ``--mechanisms`` on every mask of ``--masks`` through
+  ``dispatch -> apply_attn -> backward``, including documents shorter than the group and a rank whose
+  tokens see only... themselves (a rank holding only 1-token documents); checks no NaN.
+
+Each rank writes its cases with :func:`cadlib.distributed.write_result`; exit code 1 if any failed.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ..distributed import destroy, init_from_env, log, report_progress, write_result
+from ..plan import Layout
+from . import MECHANISMS, layout_rows, make
+
+SUITES = ("layout", "protocol")
+PROTOCOL_MASKS = ("full", "causal", "full_document", "causal_document")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+RTOL = {"fp32": 1e-5, "bf16": 2e-2, "fp16": 5e-3}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Problems
+# ---------------------------------------------------------------------------------------------------
+
+def random_layout(world: int, seed: int, max_len: int = 40) -> Layout:
+    """Random documents (several of 1 token, one long one) cut into 1-3 pieces on random ranks, chunk
+    order shuffled per rank. For even seeds the last rank (when ``world > 1``) holds only the last
+    token of the longest document (which is then split across ranks); for odd seeds every rank takes
+    pieces."""
+    rng = np.random.default_rng(seed)
+    lens = [int(x) for x in rng.integers(1, max_len, size=2 * world + 2)]
+    lens += [1, 1, 1, int(rng.integers(world * 3, world * 3 + max_len))]
+    rng.shuffle(lens)
+    empty_ish = seed % 2 == 0 and world > 1
+    busy = world - 1 if empty_ish else world
+    ranks: list[list[tuple[int, int, int]]] = [[] for _ in range(world)]
+    long_doc = int(np.argmax(lens))
+    for d, n in enumerate(lens):
+        if d == long_doc and empty_ish:
+            ranks[world - 1].append((d, n - 1, n))      # the nearly empty rank: one token of a split doc
+            n -= 1
+        cuts = sorted(set(int(c) for c in rng.integers(1, n, size=int(rng.integers(0, 3))))) if n > 1 else []
+        bounds = [0, *cuts, n]
+        for s, e in zip(bounds[:-1], bounds[1:]):
+            ranks[int(rng.integers(busy))].append((d, s, e))
+    for r in ranks:
+        rng.shuffle(r)
+    return Layout(ranks, lens)
+
+
+def protocol_docs(mask: str, world: int, seed: int, total: int) -> list[int]:
+    """Document lengths of a protocol case: one document for ``full``/``causal``; for the document
+    masks, random lengths including several shorter than the group size."""
+    if mask in ("full", "causal"):
+        return [total]
+    rng = np.random.default_rng(seed)
+    lens: list[int] = []
+    while sum(lens) < total:
+        short = rng.random() < 0.4
+        hi = max(2, world) if short else max(2, total // 2)
+        lens.append(int(rng.integers(1, hi)))
+    lens[-1] -= sum(lens) - total
+    return [n for n in lens if n > 0]
+
+
+def reference(q, k, v, dout, doc_lens, causal: bool):
+    """Per-document attention in float64 with autograd: returns o, dq, dk, dv (global, doc-major)."""
+    q, k, v, dout = (t.detach().double() for t in (q, k, v, dout))
+    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    rep = q.shape[1] // k.shape[1]
+    outs, pos = [], 0
+    for n in doc_lens:
+        sl = slice(pos, pos + n)
+        kd, vd = (t[sl].repeat_interleave(rep, 1).transpose(0, 1) for t in (k, v))
+        o = F.scaled_dot_product_attention(q[sl].transpose(0, 1), kd, vd, is_causal=causal)
+        outs.append(o.transpose(0, 1))
+        pos += n
+    o = torch.cat(outs)
+    o.backward(dout)
+    return o.detach(), q.grad, k.grad, v.grad
+
+
+def _inputs(total: int, hq: int, hkv: int, dim: int, seed: int, dtype, device):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(total, h, dim, generator=gen).to(device=device, dtype=dtype)
+            for h in (hq, hkv, hkv, hq)]
+
+
+def _errors(got, ref, rows, group, device) -> dict:
+    """All-reduced ``max |got - ref| / max |ref|`` of o, dq, dk, dv, and whether any is NaN."""
+    errs = torch.zeros(5, dtype=torch.float64, device=device)
+    scale = torch.zeros(4, dtype=torch.float64, device=device)
+    for i, (g, r) in enumerate(zip(got, ref)):
+        r = r.index_select(0, rows)
+        if g.numel():
+            errs[i] = (g.double() - r).abs().max()
+            scale[i] = r.abs().max()
+        errs[4] += float(torch.isnan(g).any())
+    dist.all_reduce(errs, op=dist.ReduceOp.MAX, group=group)
+    dist.all_reduce(scale, op=dist.ReduceOp.MAX, group=group)
+    rel = (errs[:4] / scale.clamp_min(1e-30)).tolist()
+    return {"rel_err": dict(zip(("o", "dq", "dk", "dv"), rel)), "nan": bool(errs[4] > 0)}
+
+
+def _run(fn, full, rows, doc_lens, causal, group, device):
+    q, k, v, dout = (t.index_select(0, rows) for t in full)
+    q, k, v = (t.clone().requires_grad_(True) for t in (q, k, v))
+    t0 = time.perf_counter()
+    o = fn(q, k, v)
+    o.backward(dout)
+    elapsed = time.perf_counter() - t0
+    ref = reference(*full, doc_lens, causal)
+    return {**_errors((o.detach(), q.grad, k.grad, v.grad), ref, rows, group, device), "fwd_bwd_s": elapsed}
+
+
+def check_layout(world, rank, group, device, dtype, seed, heads) -> dict:
+    from .allgather import gathered_tokens, layout_attention, shared_docs
+
+    layout = random_layout(world, seed)
+    hq, hkv, dim = heads
+    full = _inputs(layout.total_tokens, hq, hkv, dim, seed, dtype, device)
+    rows = torch.as_tensor(layout_rows(layout, rank), device=device)
+    res = _run(lambda q, k, v: layout_attention(q, k, v, layout, group), full, rows, layout.doc_lens, True,
+               group, device)
+    return {**res, "suite": "layout", "n_docs": layout.n_docs, "gathered_tokens": gathered_tokens(layout),
+            "shared_docs": int(shared_docs(layout).sum()),
+            "tokens_per_rank": layout.tokens_per_rank().tolist()}
+
+
+def check_protocol(mech_name, mask, world, rank, group, device, dtype, seed, heads, total) -> dict:
+    causal = mask in ("causal", "causal_document")
+    doc_lens = protocol_docs(mask, world, seed, total)
+    hq, hkv, dim = heads
+    mech = make(mech_name, group, doc_lens, causal)
+    full = _inputs(sum(doc_lens), hq, hkv, dim, seed, dtype, device)
+    rows = torch.as_tensor(mech.local_rows(), device=device)
+    res = _run(lambda q, k, v: mech.apply_attn(q, k, v)[0], full, rows, doc_lens, causal, group, device)
+    back = mech.undispatch(mech.dispatch(full[0]))
+    res["undispatch_ok"] = bool(torch.equal(back, full[0]))
+    return {**res, "suite": "protocol", "mechanism": mech_name, "mask": mask, "n_docs": len(doc_lens),
+            "min_doc": min(doc_lens)}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m cadlib.cp.check", description=__doc__.split("\n")[0])
+    p.add_argument("--suite", default="layout,protocol", help=f"comma-separated, from: {', '.join(SUITES)}")
+    p.add_argument("--mechanisms", default=",".join(MECHANISMS))
+    p.add_argument("--masks", default=",".join(PROTOCOL_MASKS))
+    p.add_argument("--seeds", type=int, default=3, help="random layouts per world size (layout suite)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tokens", type=int, default=61, help="global tokens of a protocol case")
+    p.add_argument("--heads", default="4,2,8", help="Hq,Hkv,head_dim")
+    p.add_argument("--dtype", default="fp32", choices=tuple(DTYPES))
+    p.add_argument("--rtol", type=float, default=None)
+    p.add_argument("--pg-backend", default=None)
+    args = p.parse_args(argv)
+    for s in args.suite.split(","):
+        if s not in SUITES:
+            p.error(f"unknown suite {s!r}; choose one of: {', '.join(SUITES)}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    env = init_from_env(args.pg_backend)
+    dtype, heads = DTYPES[args.dtype], tuple(int(x) for x in args.heads.split(","))
+    rtol = args.rtol if args.rtol is not None else RTOL[args.dtype]
+    jobs = []
+    if "layout" in args.suite.split(","):
+        jobs += [("layout", None, None, args.seed + i) for i in range(args.seeds)]
+    if "protocol" in args.suite.split(","):
+        jobs += [("protocol", m, mask, args.seed) for m in args.mechanisms.split(",")
+                 for mask in args.masks.split(",")]
+    results, ok = [], True
+    for step, (suite, mech, mask, seed) in enumerate(jobs):
+        if suite == "layout":
+            res = check_layout(env.world, env.rank, env.group, env.device, dtype, seed, heads)
+        else:
+            res = check_protocol(mech, mask, env.world, env.rank, env.group, env.device, dtype, seed, heads,
+                                 args.tokens)
+        res.update(world=env.world, seed=seed, dtype=args.dtype)
+        res["passed"] = max(res["rel_err"].values()) <= rtol and not res["nan"] \
+            and res.get("undispatch_ok", True)
+        ok &= res["passed"]
+        results.append(res)
+        if env.rank == 0:
+            what = "layout" if suite == "layout" else f"{mech}/{mask}"
+            log(f"{what} seed {seed}: " + " ".join(f"{k}={v:.1e}" for k, v in res["rel_err"].items())
+                + (" ok" if res["passed"] else " FAILED"))
+        report_progress(step + 1, len(jobs), suite)
+    write_result({"rank": env.rank, "world": env.world, "rtol": rtol, "passed": ok, "cases": results,
+                  "config": vars(args)})
+    destroy()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,312 @@
+"""End-to-end training steps of a Llama-style decoder under CAD and its baselines (a torchrun entry).
+
+    torchrun --standalone --nproc-per-node 2 -m cadlib.train --methods colocated,cad,cad-pingpong \\
+        --model tiny --tokens-per-rank 1024 --steps 5
+    # from a notebook: cadlib.launch.run_torchrun("cadlib.train", 2, [...])
+
+Methods (every one sees the same sampled batches, from the same initial weights):
+
+* ``colocated``: sequential packing (DistCA's), each rank attends its own chunks; the KV prefix of a
+  document split across ranks is all-gathered from the ranks that hold it (per-document CP).
+* ``wlb``: WLB-LLM variable-length ``balanced`` packing + the same per-document CP ("WLB-ideal").
+* ``cad``: sequential packing, core attention on the scheduler's attention servers, no overlap.
+* ``cad-pingpong``: two nano-batches per rank, each with its own plan, in DistCA's tick order.
+* ``signal-only``: ``cad-pingpong`` with every all-to-all cut to one element per peer (the control
+  that shows what communication still costs).
+
+A step: forward and backward of all ranks' tokens (loss = sum of token cross-entropies / the number
+of predicted tokens of the whole batch, so every method computes the same loss and gradient), the
+data-parallel gradient all-reduce, AdamW. Per step and rank a record holds the step time and where it
+went (linear, attention, communication and how much of it was exposed, the all-reduce wait, the LM
+head), peak memory and the loss; with ``--timeline`` the spans of the last step. Warm-up steps run
+the first batches and are not recorded.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+import torch
+import torch.distributed as dist
+
+from . import scheduler
+from .cad import AllToAll, cad_attention, prepare
+from .cost import MODELS, as_model
+from .distributed import destroy, init_from_env, log, report_progress, write_result
+from .model import Decoder, positions, synthetic_tokens
+from .packing import pack
+from .pingpong import _spanned, pingpong_layers, split_nano_batches
+from .stages import SignalOnly, Streams, Timeline, staged_attention
+from .workload import sample_docs, sample_kwargs
+
+METHODS = ("colocated", "wlb", "cad", "cad-pingpong", "signal-only")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+# ----------------------------------------------------------------------------------------- batches
+def batch_docs(args, b: int, world: int) -> list[int]:
+    """Document lengths of batch ``b`` (the same on every rank and for every method)."""
+    kw = sample_kwargs(args.dist)
+    dist_name = kw.pop("dist")
+    if dist_name == "uniform":
+        kw["length"] = args.doc_len or max(1, args.tokens_per_rank // 8)
+    return sample_docs(dist_name, world * args.tokens_per_rank, seed=args.seed * 100_003 + b,
+                       max_doc_len=args.max_doc_len, **kw)
+
+
+def _colocated_attention(layout, group, attn_backend):
+    """Per-document CP on ``layout``: the all-gather mechanism of :mod:`cadlib.cp`."""
+    from .cp.allgather import layout_attention
+
+    return lambda q, k, v: layout_attention(q, k, v, layout, group, attn_backend=attn_backend)
+
+
+class Step:
+    """Everything one (method, batch) needs on this rank, built on the host before the step."""
+
+    def __init__(self, method, docs, args, model, rank, world, group, device):
+        self.method = method
+        packing = "balanced" if method == "wlb" else "sequential"
+        self.layout = pack(docs, world, args.tokens_per_rank, method=packing, model=args.model,
+                           cap=args.wlb_cap)
+        spec = args.spec
+        tok, tgt = synthetic_tokens(self.layout, rank, spec.vocab, args.seed)
+        pos = positions(self.layout, rank)
+        self.n_valid = sum(n - 1 for n in docs)
+        if method in ("cad-pingpong", "signal-only"):
+            self.nanos = split_nano_batches(self.layout, args.nano_balance)
+            self.plans = [self._plan(nb.layout, args, spec) for nb in self.nanos]
+            self.inputs = [tuple(t[torch.as_tensor(nb.rows[rank])].to(device) for t in (tok, tgt, pos))
+                           for nb in self.nanos]
+        else:
+            self.plans = [self._plan(self.layout, args, spec)] if method == "cad" else []
+            self.inputs = [tuple(t.to(device) for t in (tok, tgt, pos))]
+        self.dds = [prepare(p, group, device) for p in self.plans]
+        self.imbalance = [p.imbalance() for p in self.plans] or \
+            [scheduler.colocated(self.layout).imbalance()]
+
+    @staticmethod
+    def _plan(layout, args, spec):
+        return scheduler.schedule(layout, model=spec, tolerance=args.tolerance, min_shard=args.min_shard)
+
+
+def forward(step: Step, model, group, streams, tl, args, signal_only: bool):
+    """Forward of this rank's tokens; returns the local sum of token cross-entropies."""
+    comm = SignalOnly(group) if signal_only else AllToAll(group)
+
+    def head(h, tgt):
+        return _spanned(tl, "head", lambda x: model.loss(x, tgt, args.ce_chunk)[0], h)
+
+    if step.method in ("cad-pingpong", "signal-only"):
+        (ta, ya, pa), (tb, yb, pb) = step.inputs
+        xs = [model.embed(ta), model.embed(tb)]
+        ropes = [model.rope(pa), model.rope(pb)]
+        xa, xb = pingpong_layers(model, xs, ropes, step.dds, comm, streams, args.attn_backend, tl)
+        loss = head(model.norm(xa), ya) + head(model.norm(xb), yb)
+    else:
+        tok, tgt, pos = step.inputs[0]
+        if step.method == "cad":
+            plan = step.plans[0]
+
+            def attn(q, k, v, i):
+                return staged_attention(q, k, v, plan, group, args.attn_backend, comm, streams, tl, "")
+        elif args.colocated_impl == "allgather":
+            fn = _colocated_attention(step.layout, group, args.attn_backend)
+
+            def attn(q, k, v, i):
+                return _spanned(tl, "attn", fn, q, k, v)
+        else:
+            plan = scheduler.colocated(step.layout)
+
+            def attn(q, k, v, i):
+                return _spanned(tl, "attn", lambda a, b, c: cad_attention(a, b, c, plan, group,
+                                                                          args.attn_backend), q, k, v)
+        hidden = model(tok, pos, attn)
+        loss = head(hidden, tgt)
+    return loss
+
+
+def allreduce_grads(model, group) -> None:
+    """Data-parallel gradient sum, one flat bucket per dtype (the loss is already normalised)."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    for dtype in {g.dtype for g in grads}:
+        gs = [g for g in grads if g.dtype == dtype]
+        flat = torch.cat([g.reshape(-1) for g in gs])
+        dist.all_reduce(flat, group=group)
+        off = 0
+        for g in gs:
+            g.copy_(flat[off:off + g.numel()].view_as(g))
+            off += g.numel()
+
+
+# --------------------------------------------------------------------------------------- metrics
+def _union(spans) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def _length(iv) -> float:
+    return float(sum(b - a for a, b in iv))
+
+
+def _overlap(x, y) -> float:
+    total = 0.0
+    for a, b in x:
+        for c, d in y:
+            total += max(0.0, min(b, d) - max(a, c))
+    return total
+
+
+def step_metrics(rows: list[dict]) -> dict:
+    """Milliseconds per category from one step's spans (see the module docstring)."""
+    def spans(pred):
+        return [(r["start_ms"], r["end_ms"]) for r in rows if pred(r)]
+
+    def total(pred):
+        return float(sum(b - a for a, b in spans(pred)))
+
+    phase = {r["phase"]: r for r in rows if r["lane"] == "step"}
+    comm = _union(spans(lambda r: r["lane"] == "comm"))
+    compute = _union(spans(lambda r: r["lane"] == "compute"))
+    fwd_bwd = phase["backward"]["end_ms"] - phase["forward"]["start_ms"]
+    attn = total(lambda r: r["lane"] == "compute" and r["phase"].startswith("attn"))
+    head = total(lambda r: r["lane"] == "compute" and r["phase"].startswith("head"))
+    comm_ms = _length(comm)
+    exposed = comm_ms - _overlap(comm, compute)
+    return {"step_ms": phase["optimizer"]["end_ms"] - phase["forward"]["start_ms"],
+            "fwd_bwd_ms": fwd_bwd, "layers_ms": fwd_bwd - head, "attention_ms": attn, "head_ms": head,
+            "comm_ms": comm_ms, "comm_exposed_ms": exposed,
+            "linear_ms": fwd_bwd - attn - head - exposed,
+            "allreduce_ms": phase["allreduce"]["end_ms"] - phase["allreduce"]["start_ms"],
+            "optimizer_ms": phase["optimizer"]["end_ms"] - phase["optimizer"]["start_ms"]}
+
+
+# ------------------------------------------------------------------------------------------- main
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m cadlib.train", description=__doc__.split("\n")[0])
+    p.add_argument("--methods", default="colocated,cad,cad-pingpong", help=f"comma-separated: {METHODS}")
+    p.add_argument("--model", default="tiny", help=f"one of {', '.join(MODELS)}")
+    p.add_argument("--layers", type=int, default=None, help="override the model's layer count")
+    p.add_argument("--tokens-per-rank", type=int, default=1024)
+    p.add_argument("--dist", default="pretrain", help="a cadlib.workload distribution or preset")
+    p.add_argument("--doc-len", type=int, default=None, help="document length for --dist uniform")
+    p.add_argument("--max-doc-len", type=int, default=None)
+    p.add_argument("--steps", type=int, default=5, help="recorded steps (batches) per method")
+    p.add_argument("--warmup", type=int, default=1, help="unrecorded steps before them")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="fp32", choices=tuple(DTYPES))
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--tolerance", type=float, default=0.05, help="scheduler imbalance tolerance epsilon")
+    p.add_argument("--min-shard", type=int, default=512, help="scheduler minimum shard tokens")
+    p.add_argument("--nano-balance", default="tokens", choices=("tokens", "attention"))
+    p.add_argument("--wlb-cap", type=int, default=None, help="balanced packing's token cap per rank")
+    p.add_argument("--ce-chunk", type=int, default=8192, help="tokens per chunk of the LM-head loss")
+    p.add_argument("--mlp-recompute", action="store_true")
+    p.add_argument("--attn-backend", default=None)
+    p.add_argument("--pg-backend", default=None)
+    p.add_argument("--colocated-impl", default="allgather", choices=("allgather", "all-to-all"),
+                   help="per-document CP for colocated/wlb: all-gather (default) or CAD's all-to-all "
+                        "with the colocated plan")
+    p.add_argument("--timeline", action="store_true", help="keep the spans of every recorded step")
+    p.add_argument("--dump-grads", default=None, help="folder: rank 0 saves the first step's gradients")
+    args = p.parse_args(argv)
+    methods = args.methods.split(",")
+    for m in methods:
+        if m not in METHODS:
+            p.error(f"unknown method {m!r} in --methods; choose from: {', '.join(METHODS)}")
+    args.methods = methods
+    try:
+        args.spec = as_model(args.model, **({"n_layers": args.layers} if args.layers else {}))
+        sample_kwargs(args.dist)
+    except ValueError as e:
+        p.error(str(e))
+    for flag, val, lo in (("--tokens-per-rank", args.tokens_per_rank, 1), ("--steps", args.steps, 1),
+                          ("--warmup", args.warmup, 0), ("--min-shard", args.min_shard, 1),
+                          ("--ce-chunk", args.ce_chunk, 1), ("--layers", args.layers, 1),
+                          ("--doc-len", args.doc_len, 1), ("--max-doc-len", args.max_doc_len, 1)):
+        if val is not None and val < lo:
+            p.error(f"{flag} must be >= {lo}, got {val}")
+    if not (args.tolerance >= 0 and math.isfinite(args.tolerance)):
+        p.error(f"--tolerance (the scheduler's epsilon) must be a number >= 0, got {args.tolerance}")
+    if not args.lr > 0:
+        p.error(f"--lr must be > 0, got {args.lr}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    env = init_from_env(args.pg_backend)
+    torch.manual_seed(args.seed)
+    model = Decoder(args.spec, dtype=DTYPES[args.dtype], device=env.device,
+                    mlp_recompute=args.mlp_recompute, seed=args.seed)
+    init = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    streams = Streams(env.device)
+    cuda = env.device.type == "cuda"
+    records, timelines = [], {}
+    n_total = len(args.methods) * (args.warmup + args.steps)
+    done = 0
+    for method in args.methods:
+        model.load_state_dict(init)
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        tl = Timeline(env.device)
+        for i in range(args.warmup + args.steps):
+            b = i - args.warmup if i >= args.warmup else i      # warm-up reuses the first batches
+            step = Step(method, batch_docs(args, b, env.world), args, model, env.rank, env.world,
+                        env.group, env.device)
+            if cuda:
+                torch.cuda.synchronize(env.device)
+                torch.cuda.reset_peak_memory_stats(env.device)
+            dist.barrier(group=env.group)
+            tl.origin()
+            with tl.span("step", "forward"):
+                loss = forward(step, model, env.group, streams, tl, args, method == "signal-only")
+            with tl.span("step", "backward"):
+                (loss / step.n_valid).backward()
+            with tl.span("step", "allreduce"):
+                allreduce_grads(model, env.group)
+            if args.dump_grads and i == 0 and env.rank == 0:
+                import os
+                os.makedirs(args.dump_grads, exist_ok=True)
+                torch.save({n: p.grad.detach().float().cpu() for n, p in model.named_parameters()},
+                           f"{args.dump_grads}/{method}.pt")
+            with tl.span("step", "optimizer"):
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            rows = tl.rows()                               # one device sync, after the step
+            total_loss = loss.detach().clone()
+            dist.all_reduce(total_loss, group=env.group)
+            done += 1
+            report_progress(done, n_total, f"{method} step {i + 1}")
+            if i < args.warmup:
+                continue
+            rec = {"method": method, "batch": b, "rank": env.rank, "loss": float(total_loss) / step.n_valid,
+                   "tokens": int(step.inputs[0][0].numel() + (step.inputs[1][0].numel()
+                                                             if len(step.inputs) > 1 else 0)),
+                   "plan_imbalance": step.imbalance, "n_docs": step.layout.n_docs,
+                   **step_metrics(rows),
+                   "peak_mem_gib": torch.cuda.max_memory_allocated(env.device) / 2**30 if cuda else None}
+            records.append(rec)
+            if args.timeline or i == args.warmup + args.steps - 1:
+                timelines[method] = rows
+            if env.rank == 0:
+                log(f"{method:>12} batch {b}: loss {rec['loss']:.5f} step {rec['step_ms']:.1f} ms "
+                    f"(attn {rec['attention_ms']:.1f}, comm {rec['comm_ms']:.1f} exposed "
+                    f"{rec['comm_exposed_ms']:.1f}, all-reduce {rec['allreduce_ms']:.1f})")
+    write_result({"rank": env.rank, "world": env.world, "device": str(env.device),
+                  "device_name": torch.cuda.get_device_name(env.device) if cuda else "cpu",
+                  "torch": torch.__version__, "records": records, "timelines": timelines,
+                  "config": {k: v for k, v in vars(args).items() if k != "spec"},
+                  "model": {"name": args.spec.name, "layers": len(model.layers),
+                            "params": sum(p.numel() for p in model.parameters())}})
+    destroy()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
