@@ -160,3 +160,40 @@ def timeline(df, *, lane: str = "lane", phase: str = "phase", start: str = "star
     fig.update_xaxes(title_text=f"time ({unit})" if unit else "time", row=len(groups), col=1)
     fig.update_layout(title=title, barmode="overlay", height=max(260, height), legend_title_text=phase)
     return fig
+
+
+def bytes_heatmap(matrix, title: str = "Bytes sent, sender x receiver", unit: str = "KB",
+                  labels: Sequence[str] | None = None):
+    """A ``[src, dst]`` matrix (bytes) as a heatmap: senders down, receivers across, each cell
+    annotated in ``unit`` (B, KB, MB, GB; powers of 1000)."""
+    go = _go()
+    scale = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9}
+    if unit not in scale:
+        raise ValueError(f"unknown unit {unit!r}; choose one of: {', '.join(scale)}")
+    m = np.asarray(matrix, dtype=np.float64) / scale[unit]
+    if m.ndim != 2:
+        raise ValueError(f"matrix must be 2-D [src, dst], got shape {m.shape}")
+    ys = list(labels) if labels is not None else [f"rank {i}" for i in range(m.shape[0])]
+    xs = list(labels) if labels is not None else [f"rank {j}" for j in range(m.shape[1])]
+    fig = go.Figure(go.Heatmap(z=m, x=xs, y=ys, colorscale="Blues", colorbar=dict(title=unit),
+                               text=[[f"{v:.3g}" for v in row] for row in m], texttemplate="%{text}",
+                               hovertemplate="from %{y} to %{x}: %{z:.4g} " + unit + "<extra></extra>"))
+    fig.update_layout(title=title, xaxis=dict(title="receiver", side="top"),
+                      yaxis=dict(title="sender", autorange="reversed"), height=120 + 60 * m.shape[0],
+                      width=260 + 80 * m.shape[1])
+    return fig
+
+
+def grouped_bars(df, x: str, series: Mapping[str, str], title: str, yaxis: str = "",
+                 hover: Sequence[str] = ()):
+    """Grouped bars: one group per row of ``df`` (labelled by column ``x``), one bar per entry of
+    ``series`` (legend name -> column). ``hover`` names extra columns shown on hover."""
+    go = _go()
+    fig = go.Figure()
+    extra = "".join(f"<br>{c}: %{{customdata[{k}]}}" for k, c in enumerate(hover))
+    for i, (name, col) in enumerate(series.items()):
+        fig.add_trace(go.Bar(x=df[x], y=df[col], name=name, marker_color=_color(i),
+                             customdata=df[list(hover)].to_numpy() if hover else None,
+                             hovertemplate=f"{name}: %{{y:.4g}}{extra}<extra>%{{x}}</extra>"))
+    fig.update_layout(title=title, barmode="group", yaxis=dict(title=yaxis), height=400)
+    return fig
