@@ -163,19 +163,21 @@ def server_overhead(results_dir: str | os.PathLike | None = None,
 
 def server_overhead_summary(rows):
     """Per case (backend, distribution, tokens per GPU, GPUs) of :func:`server_overhead`'s rows: the
-    slowest rank's step TF/s and the fused kernel's, forward and forward+backward, and the overhead
-    ``raw TF/s / step TF/s - 1`` (the step's extra time over the kernel's, in the same units).
+    lowest step TF/s over the ranks and the lowest fused-kernel TF/s, forward and forward+backward, and
+    the overhead: per rank ``raw TF/s / step TF/s - 1`` (the step's extra time over its own kernel's
+    on the same tasks), the largest over the ranks.
     ``case`` labels a row for plots, e.g. ``fa4 pretrain 64K x2``."""
     import pandas as pd
     keys = ["backend", "dist", "tokens_per_gpu", "world"]
     if len(rows) == 0:
         return pd.DataFrame(columns=[*keys, "case"])
+    rows = rows.assign(**{f"overhead_{m}": rows[f"raw_{m}_tflops"] / rows[f"step_{m}_tflops"] - 1
+                          for m in ("fwd", "fwd_bwd")})
     g = rows.groupby(keys, sort=True)
     out = g.agg(step_fwd_tflops=("step_fwd_tflops", "min"), raw_fwd_tflops=("raw_fwd_tflops", "min"),
                 step_fwd_bwd_tflops=("step_fwd_bwd_tflops", "min"),
-                raw_fwd_bwd_tflops=("raw_fwd_bwd_tflops", "min")).reset_index()
-    for mode in ("fwd", "fwd_bwd"):
-        out[f"overhead_{mode}"] = out[f"raw_{mode}_tflops"] / out[f"step_{mode}_tflops"] - 1
+                raw_fwd_bwd_tflops=("raw_fwd_bwd_tflops", "min"), overhead_fwd=("overhead_fwd", "max"),
+                overhead_fwd_bwd=("overhead_fwd_bwd", "max")).reset_index()
     out.insert(0, "case", [f"{b} {d} {t // 1024}K x{w}" for b, d, t, w in
                            zip(out.backend, out.dist, out.tokens_per_gpu, out.world)])
     return out
