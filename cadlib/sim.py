@@ -24,6 +24,11 @@ How the ranks wait for each other:
   ``window = max(linear, comm)`` under ping-pong (the comm of one nano-batch hides behind the linear
   layers of the other) and ``window = linear + comm`` without it.
 
+Variable-length chunking (WLB-LLM, the baseline the paper's idle-time figure is about) is
+:func:`varlen_chunking`: whole documents balanced by estimated time under a token cap per rank;
+:func:`straggler_idle` sweeps its idle time against fixed-length packing. :func:`pp_timeline` turns
+a 1F1B schedule into a table for a Gantt chart.
+
 ``busy_g`` is what GPU ``g`` would need if it never waited for another GPU (its compute plus its own
 exposed communication); ``idle_g = step - busy_g`` and ``idle_fraction = sum_g idle_g / (G * step)``.
 Not modelled: the gradient all-reduce itself (the same for every method), pipeline p2p sends,
