@@ -29,3 +29,15 @@ LONGCA_MASK_TYPES = PaperFigure(12, "", "attention mask types with exact mask-ar
 def compare(fig: PaperFigure, measured: float, label: str = "measured here") -> str:
     """One line that puts a paper figure beside ours, e.g. for a notebook cell's output."""
     return f"paper: {fig.value:g}{fig.unit} ({fig.what}; {fig.source})  |  {label}: {measured:.3g}{fig.unit}"
+
+DISTCA_BLOG = ("CAD: Disaggregating Core Attention for Efficient Long-context Language Model Training, "
+               "the authors' blog post (hao-ai-lab.github.io/blogs/distca)")
+DISTCA_IDLE_DP4 = PaperFigure(
+    19, "%", "share of GPU time idle waiting for the slowest data-parallel rank, 8B model, 512K context, "
+    "DP=4, variable-length chunking", DISTCA + ", motivation")
+DISTCA_IDLE_DP8 = PaperFigure(
+    55, "%", "share of GPU time idle waiting for the slowest data-parallel rank, 8B model, 512K context, "
+    "DP=8, variable-length chunking", DISTCA + ", motivation")
+DISTCA_IDLE_DP2 = PaperFigure(
+    2, "%", "share of GPU time idle from data-parallel stragglers at DP=2 (read as '~2%'; the same curve "
+    "reaches 55% at DP=8)", DISTCA_BLOG + ", Figure 5a")

@@ -110,3 +110,90 @@ def lines(df, x: str, y: str, color: str, title: str, xlog=False, ylabel=None, x
     fig.update_layout(title=title, xaxis=dict(title=xlabel or x, type="log" if xlog else "linear"),
                       yaxis=dict(title=ylabel or y), height=380)
     return fig
+
+
+def timeline(df, *, lane: str = "lane", phase: str = "phase", start: str = "start_ms", end: str = "end_ms",
+             facet: str | None = None, title: str | None = None, colors: Mapping[str, str] | None = None,
+             hover: Sequence[str] = ()):
+    """A Gantt chart: one horizontal bar per row of ``df``, from ``df[start]`` to ``df[end]`` on lane
+    ``df[lane]`` (y axis), coloured by ``df[phase]``.
+
+    Built from ``go.Bar(orientation="h", base=start, x=end - start)``, one trace per phase, so numeric
+    times (ms, s, ticks) work as they are (``px.timeline`` wants dates). Phases keep a stable colour:
+    the palette in order of first appearance, unless ``colors`` maps a phase to one. With ``facet``
+    (a column such as ``rank``) the rows are split into vertically stacked subplots sharing the time
+    axis, one per value of that column (titled "<facet> <value>", or the value if it is a string).
+    ``hover`` names extra columns shown on hover. Lanes keep their order of first appearance, top to
+    bottom."""
+    go = _go()
+    from plotly.subplots import make_subplots
+
+    missing = [c for c in (lane, phase, start, end, facet, *hover) if c is not None and c not in df.columns]
+    if missing:
+        raise ValueError(f"timeline: column(s) {missing} not in the frame; it has {list(df.columns)}")
+    if len(df) and (df[end] < df[start]).any():
+        raise ValueError(f"timeline: every row needs {end} >= {start}")
+    phases = list(dict.fromkeys(df[phase]))
+    cmap = {p: (colors or {}).get(p, _color(i)) for i, p in enumerate(phases)}
+    groups = list(df.groupby(facet, sort=True)) if facet is not None else [(None, df)]
+    titles = [k if isinstance(k, str) else f"{facet} {k}" for k, _ in groups] if facet is not None else None
+    height = 110 + sum(30 * g[lane].nunique() + 70 for _, g in groups)
+    fig = make_subplots(rows=len(groups), cols=1, shared_xaxes=True, subplot_titles=titles,
+                        vertical_spacing=min(0.3, 60 / height) if len(groups) > 1 else 0.0)
+    seen: set = set()
+    extra = "".join(f"<br>{c}: %{{customdata[{k}]}}" for k, c in enumerate(hover))
+    for row, (_, g) in enumerate(groups, start=1):
+        lanes = [str(v) for v in dict.fromkeys(g[lane])]
+        for p in phases:
+            s = g[g[phase] == p]
+            if s.empty:
+                continue
+            fig.add_trace(go.Bar(
+                orientation="h", y=s[lane].astype(str), base=s[start], x=s[end] - s[start], name=str(p),
+                marker_color=cmap[p], legendgroup=str(p), showlegend=p not in seen,
+                customdata=s[list(hover)].to_numpy() if hover else None,
+                hovertemplate=f"{p}<br>{start}: %{{base:.4g}}<br>duration: %{{x:.4g}}{extra}"
+                              "<extra>%{y}</extra>"), row=row, col=1)
+            seen.add(p)
+        fig.update_yaxes(categoryorder="array", categoryarray=lanes[::-1], title_text=lane, row=row, col=1)
+    unit = end.rsplit("_", 1)[-1] if "_" in end else ""
+    fig.update_xaxes(title_text=f"time ({unit})" if unit else "time", row=len(groups), col=1)
+    fig.update_layout(title=title, barmode="overlay", height=max(260, height), legend_title_text=phase)
+    return fig
+
+
+def bytes_heatmap(matrix, title: str = "Bytes sent, sender x receiver", unit: str = "KB",
+                  labels: Sequence[str] | None = None):
+    """A ``[src, dst]`` matrix (bytes) as a heatmap: senders down, receivers across, each cell
+    annotated in ``unit`` (B, KB, MB, GB; powers of 1000)."""
+    go = _go()
+    scale = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9}
+    if unit not in scale:
+        raise ValueError(f"unknown unit {unit!r}; choose one of: {', '.join(scale)}")
+    m = np.asarray(matrix, dtype=np.float64) / scale[unit]
+    if m.ndim != 2:
+        raise ValueError(f"matrix must be 2-D [src, dst], got shape {m.shape}")
+    ys = list(labels) if labels is not None else [f"rank {i}" for i in range(m.shape[0])]
+    xs = list(labels) if labels is not None else [f"rank {j}" for j in range(m.shape[1])]
+    fig = go.Figure(go.Heatmap(z=m, x=xs, y=ys, colorscale="Blues", colorbar=dict(title=unit),
+                               text=[[f"{v:.3g}" for v in row] for row in m], texttemplate="%{text}",
+                               hovertemplate="from %{y} to %{x}: %{z:.4g} " + unit + "<extra></extra>"))
+    fig.update_layout(title=title, xaxis=dict(title="receiver", side="top"),
+                      yaxis=dict(title="sender", autorange="reversed"), height=120 + 60 * m.shape[0],
+                      width=260 + 80 * m.shape[1])
+    return fig
+
+
+def grouped_bars(df, x: str, series: Mapping[str, str], title: str, yaxis: str = "",
+                 hover: Sequence[str] = ()):
+    """Grouped bars: one group per row of ``df`` (labelled by column ``x``), one bar per entry of
+    ``series`` (legend name -> column). ``hover`` names extra columns shown on hover."""
+    go = _go()
+    fig = go.Figure()
+    extra = "".join(f"<br>{c}: %{{customdata[{k}]}}" for k, c in enumerate(hover))
+    for i, (name, col) in enumerate(series.items()):
+        fig.add_trace(go.Bar(x=df[x], y=df[col], name=name, marker_color=_color(i),
+                             customdata=df[list(hover)].to_numpy() if hover else None,
+                             hovertemplate=f"{name}: %{{y:.4g}}{extra}<extra>%{{x}}</extra>"))
+    fig.update_layout(title=title, barmode="group", yaxis=dict(title=yaxis), height=400)
+    return fig

@@ -130,3 +130,76 @@ def new_run_dir(root: str | os.PathLike = REPO_ROOT / "runs", name: str | None =
         path, k = pathlib.Path(f"{base}.{k}"), k + 1
     path.mkdir(parents=True)
     return path
+
+
+# ---------------------------------------------------------------------------------------------------
+# Committed benchmark results as tables (what the notebooks plot)
+# ---------------------------------------------------------------------------------------------------
+
+def find_results(pattern: str, results_dir: str | os.PathLike | None = None) -> list[pathlib.Path]:
+    """Result files matching a glob ``pattern`` under ``results_dir`` (default: this repository's
+    ``results/``), sorted by name."""
+    return sorted(pathlib.Path(results_dir or RESULTS_DIR).glob(pattern))
+
+
+OVERHEAD_COLUMNS = ("backend", "dist", "tokens_per_gpu", "world", "rank", "step_fwd_tflops", "raw_fwd_tflops",
+                    "step_fwd_bwd_tflops", "raw_fwd_bwd_tflops", "step_over_raw_fwd", "step_over_raw_fwd_bwd",
+                    "comm_fwd_fraction", "comm_fwd_bwd_fraction")
+
+
+def server_overhead(results_dir: str | os.PathLike | None = None,
+                    pattern: str = "bench_attention_server_overhead_*gpu.json"):
+    """The attention-server overhead benchmark (``scripts/bench_attention_server.py --part overhead``)
+    as one row per (file, case, rank): ``OVERHEAD_COLUMNS`` plus ``device`` and ``file``. ``step_*``
+    is the whole CAD attention step (metadata, all-to-alls, fused kernel, return), ``raw_*`` the fused
+    kernel alone on the same tasks. Empty frame (with those columns) when no file matches."""
+    import pandas as pd
+    rows = []
+    for path in find_results(pattern, results_dir):
+        res = load_result(path)
+        for case in res.get("results", []):
+            for r in case.get("ranks", []):
+                rows.append({**{k: r.get(k) for k in OVERHEAD_COLUMNS},
+                             "device": res.get("meta", {}).get("device"), "file": path.name})
+    return pd.DataFrame(rows, columns=[*OVERHEAD_COLUMNS, "device", "file"])
+
+
+def server_overhead_summary(rows):
+    """Per case (backend, distribution, tokens per GPU, GPUs) of :func:`server_overhead`'s rows: the
+    lowest step TF/s over the ranks and the lowest fused-kernel TF/s, forward and forward+backward, and
+    the overhead: per rank ``raw TF/s / step TF/s - 1`` (the step's extra time over its own kernel's
+    on the same tasks), the largest over the ranks.
+    ``case`` labels a row for plots, e.g. ``fa4 pretrain 64K x2``."""
+    import pandas as pd
+    keys = ["backend", "dist", "tokens_per_gpu", "world"]
+    if len(rows) == 0:
+        return pd.DataFrame(columns=[*keys, "case"])
+    rows = rows.assign(**{f"overhead_{m}": rows[f"raw_{m}_tflops"] / rows[f"step_{m}_tflops"] - 1
+                          for m in ("fwd", "fwd_bwd")})
+    g = rows.groupby(keys, sort=True)
+    out = g.agg(step_fwd_tflops=("step_fwd_tflops", "min"), raw_fwd_tflops=("raw_fwd_tflops", "min"),
+                step_fwd_bwd_tflops=("step_fwd_bwd_tflops", "min"),
+                raw_fwd_bwd_tflops=("raw_fwd_bwd_tflops", "min"), overhead_fwd=("overhead_fwd", "max"),
+                overhead_fwd_bwd=("overhead_fwd_bwd", "max")).reset_index()
+    out.insert(0, "case", [f"{b} {d} {t // 1024}K x{w}" for b, d, t, w in
+                           zip(out.backend, out.dist, out.tokens_per_gpu, out.world)])
+    return out
+
+
+def composability(results_dir: str | os.PathLike | None = None,
+                  pattern: str = "bench_attention_server_composability_1gpu_lpt_*.json"):
+    """The composability benchmark (a document cut into query shards, each with its KV prefix, in
+    one fused call) as one row per (backend, document, shard, mode): ``tflops`` and ``ratio`` (TF/s
+    over the unsplit document), ``mode`` ``fwd`` or ``fwd_bwd``, and ``device``."""
+    import pandas as pd
+    rows = []
+    for path in find_results(pattern, results_dir):
+        res = load_result(path)
+        device = res.get("meta", {}).get("device")
+        for r in res.get("results", []):
+            for mode in ("fwd", "fwd_bwd"):
+                if r.get(f"{mode}_vs_unsplit") is not None:
+                    rows.append({"backend": r["backend"], "doc": r["doc_len"], "shard": r["shard"],
+                                 "mode": mode, "tflops": r[f"{mode}_tflops"],
+                                 "ratio": r[f"{mode}_vs_unsplit"], "device": device})
+    return pd.DataFrame(rows, columns=["backend", "doc", "shard", "mode", "tflops", "ratio", "device"])

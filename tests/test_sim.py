@@ -355,3 +355,82 @@ def test_simulate_cad_schedules_a_layout():
     direct = simulate_cad(schedule(lay, 8, MODEL, 0.05), MODEL)
     assert via_layout.step == pytest.approx(direct.step, rel=1e-12)
     assert via_layout.idle_fraction < simulate_dp(lay, MODEL).idle_fraction
+
+
+# -- the 1F1B timeline table ----------------------------------------------------------------------------
+
+def test_pp_timeline_rows_match_the_schedule():
+    from cadlib.sim import pp_timeline
+    rng = np.random.default_rng(0)
+    f = rng.uniform(0.5, 2.0, (3, 5))
+    b = 2 * f
+    df = pp_timeline(f, b, unit=1.0)
+    assert len(df) == 2 * f.size and set(df.phase) == {"F", "B"}
+    assert df.end_ms.max() == pytest.approx(one_f_one_b(f, b)[0])
+    for s, g in df.groupby("stage"):
+        g = g.sort_values("start_ms")
+        assert (g.start_ms.to_numpy()[1:] >= g.end_ms.to_numpy()[:-1] - 1e-12).all()   # no overlap
+        for r in g.itertuples():
+            want = (f if r.phase == "F" else b)[s, r.microbatch]
+            assert r.end_ms - r.start_ms == pytest.approx(want)
+    # a forward on stage s starts after the same microbatch's forward on stage s-1 ended
+    fe = df[df.phase == "F"].set_index(["stage", "microbatch"])
+    for s in range(1, 3):
+        for i in range(5):
+            assert fe.loc[(s, i), "start_ms"] >= fe.loc[(s - 1, i), "end_ms"] - 1e-12
+
+
+# -- variable-length chunking and the idle time it leaves --------------------------------------------------
+
+def _whole_docs_once(layout):
+    got = sorted((c.doc, c.start, c.end) for r in layout.ranks for c in r)
+    return got == [(d, 0, n) for d, n in enumerate(layout.doc_lens)]
+
+
+def test_varlen_chunking_hand_cases():
+    from cadlib.sim import varlen_chunking
+    # longest first to the least-loaded rank: 4 -> r0, 4 -> r1, 2 -> r0 (tie), 2 -> r1
+    lay = varlen_chunking([4, 2, 4, 2], 2, cap=6, model=MODEL)
+    assert _whole_docs_once(lay)
+    assert sorted(lay.tokens_per_rank().tolist()) == [6, 6]
+    assert sorted(sorted(c.length for c in r) for r in lay.ranks) == [[2, 4], [2, 4]]
+    # the third 5 fits nowhere under the cap: it waits, then goes to the least-loaded rank anyway
+    lay = varlen_chunking([5, 5, 5], 2, cap=6, model=MODEL)
+    assert _whole_docs_once(lay) and sorted(lay.tokens_per_rank().tolist()) == [5, 10]
+    with pytest.raises(ValueError, match="cap"):
+        varlen_chunking([5], 1, cap=0, model=MODEL)
+    with pytest.raises(ValueError, match="n_ranks"):
+        varlen_chunking([5], 0, cap=8, model=MODEL)
+
+
+def test_varlen_chunking_balances_time_not_tokens_and_keeps_the_longest_document_whole():
+    from cadlib.sim import varlen_chunking
+    lens = [65536] + [4096] * 48        # one long document and many short ones, 2 ranks
+    seq_idle = simulate_dp(Layout([[(0, 0, 65536), (1, 0, 4096), (2, 0, 4096), (3, 0, 4096),
+                                    (4, 0, 4096)], [(d, 0, 4096) for d in range(5, 49)]], lens),
+                           MODEL).idle_fraction
+    lay = varlen_chunking(lens, 2, cap=10 ** 9, model=MODEL)
+    assert _whole_docs_once(lay)
+    res = simulate_dp(lay, MODEL)
+    assert res.idle_fraction < seq_idle
+    tok = lay.tokens_per_rank()
+    assert tok.max() > tok.min()                                   # unequal tokens: memory diverges
+    t_long = linear_seconds(65536, MODEL, HW) + attention_seconds([0], [65536], MODEL, HW)[0]
+    assert res.step >= t_long * (1 - 1e-12)                        # a whole document is a floor
+
+
+def test_straggler_idle_frame_and_validation():
+    from cadlib.sim import straggler_idle
+    # equal documents that fill every rank exactly: nobody waits under either packing
+    df = straggler_idle("uniform", [2, 4], 8192, length=2048, seeds=(0, 1))
+    assert set(df.columns) >= {"dp", "packing", "seed", "idle_fraction", "tokens_per_rank",
+                               "tokens_max_over_mean"}
+    assert len(df) == 2 * 2 * 2 and df.idle_fraction.max() == pytest.approx(0.0, abs=1e-12)
+    fixed = straggler_idle("uniform", [2, 4], 8192, length=2048, global_tokens=16384)
+    assert sorted(fixed.tokens_per_rank.unique()) == [4096, 8192]
+    with pytest.raises(ValueError, match="split evenly"):
+        straggler_idle("uniform", [3], 8192, length=2048, global_tokens=16384)
+    with pytest.raises(ValueError, match="packing"):
+        straggler_idle("uniform", [2], 8192, packings=("wlb",), length=2048)
+    with pytest.raises(ValueError, match="cap_factor"):
+        straggler_idle("uniform", [2], 8192, cap_factor=0.5, length=2048)
