@@ -78,9 +78,17 @@ def _target_argv(module_or_script: str | os.PathLike) -> list[str]:
 
 
 def torchrun_command(target_argv: Sequence[str], nproc: int, log_dir: str | os.PathLike,
-                     args: Sequence[str] = ()) -> list[str]:
-    """The torchrun command line (single node, local rendezvous, per-rank logs teed to the console)."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                     args: Sequence[str] = (), nnodes: int = 1, rdzv_endpoint: str | None = None,
+                     rdzv_id: str = "cadlib") -> list[str]:
+    """The torchrun command line, per-rank logs teed to the console. Without ``rdzv_endpoint`` the
+    rendezvous is ``--standalone`` (this machine only, bound to localhost); with ``host:port`` it is a
+    c10d rendezvous at that endpoint for ``nnodes`` nodes (run the same command on every node)."""
+    if rdzv_endpoint is None:
+        rdzv = ["--standalone"]
+    else:
+        rdzv = [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}",
+                f"--rdzv-id={rdzv_id}"]
+    return [sys.executable, "-m", "torch.distributed.run", *rdzv,
             f"--nproc-per-node={nproc}", "--log-dir", os.fspath(log_dir), "--tee", "3",
             *target_argv, *args]
 
@@ -279,8 +287,12 @@ def _results_frame(run_dir: Path, nproc: int) -> pd.DataFrame:
 def run_torchrun(module_or_script: str | os.PathLike, nproc: int, args: Sequence[str] | str = (),
                  timeout: float = 600, pg_backend: str = "auto",
                  env: Mapping[str, str | None] | None = None, log_dir: str | os.PathLike | None = None,
-                 echo: bool = True, progress: bool = True) -> pd.DataFrame:
+                 echo: bool = True, progress: bool = True, nnodes: int = 1,
+                 rdzv_endpoint: str | None = None) -> pd.DataFrame:
     """Run ``module_or_script`` on ``nproc`` local ranks with torchrun; one result row per rank.
+
+    Multi-node: pass ``nnodes`` and ``rdzv_endpoint="head:29500"`` and run the same call on every node
+    (each node's frame holds its own ranks' results); by default the rendezvous stays on localhost.
 
     ``args`` are passed to the script (a string is split like a shell would). ``pg_backend``, the
     process-group backend ("auto", "gloo", "nccl"; auto = nccl when CUDA is available), reaches the
@@ -296,6 +308,13 @@ def run_torchrun(module_or_script: str | os.PathLike, nproc: int, args: Sequence
     """
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
         raise ValueError(f"nproc must be an integer >= 1 (ranks on this machine), got {nproc!r}")
+    if isinstance(nnodes, bool) or not isinstance(nnodes, int) or nnodes < 1:
+        raise ValueError(f"nnodes must be an integer >= 1, got {nnodes!r}")
+    if rdzv_endpoint is None and nnodes > 1:
+        raise ValueError(f"nnodes={nnodes} needs rdzv_endpoint='host:port' (the rendezvous of all nodes); "
+                         "without it the run stays on this machine")
+    if rdzv_endpoint is not None and not re.fullmatch(r"[\w.\-\[\]:]+:\d+", str(rdzv_endpoint)):
+        raise ValueError(f"rdzv_endpoint must be 'host:port', got {rdzv_endpoint!r}")
     if pg_backend not in ("auto", "gloo", "nccl"):
         raise ValueError(f"unknown process-group backend pg_backend={pg_backend!r}; choose one of: auto, "
                          "gloo, nccl")
@@ -307,7 +326,7 @@ def run_torchrun(module_or_script: str | os.PathLike, nproc: int, args: Sequence
     base = Path(log_dir).expanduser() if log_dir is not None else Path(tempfile.gettempdir())
     base.mkdir(parents=True, exist_ok=True)
     run_dir = Path(tempfile.mkdtemp(prefix=time.strftime("torchrun-%Y%m%d-%H%M%S-"), dir=base))
-    cmd = torchrun_command(target, nproc, run_dir / "torch", argv)
+    cmd = torchrun_command(target, nproc, run_dir / "torch", argv, nnodes, rdzv_endpoint)
     what = " ".join(target[-1:] + argv)
 
     console = _Console(run_dir / "console.log", echo, progress)

@@ -49,6 +49,18 @@ def wait_until(predicate, timeout: float) -> bool:
 
 
 # ------------------------------------------------------------------------ validation (no processes)
+def test_rendezvous_is_local_unless_an_endpoint_is_given(tmp_path):
+    local = launch.torchrun_command(["-m", "cadlib.train"], 2, tmp_path)
+    assert "--standalone" in local and not any(a.startswith("--rdzv") for a in local)
+    multi = launch.torchrun_command(["-m", "cadlib.train"], 8, tmp_path, nnodes=4, rdzv_endpoint="head:29500")
+    assert "--standalone" not in multi
+    assert {"--nnodes=4", "--rdzv-backend=c10d", "--rdzv-endpoint=head:29500"} <= set(multi)
+    with pytest.raises(ValueError, match="nnodes=4 needs rdzv_endpoint"):
+        run_torchrun(TARGETS / "ok.py", 2, nnodes=4)
+    with pytest.raises(ValueError, match="rdzv_endpoint must be 'host:port'"):
+        run_torchrun(TARGETS / "ok.py", 2, nnodes=2, rdzv_endpoint="head")
+
+
 @pytest.mark.parametrize("kwargs, fragment", [
     ({"nproc": 0}, "nproc must be an integer >= 1"),
     ({"nproc": 2.0}, "nproc must be an integer >= 1"),
