@@ -268,7 +268,7 @@ def write_report(dest: str | os.PathLike, rows: list[dict], meta: dict, profile:
         ex = r.get("executed")
         executed[r["notebook"]] = nbformat.read(str(ex), as_version=4) if ex and os.path.exists(ex) else None
 
-    md = ["# cadlib reproduction", "", head, "", *[f"- {n}" for n in notes], "",
+    md = ["# cadlib reproduction", "", head, "", *[f"- {n}" for n in notes], *([""] if notes else []),
           f"**{ok}/{len(rows)} notebooks ran cleanly.** Figures: `report.html`.", "",
           "| notebook | status | seconds | parameters |", "|---|---|---|---|"]
     md += [f"| `{r['notebook']}` | {r['status']} | {r['seconds']:.1f} | `{json.dumps(r['parameters'])}` |"
