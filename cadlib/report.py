@@ -199,13 +199,32 @@ def with_html_figures(nb, prefix: str = "fig"):
     return nb
 
 
+IMAGE_MIMES = ("image/png", "image/jpeg", "image/svg+xml")
+
+
 def key_figures(nb, tags: Iterable[str] = FIGURE_TAGS) -> list[dict]:
-    """The plotly figures of cells tagged with any of ``tags``; every figure when no such cell has one."""
+    """The figures of cells tagged with any of ``tags`` (every figure when no such cell has one), each
+    as ``{mime: data}``: a plotly figure dict under :data:`PLOTLY_MIME`, or an image (png, jpeg, svg)."""
     tags = set(tags)
-    figs = [(set(cell.get("metadata", {}).get("tags", [])), out["data"][PLOTLY_MIME])
-            for _, cell, out in _outputs(nb) if PLOTLY_MIME in out.get("data", {})]
+    figs = []
+    for _, cell, out in _outputs(nb):
+        data = out.get("data", {})
+        mime = next((m for m in (PLOTLY_MIME, *IMAGE_MIMES) if m in data), None)
+        if mime:
+            figs.append((set(cell.get("metadata", {}).get("tags", [])), {mime: data[mime]}))
     tagged = [f for t, f in figs if t & tags]
     return tagged if tagged else [f for _, f in figs]
+
+
+def figure_html(fig: dict, div_id: str) -> str:
+    """HTML for one entry of :func:`key_figures`."""
+    mime, data = next(iter(fig.items()))
+    if mime == PLOTLY_MIME:
+        return plotly_div(data, div_id)
+    if mime == "image/svg+xml":
+        return data if isinstance(data, str) else "".join(data)
+    data = data if isinstance(data, str) else "".join(data)
+    return f"<img id='{div_id}' alt='figure' src='data:{mime};base64,{data.strip()}'>"
 
 
 def summary_text(nb, tag: str = "summary") -> str:
@@ -316,7 +335,7 @@ def write_report(dest: str | os.PathLike, rows: list[dict], meta: dict, profile:
         h.append(f"<pre>{esc((summary_text(nb) if nb else '') or '(no summary output)')}</pre>")
         anchor = _anchor(r["notebook"])
         for k, fig in enumerate(key_figures(nb) if nb else []):
-            h.append(f"<div class='figure'>{plotly_div(fig, f'{anchor}-fig{k}')}</div>")
+            h.append(f"<div class='figure'>{figure_html(fig, f'{anchor}-fig{k}')}</div>")
     h.append("</body></html>")
     html_path = atomic_write_text(dest / "report.html", "\n".join(h) + "\n")
     return md_path, html_path

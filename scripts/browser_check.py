@@ -21,10 +21,12 @@ import os
 import pathlib
 import secrets
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 
@@ -154,6 +156,23 @@ def _wait(page, fn: str, timeout_s: float, what: str, arg=None):
         raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}") from e
 
 
+@contextlib.contextmanager
+def _sigterm_unwinds():
+    """While inside, SIGTERM (a CI timeout) raises SystemExit so that the ``finally`` blocks stop the
+    server and the browser instead of orphaning them."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise SystemExit(f"terminated by signal {signum}")
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def run_in_lab(notebook: pathlib.Path, screenshot: pathlib.Path, *, widgets: bool = False,
                timeout_s: float = 90, pids_seen: set | None = None) -> dict:
     """Open ``notebook`` in JupyterLab, Run > Run All Cells, and assert what the page shows.
@@ -163,7 +182,7 @@ def run_in_lab(notebook: pathlib.Path, screenshot: pathlib.Path, *, widgets: boo
     ``pids_seen`` (a set) receives the server's process tree, for callers that check nothing is left."""
     notebook = pathlib.Path(notebook).resolve()
     screenshot.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="cadlib-lab-") as tmp:
+    with _sigterm_unwinds(), tempfile.TemporaryDirectory(prefix="cadlib-lab-") as tmp:
         tmp = pathlib.Path(tmp)
         root = tmp / "root"
         shutil.copytree(notebook.parent, root / notebook.parent.name,

@@ -173,13 +173,16 @@ def test_run_writes_report_with_summary_metrics_figures_and_failures(repo):
 
 def test_key_figures_fall_back_to_every_figure_when_no_cell_is_tagged():
     fig = {"data": [{"type": "bar", "y": [1]}], "layout": {}}
-    cells = [new_code_cell("a"), new_code_cell("b")]
-    for c in cells:
+    cells = [new_code_cell("a"), new_code_cell("b"), new_code_cell("c")]
+    for c in cells[:2]:
         c.outputs = [nbformat.v4.new_output("display_data", data={report.PLOTLY_MIME: fig})]
+    cells[2].outputs = [nbformat.v4.new_output("display_data", data={"image/png": "iVBORw0KGgo=",
+                                                                       "text/plain": "<Figure>"})]
     nb = new_notebook(cells=cells)
-    assert len(report.key_figures(nb)) == 2
+    assert [next(iter(f)) for f in report.key_figures(nb)] == [report.PLOTLY_MIME] * 2 + ["image/png"]
     cells[1].metadata["tags"] = ["figure"]
-    assert len(report.key_figures(nb)) == 1
+    assert report.key_figures(nb) == [{report.PLOTLY_MIME: fig}]
+    assert "data:image/png;base64,iVBORw0KGgo=" in report.figure_html({"image/png": "iVBORw0KGgo="}, "x")
     html_nb = report.with_html_figures(nb)
     assert "fig-1-0" in html_nb.cells[1].outputs[0].data["text/html"]
     assert "text/html" not in nb.cells[1].outputs[0].data      # the input is not modified
