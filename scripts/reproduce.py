@@ -334,7 +334,7 @@ def run_notebook(nb: pathlib.Path, out: pathlib.Path, params: dict, run_dir: pat
         row["status"] = "ok"
     except Exception as e:  # keep going: the report lists every notebook
         row["status"] = "failed"
-        row["error"] = f"{type(e).__name__}: {e}"[-4000:]
+        row["error"] = f"{type(e).__name__}: {e}".replace(f"{ROOT}{os.sep}", "")[-4000:]   # repo-relative
     finally:
         for k, v in saved.items():
             if v is None:

@@ -121,6 +121,17 @@ def test_every_profile_is_valid_for_this_repository(profile):
     assert set(params) == set(nbs)
 
 
+@pytest.mark.parametrize("override, message", [
+    ("nosuchparam=3", "unknown parameter 'nosuchparam': no selected notebook defines it. Valid names: "
+                      "01_imbalance/01_stragglers.ipynb: "),
+    ("n_ranks=-3", "01_imbalance/01_stragglers.ipynb: -p n_ranks=-3 is invalid: must be >= 1"),
+    ("distribution='prolog'", "unknown distribution 'prolog'; choose one of: pretrain"),
+])
+def test_this_repositorys_notebooks_reject_bad_overrides_up_front(tmp_path, capsys, override, message):
+    assert reproduce.main(["--out", str(tmp_path / "runs"), "-p", override]) == 2
+    assert message in capsys.readouterr().err and not (tmp_path / "runs").exists()
+
+
 def test_record_writes_a_json_line_and_returns_a_row(tmp_path, monkeypatch):
     monkeypatch.delenv("CADLIB_REPORT_DIR", raising=False)
     row = report.record("speedup", 1.2, paper=paper.DISTCA_MAX_SPEEDUP, how="sim")
