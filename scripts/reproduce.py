@@ -256,12 +256,11 @@ def plan_parameters(notebooks: list[pathlib.Path], profile: dict, overrides: dic
     errors, notes = [], []
     params: dict[pathlib.Path, dict] = {p: {} for p in notebooks}
 
-    def apply(path, name, value, origin):
-        defaults, _, nb_rules = cells[path]
-        why = check_value(name, value, defaults[name], nb_rules.get(name, RULES.get(name, {})))
-        if why:
-            errors.append(f"{rel(path)}: {origin} {name}={value!r} is invalid: {why}")
+    origins: dict[tuple[pathlib.Path, str], str] = {}
+
+    def apply(path, name, value, origin):      # later entries win: profile "*", profile, then -p
         params[path][name] = value
+        origins[path, name] = origin
 
     for key, values in profile.items():
         if key == "*":
@@ -293,6 +292,12 @@ def plan_parameters(notebooks: list[pathlib.Path], profile: dict, overrides: dic
                           f"Valid names: {_valid_names(selected)}")
         for p in takers:
             apply(p, name, value, "-p")
+    for path, values in params.items():
+        defaults, _, nb_rules = cells[path]
+        for name, value in values.items():
+            why = check_value(name, value, defaults[name], nb_rules.get(name, RULES.get(name, {})))
+            if why:
+                errors.append(f"{rel(path)}: {origins[path, name]} {name}={value!r} is invalid: {why}")
     if errors:
         raise ParameterError("invalid parameters, nothing was run:\n  " + "\n  ".join(errors))
     return params, notes

@@ -110,6 +110,8 @@ def test_profiles_check_their_entries_and_skip_notebooks_not_present(repo):
         reproduce.plan_parameters([a, b], {"sub/b": {"backend": "nccl"}}, {})
     with pytest.raises(reproduce.ParameterError, match=r"sub/b.ipynb: profile n_ranks=0 is invalid"):
         reproduce.plan_parameters([a, b], {"sub/b": {"n_ranks": 0}}, {})
+    params, _ = reproduce.plan_parameters([a, b], {"sub/b": {"n_ranks": 0}}, {"n_ranks": 2})
+    assert params[b] == {"n_ranks": 2}                            # -p wins over the profile
     with pytest.raises(reproduce.ParameterError, match=r"profile entry '\*': no notebook defines"):
         reproduce.plan_parameters([a, b], {"*": {"backend": "nccl"}}, {})
 
