@@ -174,8 +174,8 @@ def test_run_writes_report_with_summary_metrics_figures_and_failures(repo):
     assert "x: doubled to 8" in md and "boom" in md and "1/2 notebooks ran cleanly" in md
     assert "| doubled | 6 | 8 |" in md                            # paper vs ours, from the cell
     page = (run / "report.html").read_text()
-    assert page.count("Plotly.newPlot(") == 1 and "tiny bars" in page and "not in the report" not in page
-    assert "window.Plotly" in page or "Plotly=" in page           # plotly.js inlined
+    assert page.count("P.newPlot(") == 1 and "tiny bars" in page and "not in the report" not in page
+    assert "id='cadlib-plotlyjs'" in page and 1_000_000 < len(page) < 3_000_000   # plotly.js packed in
     nb_page = (run / "a.html").read_text()
     assert nb_page.count("Plotly.newPlot(") == 2 and 'src="plotly.min.js"' in nb_page
     assert (run / "plotly.min.js").stat().st_size > 1_000_000
