@@ -1,11 +1,12 @@
 # The two commands: `make run` (papermill reproduction, CPU/gloo default) and `make test`.
-# Both create .venv and install everything on first use.
+# Both create .venv and install everything on first use. `make test-browser` runs the workbook in
+# JupyterLab in chromium; `make report` refreshes the committed CPU report in results/reports/.
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.cadlib-installed
 RUN_ARGS ?=
 
-.PHONY: run test test-unit test-notebooks lab venv lint clean
+.PHONY: run report test test-unit test-notebooks test-browser browser lab venv lint clean
 
 venv: $(STAMP)
 
@@ -15,6 +16,9 @@ $(STAMP): pyproject.toml scripts/bootstrap.sh
 
 run: $(STAMP)
 	$(PY) scripts/reproduce.py $(RUN_ARGS)
+
+report: $(STAMP)
+	$(PY) scripts/reproduce.py --profile cpu --publish results/reports
 
 test: test-unit test-notebooks
 
@@ -27,6 +31,16 @@ test-notebooks: $(STAMP)
 	@nb=$$(find notebooks -name '*.ipynb' -not -path '*/.ipynb_checkpoints/*' | sort); \
 	if [ -z "$$nb" ]; then echo "no notebooks to validate"; exit 0; fi; \
 	$(PY) -m pytest -q -p no:cacheprovider --nbval-lax $$nb
+
+# Debian's chromium (installed when missing; CI runs as root) driven by the playwright package of the
+# dev extra, pointed at that browser: no browser download.
+test-browser: $(STAMP) browser
+	CADLIB_BROWSER_TEST=1 $(PY) -m pytest -q -p no:cacheprovider tests/test_browser.py
+
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  SUDO=$$( [ "$$(id -u)" -eq 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q chromium; }
 
 lab: $(STAMP)
 	$(VENV)/bin/jupyter lab notebooks

@@ -3,34 +3,89 @@
 
     python scripts/reproduce.py                      # CPU/gloo defaults (what `make run` does)
     python scripts/reproduce.py --only 02_cad        # a subset (substring of the notebook path)
-    python scripts/reproduce.py -p world_size=8      # override a parameter in every notebook that has it
-    python scripts/reproduce.py --profile gpu        # a named parameter profile (see PROFILES)
+    python scripts/reproduce.py -p n_ranks=16        # override a parameter in every notebook that has it
+    python scripts/reproduce.py --profile h200x2     # a named parameter profile (see PROFILES)
+    python scripts/reproduce.py --list-params        # every notebook's parameters, defaults and rules
+    python scripts/reproduce.py --publish results/reports   # also copy the report there
 
-Executed notebooks land in runs/<timestamp>/ next to report.md and report.html. Cells tagged
-``summary`` in a notebook hold the claims it checks; their printed output goes into the report.
-Exit status is non-zero when any notebook failed (the report still lists every notebook).
+Every override and profile entry is checked against the notebooks' ``parameters`` cells before
+anything runs: a name no selected notebook defines, or a value of the wrong type or outside its rule,
+stops the run with a message naming the notebook, the parameter and what is valid (exit status 2).
+
+Executed notebooks land in runs/<timestamp>-<profile>/ with their HTML (every plotly figure drawn;
+plotly.js loaded from plotly.min.js beside them), report.md, a self-contained report.html with each
+notebook's summary, key figures and the paper-vs-ours metrics that its cells recorded through
+``cadlib.report.record``, and report.json. Exit status 1 when any notebook failed.
 """
 from __future__ import annotations
 
 import argparse
 import ast
-import html
+import importlib
+import io
 import json
+import os
 import pathlib
+import shutil
 import sys
 import time
+import tokenize
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from cadlib import report  # noqa: E402
 from cadlib.results import atomic_write_text, environment_info, new_run_dir  # noqa: E402
 
-# Parameter profiles: per-notebook overrides on top of each notebook's own defaults (which are the CPU
-# profile). Keys are substrings of notebook paths; "*" applies to all notebooks that define the name.
+# Parameter profiles: per-notebook overrides on top of each notebook's own defaults (the defaults are the
+# CPU profile). Keys are substrings of notebook paths under notebooks/ ("*": every notebook that defines
+# the name). An entry whose key matches no notebook in this checkout is skipped with a note, so a profile
+# may name notebooks that do not exist yet; an entry naming a parameter its notebook lacks is an error.
 PROFILES: dict[str, dict[str, dict]] = {
     "cpu": {},
-    "gpu": {"*": {"backend": "nccl"}},
+    "h200x2": {
+        "02_cad/02_attention_servers": {"nproc": 2, "dtype": "bf16", "model_name": "llama3-8b",
+                                        "tokens_per_rank": 8192, "distribution": "pretrain,prolong"},
+        "03_pingpong/01_overlap": {},
+        "04_benchmarks/01_end_to_end": {},
+    },
+    "h200x8": {
+        "02_cad/02_attention_servers": {"nproc": 8, "dtype": "bf16", "model_name": "llama3-8b",
+                                        "tokens_per_rank": 8192, "distribution": "pretrain,prolong"},
+        "03_pingpong/01_overlap": {},
+        "04_benchmarks/01_end_to_end": {},
+    },
 }
+
+# Checks per parameter name, on top of the type of the notebook's default (an int default takes ints
+# only, a list default takes lists, ...). A notebook may replace an entry for itself with a literal dict
+# ``PARAMETER_RULES = {"name": {...}}`` in its parameters cell. A notebook's own default is always valid
+# (e.g. "auto"). Keys of a rule:
+#   min, max        bounds (for lists: of every item)        nonempty   a list must have an item
+#   choices         a list, or "module:attribute" naming one  also       extra accepted values ("auto")
+#   check           "module:function" called with the value; a ValueError means invalid (its message
+#                   says what is valid)                       split      a string is a list joined by it
+RULES: dict[str, dict] = {
+    "n_ranks": {"min": 1},
+    "nproc": {"min": 0},
+    "tokens_per_rank": {"min": 1},
+    "seed": {"min": 0},
+    "tolerance": {"min": 0},
+    "min_shard": {"min": 1},
+    "timeout_s": {"min": 1},
+    "dp_sizes": {"min": 1, "nonempty": True},
+    "context_lengths": {"min": 1, "nonempty": True},
+    "tolerances": {"min": 0, "nonempty": True},
+    "distribution": {"check": "cadlib.workload:sample_kwargs", "split": ","},
+    "model_name": {"check": "cadlib.cost:as_model"},
+    "dtype": {"choices": ["fp32", "bf16", "fp16"]},
+    "cases": {"choices": "cadlib.verify:CASES", "split": ","},
+}
+RULE_KEYS = {"min", "max", "nonempty", "choices", "also", "check", "split"}
+
+
+class ParameterError(ValueError):
+    """An override or profile entry that no notebook accepts; raised before anything runs."""
 
 
 def find_notebooks(only: list[str]) -> list[pathlib.Path]:
@@ -40,23 +95,145 @@ def find_notebooks(only: list[str]) -> list[pathlib.Path]:
     return nbs
 
 
-def notebook_parameters(path: pathlib.Path) -> set[str]:
-    """Names assigned in the notebook's cell tagged ``parameters``."""
+def rel(path: pathlib.Path) -> str:
+    """A notebook's name in messages and reports: its path under notebooks/."""
+    for base in (ROOT / "notebooks", ROOT):
+        if path.is_relative_to(base):
+            return str(path.relative_to(base))
+    return str(path)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The parameters cell
+# ---------------------------------------------------------------------------------------------------
+
+def parameters_cell(path: pathlib.Path) -> tuple[dict, dict, dict]:
+    """``(defaults, help, rules)`` of the notebook's cell tagged ``parameters``: each assigned name's
+    default (``None`` when not a literal), its trailing comment, and its ``PARAMETER_RULES`` entries.
+
+    Read with ``ast`` rather than papermill's ``inspect_notebook``, which drops any name whose trailing
+    comment contains ``=`` or a quote."""
     import nbformat
     nb = nbformat.read(path, as_version=4)
     for cell in nb.cells:
-        if "parameters" in cell.get("metadata", {}).get("tags", []):
-            tree = ast.parse(cell.source)
-            return {t.id for node in tree.body if isinstance(node, ast.Assign)
-                    for t in node.targets if isinstance(t, ast.Name)}
-    return set()
+        if cell.cell_type == "code" and "parameters" in cell.get("metadata", {}).get("tags", []):
+            src = cell.source
+            comments = {tok.start[0]: tok.string.lstrip("#").strip()
+                        for tok in tokenize.generate_tokens(io.StringIO(src).readline)
+                        if tok.type == tokenize.COMMENT}
+            defaults, helps, rules = {}, {}, {}
+            for node in ast.parse(src).body:
+                if not isinstance(node, ast.Assign):
+                    continue
+                try:
+                    value = ast.literal_eval(node.value)
+                except ValueError:
+                    value = None
+                for t in node.targets:
+                    if isinstance(t, ast.Name) and t.id == "PARAMETER_RULES":
+                        rules = _check_rules(value, path)
+                    elif isinstance(t, ast.Name):
+                        defaults[t.id] = value
+                        helps[t.id] = comments.get(node.lineno, "")
+            return defaults, helps, rules
+    return {}, {}, {}
 
+
+def _check_rules(rules, path) -> dict:
+    if not isinstance(rules, dict) or not all(isinstance(v, dict) for v in rules.values()):
+        raise ParameterError(f"{rel(path)}: PARAMETER_RULES must be a literal dict of dicts, got {rules!r}")
+    for name, rule in rules.items():
+        if set(rule) - RULE_KEYS:
+            raise ParameterError(f"{rel(path)}: PARAMETER_RULES[{name!r}] has unknown keys "
+                                 f"{sorted(set(rule) - RULE_KEYS)}; valid: {sorted(RULE_KEYS)}")
+    return rules
+
+
+def notebook_parameters(path: pathlib.Path) -> set[str]:
+    """Names assigned in the notebook's cell tagged ``parameters``."""
+    return set(parameters_cell(path)[0])
+
+
+def _resolve(ref: str):
+    module, _, attr = ref.partition(":")
+    obj = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _type_problem(value, default) -> str | None:
+    """What is wrong with the type of ``value`` for a parameter whose default is ``default``."""
+    def is_int(v):
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    def is_num(v):
+        return is_int(v) or isinstance(v, float)
+
+    if default is None:
+        return None
+    if isinstance(default, bool):
+        return None if isinstance(value, bool) else "must be True or False"
+    if is_int(default):
+        return None if is_int(value) else "must be an integer"
+    if isinstance(default, float):
+        return None if is_num(value) else "must be a number"
+    if isinstance(default, str):
+        return None if isinstance(value, str) else "must be a string"
+    if isinstance(default, (list, tuple)):
+        if not isinstance(value, (list, tuple)):
+            return "must be a list"
+        if default and all(is_int(v) for v in default) and not all(is_int(v) for v in value):
+            return "must be a list of integers"
+        if default and all(is_num(v) for v in default) and not all(is_num(v) for v in value):
+            return "must be a list of numbers"
+    return None
+
+
+def check_value(name: str, value, default, rule: dict) -> str | None:
+    """None when ``value`` is valid for parameter ``name``; otherwise what is valid."""
+    problem = _type_problem(value, default)
+    if problem:
+        return f"{problem} (default {default!r})"
+    if value == default:
+        return None                           # the notebook's own default is always valid
+    if isinstance(value, str) and rule.get("split"):
+        items = [v.strip() for v in value.split(rule["split"])]
+    else:
+        items = list(value) if isinstance(value, (list, tuple)) else [value]
+    if rule.get("nonempty") and not items:
+        return "must not be empty"
+    for v in items:
+        if v in rule.get("also", ()):
+            continue
+        if "min" in rule and isinstance(v, (int, float)) and v < rule["min"]:
+            return f"must be >= {rule['min']}" + (" (every item)" if len(items) > 1 else "")
+        if "max" in rule and isinstance(v, (int, float)) and v > rule["max"]:
+            return f"must be <= {rule['max']}" + (" (every item)" if len(items) > 1 else "")
+        if "choices" in rule:
+            choices = [*_resolve(rule["choices"])] if isinstance(rule["choices"], str) else rule["choices"]
+            choices = [*choices, *rule.get("also", ())]
+            if v not in choices:
+                sep = f" (joined by {rule['split']!r})" if rule.get("split") else ""
+                return f"{v!r} is not one of: {', '.join(map(str, choices))}{sep}"
+        if "check" in rule:
+            try:
+                _resolve(rule["check"])(v)
+            except ValueError as e:
+                also = f" (or {', '.join(map(repr, rule['also']))})" if rule.get("also") else ""
+                return f"{e}{also}"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Overrides and profiles, checked up front
+# ---------------------------------------------------------------------------------------------------
 
 def parse_overrides(items: list[str]) -> dict:
     out = {}
     for item in items:
         if "=" not in item:
-            raise SystemExit(f"bad -p {item!r}: use name=value (value is a Python literal or a string)")
+            raise ParameterError(f"bad -p {item!r}: use name=value (value is a Python literal or a string)")
         k, v = item.split("=", 1)
         try:
             out[k.strip()] = ast.literal_eval(v)
@@ -65,78 +242,128 @@ def parse_overrides(items: list[str]) -> dict:
     return out
 
 
+def _valid_names(cells: dict[pathlib.Path, tuple]) -> str:
+    return "; ".join(f"{rel(p)}: {', '.join(sorted(c[0])) or '(none)'}" for p, c in cells.items())
+
+
+def plan_parameters(notebooks: list[pathlib.Path], profile: dict, overrides: dict,
+                    all_notebooks: list[pathlib.Path] | None = None) -> tuple[dict, list[str]]:
+    """``({notebook: parameters}, notes)`` for a run, every value checked; a ParameterError listing
+    every problem (notebook, parameter, what is valid) when anything is wrong."""
+    all_notebooks = all_notebooks if all_notebooks is not None else notebooks
+    cells = {p: parameters_cell(p) for p in sorted(set(notebooks) | set(all_notebooks))}
+    selected = {p: cells[p] for p in notebooks}
+    errors, notes = [], []
+    params: dict[pathlib.Path, dict] = {p: {} for p in notebooks}
+
+    origins: dict[tuple[pathlib.Path, str], str] = {}
+
+    def apply(path, name, value, origin):      # later entries win: profile "*", profile, then -p
+        params[path][name] = value
+        origins[path, name] = origin
+
+    for key, values in profile.items():
+        if key == "*":
+            for name, value in values.items():
+                if not any(name in c[0] for c in cells.values()):
+                    errors.append(f"profile entry '*': no notebook defines parameter {name!r}")
+                for p in notebooks:
+                    if name in cells[p][0]:
+                        apply(p, name, value, "profile")
+            continue
+        matching = [p for p in all_notebooks if key in rel(p)]
+        if not matching:
+            if values:
+                notes.append(f"profile entry {key!r} matches no notebook in this checkout; skipped")
+            continue
+        for p in matching:
+            if p not in params:
+                continue                      # not selected by --only
+            for name, value in values.items():
+                if name not in cells[p][0]:
+                    errors.append(f"{rel(p)}: profile parameter {name!r} is not defined by the notebook; "
+                                  f"valid: {', '.join(sorted(cells[p][0]))}")
+                else:
+                    apply(p, name, value, "profile")
+    for name, value in overrides.items():
+        takers = [p for p in notebooks if name in cells[p][0]]
+        if not takers:
+            errors.append(f"unknown parameter {name!r}: no selected notebook defines it. "
+                          f"Valid names: {_valid_names(selected)}")
+        for p in takers:
+            apply(p, name, value, "-p")
+    for path, values in params.items():
+        defaults, _, nb_rules = cells[path]
+        for name, value in values.items():
+            why = check_value(name, value, defaults[name], nb_rules.get(name, RULES.get(name, {})))
+            if why:
+                errors.append(f"{rel(path)}: {origins[path, name]} {name}={value!r} is invalid: {why}")
+    if errors:
+        raise ParameterError("invalid parameters, nothing was run:\n  " + "\n  ".join(errors))
+    return params, notes
+
+
 def params_for(path: pathlib.Path, profile: dict, overrides: dict) -> dict:
-    names = notebook_parameters(path)
-    rel = str(path.relative_to(ROOT))
-    params = {}
-    for key, vals in profile.items():
-        if key == "*" or key in rel:
-            params.update({k: v for k, v in vals.items() if k in names})
-    params.update({k: v for k, v in overrides.items() if k in names})
-    return params
+    """The checked parameters of one notebook (see :func:`plan_parameters`)."""
+    return plan_parameters([path], profile, overrides)[0][path]
 
 
-def summary_text(path: pathlib.Path) -> str:
-    import nbformat
-    nb = nbformat.read(path, as_version=4)
-    chunks = []
-    for cell in nb.cells:
-        if cell.cell_type == "code" and "summary" in cell.get("metadata", {}).get("tags", []):
-            for out in cell.get("outputs", []):
-                if out.get("output_type") == "stream":
-                    chunks.append(out.get("text", ""))
-                elif "text/plain" in out.get("data", {}):
-                    chunks.append(out["data"]["text/plain"])
-    return "".join(chunks).strip()
+def list_parameters(notebooks: list[pathlib.Path]) -> str:
+    lines = []
+    for p in notebooks:
+        defaults, helps, nb_rules = parameters_cell(p)
+        lines.append(rel(p))
+        for name, default in defaults.items():
+            rule = nb_rules.get(name, RULES.get(name))
+            extra = "  ".join(s for s in (f"# {helps[name]}" if helps[name] else "",
+                                           f"rule {rule}" if rule else "") if s)
+            lines.append(f"  {name} = {default!r}  {extra}".rstrip())
+    return "\n".join(lines)
 
 
-def export_html(src: pathlib.Path, dest: pathlib.Path) -> pathlib.Path | None:
+# ---------------------------------------------------------------------------------------------------
+# The run
+# ---------------------------------------------------------------------------------------------------
+
+def run_notebook(nb: pathlib.Path, out: pathlib.Path, params: dict, run_dir: pathlib.Path,
+                 timeout: int) -> dict:
+    import papermill as pm
+    row = {"notebook": rel(nb), "parameters": params, "executed": str(out), "error": "", "links": {}}
+    env = {"CADLIB_REPORT_DIR": str(run_dir), "CADLIB_NOTEBOOK": rel(nb)}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)                    # the kernel inherits these: cadlib.report.record writes
+    t0 = time.perf_counter()
     try:
-        from nbconvert import HTMLExporter
-        body, _ = HTMLExporter().from_filename(str(src))
-        atomic_write_text(dest, body)
-        return dest
-    except Exception as e:  # the report must not fail because a viewer could not be made
-        print(f"  (html export of {src.name} failed: {e})")
-        return None
+        pm.execute_notebook(str(nb), str(out), parameters=params, cwd=str(nb.parent),
+                            kernel_name="python3", progress_bar=False, execution_timeout=timeout)
+        row["status"] = "ok"
+    except Exception as e:  # keep going: the report lists every notebook
+        row["status"] = "failed"
+        row["error"] = f"{type(e).__name__}: {e}".replace(f"{ROOT}{os.sep}", "")[-4000:]   # repo-relative
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    row["seconds"] = time.perf_counter() - t0
+    if not out.exists():
+        row["executed"] = None
+    return row
 
 
-def write_report(run_dir: pathlib.Path, rows: list[dict], meta: dict, profile: str) -> None:
-    ok = sum(r["status"] == "ok" for r in rows)
-    md = [f"# cadlib reproduction — {meta['date']}", "",
-          f"Profile `{profile}` on {meta['device']}; torch {meta['torch']}, commit `{meta['commit']}`.", "",
-          f"**{ok}/{len(rows)} notebooks ran cleanly.**", "",
-          "| notebook | status | seconds | parameters |", "|---|---|---|---|"]
-    for r in rows:
-        params = json.dumps(r["parameters"])
-        md.append(f"| `{r['notebook']}` | {r['status']} | {r['seconds']:.1f} | `{params}` |")
-    for r in rows:
-        md += ["", f"## {r['notebook']}", ""]
-        if r["status"] != "ok":
-            md += ["```", r["error"], "```"]
-        md += ["```", r["summary"] or "(no summary cell)", "```"]
-    atomic_write_text(run_dir / "report.md", "\n".join(md) + "\n")
-
-    h = ["<!doctype html><meta charset='utf-8'><title>cadlib reproduction</title>",
-         "<style>body{font-family:sans-serif;max-width:60em;margin:2em auto}td,th{padding:.2em .6em}"
-         "pre{background:#f4f4f4;padding:.6em;overflow-x:auto}.failed{color:#b00}</style>",
-         f"<h1>cadlib reproduction — {html.escape(meta['date'])}</h1>",
-         f"<p>Profile <code>{profile}</code> on {html.escape(meta['device'])}; torch "
-         f"{html.escape(str(meta['torch']))}, commit <code>{html.escape(meta['commit'])}</code>.</p>",
-         f"<p><b>{ok}/{len(rows)} notebooks ran cleanly.</b></p>",
-         "<table border=1 cellspacing=0><tr><th>notebook</th><th>status</th><th>s</th><th>open</th></tr>"]
-    for r in rows:
-        link = f"<a href='{html.escape(r['html'])}'>html</a> · " if r.get("html") else ""
-        link += f"<a href='{html.escape(r['ipynb'])}'>ipynb</a>"
-        h.append(f"<tr><td>{html.escape(r['notebook'])}</td><td class='{r['status']}'>{r['status']}</td>"
-                 f"<td>{r['seconds']:.1f}</td><td>{link}</td></tr>")
-    h.append("</table>")
-    for r in rows:
-        h.append(f"<h2>{html.escape(r['notebook'])}</h2>")
-        if r["status"] != "ok":
-            h.append(f"<pre class='failed'>{html.escape(r['error'])}</pre>")
-        h.append(f"<pre>{html.escape(r['summary'] or '(no summary cell)')}</pre>")
-    atomic_write_text(run_dir / "report.html", "\n".join(h) + "\n")
+def publish(dest: pathlib.Path, rows: list[dict], meta: dict, profile: str, run_dir: pathlib.Path,
+            notes: list[str]) -> None:
+    """The report again in ``dest`` (e.g. results/reports/), linking the repository's notebooks."""
+    dest.mkdir(parents=True, exist_ok=True)
+    pub_rows = [dict(r, links={"notebook": os.path.relpath(ROOT / "notebooks" / r["notebook"], dest)})
+                for r in rows]
+    report.write_report(dest, pub_rows, meta, profile, report.load_metrics(run_dir), notes)
+    metrics = run_dir / report.METRICS_FILE
+    if metrics.exists():
+        shutil.copyfile(metrics, dest / report.METRICS_FILE)
+    elif (dest / report.METRICS_FILE).exists():
+        (dest / report.METRICS_FILE).unlink()
 
 
 def main(argv=None) -> int:
@@ -145,45 +372,54 @@ def main(argv=None) -> int:
     ap.add_argument("--only", action="append", default=[], help="substring of notebook paths to run")
     ap.add_argument("-p", "--param", action="append", default=[], help="name=value override")
     ap.add_argument("--out", default=str(ROOT / "runs"), help="parent folder of the run folder")
+    ap.add_argument("--publish", default=None, help="also write the report into this folder")
     ap.add_argument("--no-html", action="store_true", help="skip the per-notebook HTML export")
     ap.add_argument("--timeout", type=int, default=1800, help="per-cell timeout in seconds")
+    ap.add_argument("--list-params", action="store_true", help="print every notebook's parameters and exit")
     args = ap.parse_args(argv)
-
-    import papermill as pm
 
     notebooks = find_notebooks(args.only)
     if not notebooks:
-        raise SystemExit(f"no notebooks matched {args.only}; available: "
-                         f"{[str(p.relative_to(ROOT)) for p in find_notebooks([])]}")
-    overrides = parse_overrides(args.param)
+        print(f"no notebooks matched {args.only}; available: {[rel(p) for p in find_notebooks([])]}",
+              file=sys.stderr)
+        return 2
+    try:
+        if args.list_params:
+            print(list_parameters(notebooks))
+            return 0
+        params, notes = plan_parameters(notebooks, PROFILES[args.profile], parse_overrides(args.param),
+                                        all_notebooks=find_notebooks([]))
+    except ParameterError as e:
+        print(f"reproduce.py: {e}", file=sys.stderr)
+        return 2
+    for n in notes:
+        print(f"[reproduce] note: {n}")
     run_dir = new_run_dir(args.out, args.profile)
     meta = environment_info()
     print(f"[reproduce] {len(notebooks)} notebooks -> {run_dir}")
     rows = []
     for i, nb in enumerate(notebooks, 1):
-        rel = nb.relative_to(ROOT / "notebooks")
-        out = run_dir / str(rel).replace("/", "__")
-        params = params_for(nb, PROFILES[args.profile], overrides)
-        print(f"[reproduce] ({i}/{len(notebooks)}) {rel} {params or ''}", flush=True)
-        t0 = time.perf_counter()
-        row = {"notebook": str(rel), "parameters": params, "ipynb": out.name, "error": ""}
-        try:
-            pm.execute_notebook(str(nb), str(out), parameters=params, cwd=str(nb.parent),
-                                kernel_name="python3", progress_bar=True, execution_timeout=args.timeout)
-            row["status"] = "ok"
-        except Exception as e:  # keep going: the report lists every notebook
-            row["status"] = "failed"
-            row["error"] = f"{type(e).__name__}: {e}"[-4000:]
-        row["seconds"] = time.perf_counter() - t0
-        row["summary"] = summary_text(out) if out.exists() else ""
-        if not args.no_html and out.exists():
-            h = export_html(out, out.with_suffix(".html"))
-            row["html"] = h.name if h else None
+        out = run_dir / rel(nb).replace("/", "__")
+        print(f"[reproduce] ({i}/{len(notebooks)}) {rel(nb)} {params[nb] or ''}", flush=True)
+        row = run_notebook(nb, out, params[nb], run_dir, args.timeout)
+        if row["executed"]:
+            row["links"]["ipynb"] = out.name
+            if not args.no_html:
+                try:
+                    report.write_plotlyjs(run_dir)
+                    report.notebook_html(out, out.with_suffix(".html"), plotlyjs_src="plotly.min.js")
+                    row["links"]["html"] = out.with_suffix(".html").name
+                except Exception as e:  # the report must not fail because a viewer could not be made
+                    print(f"  (html export of {out.name} failed: {type(e).__name__}: {e})")
         print(f"[reproduce]     {row['status']} in {row['seconds']:.1f}s", flush=True)
         rows.append(row)
-    write_report(run_dir, rows, meta, args.profile)
-    atomic_write_text(run_dir / "report.json", json.dumps({"meta": meta, "notebooks": rows}, indent=2))
-    print(f"[reproduce] report: {run_dir / 'report.md'} and report.html")
+    report.write_report(run_dir, rows, meta, args.profile, report.load_metrics(run_dir), notes)
+    atomic_write_text(run_dir / "report.json", json.dumps({"meta": meta, "profile": args.profile,
+                                                           "notebooks": rows}, indent=2) + "\n")
+    print(f"[reproduce] report: {run_dir / 'report.html'} and report.md")
+    if args.publish:
+        publish(pathlib.Path(args.publish).resolve(), rows, meta, args.profile, run_dir, notes)
+        print(f"[reproduce] published to {args.publish}")
     failed = [r["notebook"] for r in rows if r["status"] != "ok"]
     if failed:
         print(f"[reproduce] FAILED: {failed}", file=sys.stderr)

@@ -1,0 +1,381 @@
+"""The reproduction report: metrics that notebook cells record, and figures that reach the reader.
+
+* :func:`record` is what a notebook cell calls to put one of our figures beside the paper's. It
+  returns a one-row table for display and, when ``$CADLIB_REPORT_DIR`` is set (``scripts/reproduce.py``
+  sets it for every notebook it runs, with ``$CADLIB_NOTEBOOK``), appends the row as one JSON line to
+  ``$CADLIB_REPORT_DIR/metrics.jsonl``. Run interactively, it only returns the table.
+* Plotly figures live in executed notebooks as ``application/vnd.plotly.v1+json``, which static HTML
+  cannot show. :func:`with_html_figures` adds a ``text/html`` rendering beside each one, and
+  :func:`plotlyjs_tag` loads plotly.js once per page (inlined, or from a local file), so pages work
+  offline.
+* :func:`write_report` writes ``report.md`` and a self-contained ``report.html``: the metrics of every
+  notebook in one table (paper vs ours, with kind and source), each notebook's summary and its key
+  figures (cells tagged ``figure`` or ``summary``; every figure when no cell is tagged). plotly.js is
+  packed into the page gzipped (:func:`plotlyjs_packed_tag`), so the page stays near 2 MB.
+"""
+from __future__ import annotations
+
+import copy
+import datetime as _dt
+import html
+import json
+import math
+import numbers
+import os
+import pathlib
+import re
+from typing import Any, Iterable
+
+PLOTLY_MIME = "application/vnd.plotly.v1+json"
+METRICS_FILE = "metrics.jsonl"
+KINDS = ("measured", "simulated", "computed")
+"""How ours was obtained: ``measured`` on a device, ``simulated`` from the cost model, or ``computed``
+exactly (e.g. a FLOP count). A kind may say more after the word, e.g. ``"measured on 2x H200"``."""
+FIGURE_TAGS = ("figure", "summary")
+METRIC_COLUMNS = ["metric", "paper", "ours", "unit", "kind", "source", "how", "note", "notebook"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Metrics
+# ---------------------------------------------------------------------------------------------------
+
+def _scalar(value, name: str):
+    """A JSON-ready scalar: numbers (numpy too) as float/int, strings and bools as they are."""
+    if hasattr(value, "item") and not isinstance(value, (str, bytes)):
+        value = value.item()
+    if isinstance(value, bool) or isinstance(value, str):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        if not math.isfinite(value):
+            raise ValueError(f"{name} must be finite, got {value}")
+        return float(value)
+    raise ValueError(f"{name} must be a number, a bool or a string, got {type(value).__name__} {value!r}")
+
+
+def _paper_fields(paper) -> dict:
+    """The paper's figure as ``{"paper": value or [low, high], "paper_unit", "paper_source", "paper_what"}``.
+
+    ``paper`` is None, a number, a ``(low, high)`` range, or an object with ``value`` (and optionally
+    ``unit``, ``source``, ``what``), such as :class:`cadlib.paper.PaperFigure`."""
+    if paper is None:
+        return {"paper": None}
+    if hasattr(paper, "value"):
+        return {"paper": _scalar(paper.value, "paper.value"), "paper_unit": getattr(paper, "unit", ""),
+                "paper_source": getattr(paper, "source", ""), "paper_what": getattr(paper, "what", "")}
+    if isinstance(paper, (tuple, list)):
+        if len(paper) != 2:
+            raise ValueError(f"paper as a range must be (low, high), got {paper!r}")
+        low, high = (_scalar(v, "paper") for v in paper)
+        if not low <= high:
+            raise ValueError(f"paper range must have low <= high, got {paper!r}")
+        return {"paper": [low, high]}
+    return {"paper": _scalar(paper, "paper")}
+
+
+def record(metric_id: str, ours, *, paper=None, unit: str = "", kind: str = "simulated", how: str = "",
+           note: str = ""):
+    """Record one of our figures beside the paper's; return it as a one-row ``pandas.DataFrame``.
+
+    ``metric_id``: a stable name (e.g. ``"idle_fraction_dp8_512k"``); ``ours``: our value (number, bool
+    or string); ``paper``: the paper's value, ``(low, high)`` range or a ``PaperFigure`` (whose unit and
+    source are used); ``kind``: one of :data:`KINDS`, optionally followed by detail (a bare
+    ``"measured"`` is labelled with the device this cell runs on); ``how``: how ours was obtained;
+    ``note``: anything the reader must know (why it differs, what was not reproduced).
+    """
+    from .results import device_name
+
+    if not isinstance(metric_id, str) or not metric_id.strip():
+        raise ValueError(f"metric_id must be a non-empty string, got {metric_id!r}")
+    if not isinstance(kind, str) or not kind.startswith(KINDS):
+        raise ValueError(f"kind must start with one of {', '.join(KINDS)}, got {kind!r}")
+    for name, v in {"unit": unit, "how": how, "note": note}.items():
+        if not isinstance(v, str):
+            raise ValueError(f"{name} must be a string, got {type(v).__name__} {v!r}")
+    row = {"metric": metric_id.strip(), "ours": _scalar(ours, "ours"), **_paper_fields(paper)}
+    row["unit"] = unit or row.pop("paper_unit", "").strip()
+    row.pop("paper_unit", None)
+    row.update(kind="measured on " + device_name() if kind == "measured" else kind, how=how, note=note,
+               notebook=os.environ.get("CADLIB_NOTEBOOK", ""),
+               time=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
+    out_dir = os.environ.get("CADLIB_REPORT_DIR")
+    if out_dir:
+        pathlib.Path(out_dir).mkdir(parents=True, exist_ok=True)
+        with open(pathlib.Path(out_dir) / METRICS_FILE, "a") as f:
+            f.write(json.dumps(row) + "\n")
+    return metrics_frame([row])
+
+
+def load_metrics(path: str | os.PathLike) -> list[dict]:
+    """The rows of a ``metrics.jsonl`` (a file or the folder holding it); the last row of each
+    ``(notebook, metric)`` wins, so a cell that was run twice is counted once. Missing file: ``[]``."""
+    path = pathlib.Path(path)
+    if path.is_dir():
+        path = path / METRICS_FILE
+    if not path.exists():
+        return []
+    rows = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            r = json.loads(line)
+            rows[(r.get("notebook", ""), r["metric"])] = r
+    return list(rows.values())
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "—"
+    if isinstance(v, list):
+        return "–".join(_fmt(x) for x in v)
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def _source(r: dict) -> str:
+    paper = "; ".join(s for s in (r.get("paper_what", ""), r.get("paper_source", "")) if s)
+    return paper or ("—" if r.get("paper") is None else "")
+
+
+def metrics_frame(rows: Iterable[dict]):
+    """Rows from :func:`record` / :func:`load_metrics` as a display table (values formatted)."""
+    import pandas as pd
+    table = [{"metric": r["metric"], "paper": _fmt(r.get("paper")), "ours": _fmt(r.get("ours")),
+              "unit": r.get("unit", ""), "kind": r.get("kind", ""), "source": _source(r),
+              "how": r.get("how", ""), "note": r.get("note", ""), "notebook": r.get("notebook", "")}
+             for r in rows]
+    return pd.DataFrame(table, columns=METRIC_COLUMNS)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Figures in static HTML
+# ---------------------------------------------------------------------------------------------------
+
+def plotly_div(fig: dict, div_id: str) -> str:
+    """A ``<div>`` + ``<script>`` drawing ``fig`` (a plotly figure dict); needs plotly.js on the page."""
+    import plotly.io as pio
+    return pio.to_html(fig, include_plotlyjs=False, full_html=False, validate=False, div_id=div_id,
+                       default_height="450px")
+
+
+def plotlyjs_tag(src: str | None = None) -> str:
+    """plotly.js for a page: inlined (``src=None``) or from a local file next to it. ``define`` is
+    hidden while it loads, so a page that also loads require.js still gets the global ``Plotly``."""
+    hide, restore = ("<script>window.__cadlibDefine = window.define; window.define = undefined;</script>",
+                     "<script>window.define = window.__cadlibDefine;</script>")
+    if src is not None:
+        return f"{hide}<script src=\"{html.escape(src)}\"></script>{restore}"
+    from plotly.offline import get_plotlyjs
+    return f"{hide}<script type=\"text/javascript\">{get_plotlyjs()}</script>{restore}"
+
+
+def plotlyjs_packed_tag() -> str:
+    """plotly.js inside the page gzipped and base64-encoded (0.4x its size), unpacked by the browser
+    (``DecompressionStream``: Chromium 80+, Firefox 113+, Safari 16.4+) into ``window.cadlibPlotly``,
+    a promise of ``Plotly`` that figures from :func:`plotly_div_deferred` wait on."""
+    import base64
+    import gzip
+
+    from plotly.offline import get_plotlyjs
+    packed = base64.b64encode(gzip.compress(get_plotlyjs().encode(), 9, mtime=0)).decode()
+    return ("<script id='cadlib-plotlyjs' type='application/octet-stream'>" + packed + "</script>\n"
+            "<script>window.cadlibPlotly = (async () => {\n"
+            "  if (!window.DecompressionStream) {\n"
+            "    document.body.insertAdjacentHTML('afterbegin', '<p><b>This browser cannot unpack the "
+            "figures (no DecompressionStream); open the page in a current browser.</b></p>');\n"
+            "    throw new Error('no DecompressionStream'); }\n"
+            "  const b = atob(document.getElementById('cadlib-plotlyjs').textContent.trim());\n"
+            "  const u = Uint8Array.from(b, c => c.charCodeAt(0));\n"
+            "  const gz = new Blob([u]).stream().pipeThrough(new DecompressionStream('gzip'));\n"
+            "  const s = document.createElement('script'); s.text = await new Response(gz).text();\n"
+            "  document.head.appendChild(s);\n"
+            "  return window.Plotly; })();</script>")
+
+
+def plotly_div_deferred(fig: dict, div_id: str) -> str:
+    """A ``<div>`` drawing ``fig`` once ``window.cadlibPlotly`` (:func:`plotlyjs_packed_tag`) resolves."""
+    import plotly.io as pio
+    layout = fig.get("layout", {}) or {}
+    style = (f"height:{layout['height']}px;" if layout.get("height") else "height:450px;") + \
+        (f"width:{layout['width']}px" if layout.get("width") else "width:100%")
+    spec = pio.to_json(fig, validate=False).replace("</", "<\\/")
+    return (f"<div id='{div_id}' class='plotly-graph-div' style='{style}'></div>"
+            f"<script>window.cadlibPlotly.then(P => {{ const f = {spec};\n"
+            f"P.newPlot('{div_id}', f.data, f.layout || {{}}, {{responsive: true}}); }});</script>")
+
+
+def write_plotlyjs(folder: str | os.PathLike, name: str = "plotly.min.js") -> pathlib.Path:
+    """Write plotly.js into ``folder`` once (for pages that load it with ``plotlyjs_tag(name)``)."""
+    from plotly.offline import get_plotlyjs
+
+    from .results import atomic_write_text
+    path = pathlib.Path(folder) / name
+    if not path.exists():
+        atomic_write_text(path, get_plotlyjs())
+    return path
+
+
+def _outputs(nb) -> Iterable[tuple[int, dict, Any]]:
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type == "code":
+            for out in cell.get("outputs", []):
+                yield i, cell, out
+
+
+def with_html_figures(nb, prefix: str = "fig"):
+    """A copy of notebook ``nb`` where each plotly output also carries ``text/html`` (a div drawing it).
+    Div ids are ``{prefix}-{cell}-{output}``, stable from run to run."""
+    nb = copy.deepcopy(nb)
+    for i, cell in enumerate(nb.cells):
+        for j, out in enumerate(cell.get("outputs", []) if cell.cell_type == "code" else []):
+            data = out.get("data", {})
+            if PLOTLY_MIME in data and "text/html" not in data:
+                data["text/html"] = plotly_div(data[PLOTLY_MIME], f"{prefix}-{i}-{j}")
+    return nb
+
+
+IMAGE_MIMES = ("image/png", "image/jpeg", "image/svg+xml")
+
+
+def key_figures(nb, tags: Iterable[str] = FIGURE_TAGS) -> list[dict]:
+    """The figures of cells tagged with any of ``tags`` (every figure when no such cell has one), each
+    as ``{mime: data}``: a plotly figure dict under :data:`PLOTLY_MIME`, or an image (png, jpeg, svg)."""
+    tags = set(tags)
+    figs = []
+    for _, cell, out in _outputs(nb):
+        data = out.get("data", {})
+        mime = next((m for m in (PLOTLY_MIME, *IMAGE_MIMES) if m in data), None)
+        if mime:
+            figs.append((set(cell.get("metadata", {}).get("tags", [])), {mime: data[mime]}))
+    tagged = [f for t, f in figs if t & tags]
+    return tagged if tagged else [f for _, f in figs]
+
+
+def figure_html(fig: dict, div_id: str) -> str:
+    """HTML for one entry of :func:`key_figures` (plotly figures wait for :func:`plotlyjs_packed_tag`)."""
+    mime, data = next(iter(fig.items()))
+    if mime == PLOTLY_MIME:
+        return plotly_div_deferred(data, div_id)
+    if mime == "image/svg+xml":
+        return data if isinstance(data, str) else "".join(data)
+    data = data if isinstance(data, str) else "".join(data)
+    return f"<img id='{div_id}' alt='figure' src='data:{mime};base64,{data.strip()}'>"
+
+
+def summary_text(nb, tag: str = "summary") -> str:
+    """The printed output of the cells tagged ``summary``."""
+    chunks = []
+    for _, cell, out in _outputs(nb):
+        if tag in cell.get("metadata", {}).get("tags", []):
+            if out.get("output_type") == "stream":
+                chunks.append(out.get("text", ""))
+            elif "text/plain" in out.get("data", {}):
+                chunks.append(out["data"]["text/plain"])
+    return "".join(chunks).strip()
+
+
+def notebook_html(ipynb: str | os.PathLike, dest: str | os.PathLike, plotlyjs_src: str | None = None):
+    """Export an executed notebook to HTML with every plotly figure drawn (plotly.js inlined, or loaded
+    from ``plotlyjs_src`` relative to the page)."""
+    import nbformat
+    from nbconvert import HTMLExporter
+
+    from .results import atomic_write_text
+    nb = with_html_figures(nbformat.read(str(ipynb), as_version=4))
+    body, _ = HTMLExporter().from_notebook_node(nb)
+    body = re.sub(r"(<head[^>]*>)", lambda m: m.group(1) + plotlyjs_tag(plotlyjs_src), body, count=1)
+    return atomic_write_text(dest, body)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The report
+# ---------------------------------------------------------------------------------------------------
+
+_CSS = ("body{font-family:system-ui,sans-serif;max-width:72em;margin:2em auto;padding:0 1em;color:#222}"
+        "table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:.25em .6em;"
+        "text-align:left;vertical-align:top}th{background:#f0f0f0}pre{background:#f6f6f6;padding:.6em;"
+        "overflow-x:auto;white-space:pre-wrap}.failed{color:#b00}.ok{color:#070}"
+        ".figure{margin:1em 0;border:1px solid #eee}")
+
+
+def _md_cell(v) -> str:
+    return str(v).replace("|", "\\|").replace("\n", " ")
+
+
+def write_report(dest: str | os.PathLike, rows: list[dict], meta: dict, profile: str,
+                 metrics: list[dict], notes: Iterable[str] = ()) -> tuple[pathlib.Path, pathlib.Path]:
+    """Write ``dest/report.md`` and a self-contained ``dest/report.html``.
+
+    ``rows``: one dict per notebook with ``notebook``, ``status``, ``seconds``, ``parameters``,
+    ``error``, ``executed`` (path of the executed notebook or None) and ``links`` (``{label: href}``).
+    ``metrics``: rows from :func:`load_metrics`. ``notes``: lines shown under the header."""
+    import nbformat
+
+    from .results import atomic_write_text
+    dest = pathlib.Path(dest)
+    ok = sum(r["status"] == "ok" for r in rows)
+    head = (f"Profile `{profile}` on {meta.get('device')}; torch {meta.get('torch')}, "
+            f"commit `{meta.get('commit')}`, {meta.get('date')}.")
+    table = metrics_frame(metrics)
+    executed = {}
+    for r in rows:
+        ex = r.get("executed")
+        executed[r["notebook"]] = nbformat.read(str(ex), as_version=4) if ex and os.path.exists(ex) else None
+
+    md = ["# cadlib reproduction", "", head, "", *[f"- {n}" for n in notes], *([""] if notes else []),
+          f"**{ok}/{len(rows)} notebooks ran cleanly.** Figures: `report.html`.", "",
+          "| notebook | status | seconds | parameters |", "|---|---|---|---|"]
+    md += [f"| `{r['notebook']}` | {r['status']} | {r['seconds']:.1f} | `{json.dumps(r['parameters'])}` |"
+           for r in rows]
+    md += ["", "## Paper vs ours", ""]
+    if table.empty:
+        md.append("No notebook recorded a metric in this run (cells call `cadlib.report.record`).")
+    else:
+        md += ["| " + " | ".join(METRIC_COLUMNS) + " |", "|" + "---|" * len(METRIC_COLUMNS)]
+        md += ["| " + " | ".join(_md_cell(v) for v in rec) + " |" for rec in table.itertuples(index=False)]
+    for r in rows:
+        nb = executed[r["notebook"]]
+        md += ["", f"## {r['notebook']}", ""]
+        if r["status"] != "ok":
+            md += ["```", r["error"], "```"]
+        md += ["```", (summary_text(nb) if nb else "") or "(no summary output)", "```"]
+        if nb:
+            md.append(f"{len(key_figures(nb))} figure(s) in report.html.")
+    md_path = atomic_write_text(dest / "report.md", "\n".join(md) + "\n")
+
+    esc = html.escape
+    h = ["<!doctype html><html><head><meta charset='utf-8'><title>cadlib reproduction</title>",
+         f"<style>{_CSS}</style>", "</head><body>", plotlyjs_packed_tag(), "<h1>cadlib reproduction</h1>",
+         f"<p>{esc(head).replace('`', '')}</p>"]
+    h += [f"<p>{esc(n)}</p>" for n in notes]
+    h += [f"<p><b>{ok}/{len(rows)} notebooks ran cleanly.</b></p>",
+          "<table><tr><th>notebook</th><th>status</th><th>s</th><th>parameters</th><th>open</th></tr>"]
+    for r in rows:
+        links = " · ".join(f"<a href='{esc(href)}'>{esc(label)}</a>"
+                           for label, href in r.get("links", {}).items())
+        h.append(f"<tr><td><a href='#{esc(_anchor(r['notebook']))}'>{esc(r['notebook'])}</a></td>"
+                 f"<td class='{esc(r['status'])}'>{esc(r['status'])}</td><td>{r['seconds']:.1f}</td>"
+                 f"<td><code>{esc(json.dumps(r['parameters']))}</code></td><td>{links}</td></tr>")
+    h += ["</table>", "<h2>Paper vs ours</h2>"]
+    if table.empty:
+        h.append("<p>No notebook recorded a metric in this run (cells call "
+                 "<code>cadlib.report.record</code>).</p>")
+    else:
+        h.append(table.to_html(index=False, escape=True, border=0, classes="metrics"))
+    for r in rows:
+        nb = executed[r["notebook"]]
+        h.append(f"<h2 id='{esc(_anchor(r['notebook']))}'>{esc(r['notebook'])}</h2>")
+        if r["status"] != "ok":
+            h.append(f"<pre class='failed'>{esc(r['error'])}</pre>")
+        h.append(f"<pre>{esc((summary_text(nb) if nb else '') or '(no summary output)')}</pre>")
+        anchor = _anchor(r["notebook"])
+        for k, fig in enumerate(key_figures(nb) if nb else []):
+            h.append(f"<div class='figure'>{figure_html(fig, f'{anchor}-fig{k}')}</div>")
+    h.append("</body></html>")
+    html_path = atomic_write_text(dest / "report.html", "\n".join(h) + "\n")
+    return md_path, html_path
+
+
+def _anchor(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-")

@@ -1,0 +1,64 @@
+"""The workbook as its readers use it: JupyterLab in chromium (scripts/browser_check.py).
+
+Run by ``make test-browser`` (which installs chromium and playwright and sets CADLIB_BROWSER_TEST=1);
+skipped in a plain ``pytest`` run, which must stay fast and needs no browser.
+"""
+import importlib.util
+import os
+import pathlib
+import time
+
+import nbformat
+import pytest
+from nbformat.v4 import new_code_cell, new_notebook
+
+from cadlib import proctree
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.skipif(os.environ.get("CADLIB_BROWSER_TEST") != "1",
+                                reason="browser test: run `make test-browser` (sets CADLIB_BROWSER_TEST=1)")
+
+spec = importlib.util.spec_from_file_location("browser_check", ROOT / "scripts" / "browser_check.py")
+browser_check = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(browser_check)
+SHOTS = ROOT / "runs" / "browser"
+STAMP = time.strftime("%Y%m%d-%H%M%S")
+
+
+def assert_nothing_left(pids):
+    assert pids, "the server's process tree was never seen"
+    left = browser_check.alive(pids)
+    assert not left, f"processes left behind: {left}"
+    assert not browser_check.alive(proctree._descendants(os.getpid())), "a child of the test is still running"
+
+
+def test_stragglers_notebook_runs_in_jupyterlab_with_figures_and_live_widgets():
+    pids = set()
+    shot = SHOTS / f"{STAMP}-01_stragglers.png"
+    result = browser_check.run_in_lab(ROOT / "notebooks" / "01_imbalance" / "01_stragglers.ipynb", shot,
+                                      widgets=True, pids_seen=pids)
+    assert result["figures"] >= 1
+    titles = result["widget_title"]
+    assert len(set(titles[1:])) == len(titles) - 1, titles          # every change drew a new figure
+    assert shot.stat().st_size > 10_000
+    assert len(pids) >= 2                                           # the server and its kernel
+    assert_nothing_left(pids)
+
+
+def test_an_error_in_a_cell_fails_the_check_and_leaves_no_process(tmp_path):
+    cells = [new_code_cell("x = 1"), new_code_cell("1 / 0"), new_code_cell("y = 2")]
+    nb = new_notebook(cells=cells)
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    path = tmp_path / "broken" / "broken.ipynb"
+    path.parent.mkdir()
+    nbformat.write(nb, path)
+    pids = set()
+    with pytest.raises(AssertionError, match="error output in the notebook.*ZeroDivisionError"):
+        browser_check.run_in_lab(path, SHOTS / f"{STAMP}-broken.png", pids_seen=pids)
+    assert len(pids) >= 2
+    assert_nothing_left(pids)
+
+
+def test_committed_report_draws_every_figure():
+    page = ROOT / "results" / "reports" / "report.html"
+    assert browser_check.check_report(page, SHOTS / f"{STAMP}-report.png") >= 3
