@@ -17,10 +17,9 @@ meet at the gradient all-reduce):
   step(cad-pingpong)``: the signal-only control runs the same schedule with one element per peer.
 * **Ping-pong gain**: ``step(cad) / step(cad-pingpong)`` (DistCA: without ping-pong the step is 10-17%
   slower).
-* **Prediction**: the straggler model (the step follows the slowest rank's attention), calibrated on
-  colocated's measured kernel rate ``rho = sum_r attn_r / sum_r F_r`` (seconds per fwd+bwd attention
-  FLOP of the rank's chunks): CAD's step is predicted as ``step(colocated) - max_r attn_r +
-  max_s rho F^plan_s`` (its plan's server FLOPs; communication assumed hidden by ping-pong).
+* **Prediction**: :func:`cadlib.sim.calibrated_cad_step`, the straggler model calibrated on
+  colocated's measured kernel rate (seconds per attention FLOP), applied to the scheduler's plan of the
+  same batch.
 """
 from __future__ import annotations
 
@@ -28,6 +27,7 @@ import pandas as pd
 
 from .cost import as_model
 from .packing import pack, rank_costs
+from .sim import calibrated_cad_step
 
 SAVING_THRESHOLD = 0.05
 """Batches where balancing could save at least this fraction of colocated's step are held to the
@@ -75,11 +75,9 @@ def predicted_speedup(df: pd.DataFrame, config: dict, world: int) -> pd.DataFram
         flops = rank_costs(layout, spec, backward=True)["attention_flops"]
         plan = scheduler.schedule(layout, model=spec, tolerance=args.tolerance, min_shard=args.min_shard)
         plan_flops = plan.server_flops(spec, backward=True, layers=None)
-        attn = grp.attention_ms.to_numpy()
-        rho = attn.sum() / max(float(flops.sum()), 1.0)
         step = float(grp.step_ms.max())
-        rows.append({"batch": b, "predicted_speedup": step / (step - attn.max() + rho * plan_flops.max()),
-                     "ms_per_tflop": rho * 1e12})
+        pred = calibrated_cad_step(step, grp.attention_ms.to_numpy(), flops, plan_flops)
+        rows.append({"batch": b, "predicted_speedup": step / pred, "predicted_step_ms": pred})
     return pd.DataFrame(rows)
 
 

@@ -543,3 +543,23 @@ def straggler_idle(distribution: str, dp_sizes: Sequence[int], context: int, mod
                              "step_s": r.step, "tokens_max_over_mean": float(tok.max() / tok.mean()),
                              "longest_doc": max(docs), "n_docs": len(docs)})
     return pd.DataFrame(rows)
+
+
+def calibrated_cad_step(step: float, attention, attention_flops, server_flops) -> float:
+    """CAD's step predicted from a measured colocated step, calibrated on its own kernel rate.
+
+    The ranks meet at every layer and at the all-reduce, so the colocated ``step`` follows the slowest
+    rank's attention: ``step = rest + max_r attention_r``. The measured rate ``rho = sum_r attention_r
+    / sum_r attention_flops_r`` (seconds per attention FLOP, forward and backward) gives each server's
+    attention under a plan, ``rho * server_flops_s``; communication is taken as hidden (ping-pong)::
+
+        step_cad = step - max_r attention_r + max_s rho * server_flops_s
+    """
+    attention = np.asarray(attention, dtype=np.float64)
+    rank_flops = np.asarray(attention_flops, dtype=np.float64)
+    if attention.shape != rank_flops.shape or attention.size == 0:
+        raise ValueError(f"attention and attention_flops need one value per rank; got {attention.shape} "
+                         f"and {rank_flops.shape}")
+    rho = attention.sum() / max(rank_flops.sum(), 1.0)
+    return float(step - attention.max() + rho * np.max(np.asarray(server_flops, dtype=np.float64)))
+
