@@ -1,7 +1,7 @@
 """Run folders, atomic writes and the provenance every result file carries.
 
 Every GPU (and CPU) result file records the device name, torch version, git commit, date and the
-full configuration (DESIGN.md): use :func:`save_result` so that is never forgotten.
+full configuration (docs/design.md): use :func:`save_result` so that is never forgotten.
 """
 from __future__ import annotations
 
