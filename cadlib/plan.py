@@ -200,16 +200,22 @@ def cut_shards(a, b, x, y, min_shard: int) -> tuple[np.ndarray, np.ndarray]:
     ``tri_floor(a(a+1) + 2y) - a``."""
     a, b, x, y = (np.asarray(v, dtype=np.int64) for v in (a, b, x, y))
     m, n = int(min_shard), b - a
-    fewest = np.stack((b - tri_floor(b * (b + 1) - 2 * x), tri_ceil(a * (a + 1) + 2 * x) - a))
-    most = np.stack((b - tri_ceil(b * (b + 1) - 2 * y), tri_floor(a * (a + 1) + 2 * y) - a))
-    up = np.maximum(fewest, m)                         # fewest valid tokens >= fewest
+    bb, aa = b * (b + 1), a * (a + 1)
+    # floor roots of b(b+1) - 2x, a(a+1) + 2y; ceiling roots (tri_ceil(v) = tri_floor(v - 1) + [v >= 1])
+    # of a(a+1) + 2x, b(b+1) - 2y: one pass
+    v = np.stack((bb - 2 * x, aa + 2 * y, aa + 2 * x - 1, bb - 2 * y - 1))
+    r = tri_floor(v)
+    r[2:] += v[2:] >= 0
+    k = np.stack((b - r[0], r[2] - a, b - r[3], r[1] - a)).reshape(2, 2, -1)   # [fewest/most, end/start]
+    up = np.maximum(k[0], m)                           # fewest valid tokens >= fewest
     up = np.where(up > n - m, n, up)
-    dn = np.minimum(most, n - m)                       # most valid tokens <= most
-    dn = np.where(most >= n, n, np.where(dn >= m, dn, 0))
-    end = np.array([[True], [False]])
-    p_up, p_dn = (np.where(end, shard_pairs(a, b, k, True), shard_pairs(a, b, k, False)) for k in (up, dn))
-    ok = p_up <= y
-    return np.where(ok, up, dn), np.where(ok, p_up, p_dn)
+    dn = np.minimum(k[1], n - m)                       # most valid tokens <= most
+    dn = np.where(k[1] >= n, n, np.where(dn >= m, dn, 0))
+    kk = np.stack((up, dn))
+    side = np.array([[-1], [1]])                       # end k(2b + 1 - k) / 2, start k(2a + 1 + k) / 2
+    p = (kk * (np.stack((2 * b + 1, 2 * a + 1)) + side * kk)) >> 1
+    ok = p[0] <= y
+    return np.where(ok, up, dn), np.where(ok, p[0], p[1])
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -50,7 +50,9 @@ def reference_greedy(chunks: np.ndarray, n_servers: int, tolerance: float, min_s
     ``d`` it gets: ``kv_r`` is spread over the pairs of ``d`` it could take, ``B = max(P, min(room_r,
     A_d))`` with ``A_d = sum over chunks of d on donors of min(pairs, the donor's excess)``::
 
-        cost = bytes - kv_bytes * kv_r * (1 - P / B)
+        cost = max(bytes - kv_bytes * kv_r * (1 - P / B), min(bytes, 0))
+
+    (a shared prefix is a promise: it never makes a move look as if it saved bytes).
 
     (2) A move that leaves part of the donor's excess ``X = load_s - U`` needs another move, which
     pays a prefix again. The **priority** (lower first)::
@@ -62,7 +64,7 @@ def reference_greedy(chunks: np.ndarray, n_servers: int, tolerance: float, min_s
     receiver only. Receivers tried: those that hold or serve part of ``d``, and the emptiest receiver,
     which stands for all others (a receiver with nothing of ``d`` pays ``e`` KV tokens whatever it is;
     only its room differs, and more room never gives a worse move). Ties: larger ``P``, then task,
-    receiver, end     before start."""
+    receiver, end before start."""
     S, m = n_servers, int(min_shard)
     tasks = [[int(d), int(a), int(b), int(h), int(h) % S] for d, a, b, h in chunks]
     by_doc: dict[int, list[list[int]]] = {}
@@ -116,7 +118,7 @@ def reference_greedy(chunks: np.ndarray, n_servers: int, tolerance: float, min_s
                     kv_s = kv(s, d, skip=t, end=0 if kk == b - a else left) - kv(s, d)
                     byt = q_bytes * kk * ((h != r) - (h != s)) + kv_bytes * (kv_r + kv_s)
                     bundle = max(min(room, avail), P)
-                    cost = byt - kv_bytes * kv_r + kv_bytes * kv_r * P / bundle
+                    cost = max(byt - kv_bytes * kv_r + kv_bytes * kv_r * P / bundle, min(byt, 0))
                     cands.append((cost, P, (-P, ti, r, side), (t, r, kk, from_end)))
         excess = load[s] - U
         clear = min((c[0] for c in cands if c[1] >= excess), default=None)

@@ -80,10 +80,10 @@ class Greedy:
         self.own_grp = self.home[o] * n_docs + self.doc[o]
         self.own_a, self.own_b = self.a[o], self.b[o]
         self.own_cum = np.r_[0, np.cumsum(self.own_b - self.own_a)]
-        self.need: dict[tuple[int, int], int] = {}
-        for g, d, e in zip(self.server.tolist(), self.doc.tolist(), self.b.tolist()):
-            if e > self.need.get((g, d), 0):
-                self.need[g, d] = e
+        key, inv = np.unique(self.server * n_docs + self.doc, return_inverse=True)
+        end = np.zeros(key.size, dtype=np.int64)
+        np.maximum.at(end, inv, self.b)
+        self.need: dict[int, int] = dict(zip(key.tolist(), end.tolist()))   # server * n_docs + doc -> end
         self.shards: list[tuple[int, int, int, int, int]] = []
         self.shard_servers: dict[int, set[int]] = {}          # doc -> servers given shards of it
         by_srv = np.argsort(self.server, kind="stable")
@@ -161,7 +161,8 @@ class Greedy:
         if not task.size:
             return None
         dd = d[task]
-        need_r = np.array([self.need.get(k, 0) for k in zip(recv.tolist(), dd.tolist())], dtype=np.int64)
+        get = self.need.get
+        need_r = np.array([get(k, 0) for k in (recv * self.n_docs + dd).tolist()], dtype=np.int64)
         t = idx[task]
         return Candidates(task=t, doc=dd, a=self.a[t], b=self.b[t], home=self.home[t], receiver=recv,
                           need_r=need_r, other_s=other[task])
@@ -189,14 +190,18 @@ class Greedy:
         else:
             e = np.stack((c.b, c.a + k[1]))                       # the shard's KV prefix end
             left = np.where(whole, 0, np.stack((c.b - k[0], c.b)))  # end of what s keeps of the task
-            donor = np.full_like(c.doc, s)
-            kv_r = self.kv(c.receiver, c.doc, np.maximum(c.need_r, e)) - self.kv(c.receiver, c.doc, c.need_r)
-            kv_s = (self.kv(donor, c.doc, np.maximum(c.other_s, left))
-                    - self.kv(donor, c.doc, np.maximum(c.other_s, c.b)))
+            # one batched kv(): receiver after (2 sides), before; donor after (2 sides), before
+            N = c.task.size
+            g = np.concatenate((np.tile(c.receiver, 3), np.full(3 * N, s)))
+            ends = np.concatenate((np.maximum(c.need_r, e).ravel(), c.need_r,
+                                   np.maximum(c.other_s, left).ravel(), np.maximum(c.other_s, c.b)))
+            kvs = self.kv(g, np.tile(c.doc, 6), ends).reshape(6, N)
+            kv_r = kvs[0:2] - kvs[2]
+            kv_s = kvs[3:5] - kvs[5]
             q = (c.home != c.receiver).astype(np.int64) - (c.home != s)
             byt = self.qb * k * q + self.kvb * (kv_r + kv_s)
             bundle = np.maximum(np.minimum(room, self.avail(c.doc)), p)
-            cost = byt - self.kvb * kv_r + self.kvb * kv_r * p / bundle
+            cost = np.maximum(byt - self.kvb * kv_r + self.kvb * kv_r * p / bundle, np.minimum(byt, 0))
             prio = cost / np.maximum(p, 1)
             excess = self.load[s] - self.U
             clears = valid & (p >= excess)
@@ -229,12 +234,13 @@ class Greedy:
                 self.a[t] = a + k
             e = hi
             self.n_splits += 1
-        self.need[r, d] = max(self.need.get((r, d), 0), e)
+        rk, sk = r * self.n_docs + d, s * self.n_docs + d
+        self.need[rk] = max(self.need.get(rk, 0), e)
         mine = self.live[s][(self.doc[self.live[s]] == d) & (self.server[self.live[s]] == s)]
         if mine.size:
-            self.need[s, d] = int(self.b[mine].max())
+            self.need[sk] = int(self.b[mine].max())
         else:
-            self.need.pop((s, d), None)
+            self.need.pop(sk, None)
         self.load[s] -= mv.pairs
         self.load[r] += mv.pairs
         self.n_moves += 1
