@@ -181,6 +181,20 @@ class _Chunks:
         self.key = self.doc * self.big + self.start
         self.n_local = np.bincount(ch[:, 3], weights=lens, minlength=plan.layout.n_ranks).astype(np.int64)
 
+    def owned(self, g, d, e) -> np.ndarray:
+        """Tokens of ``[0, e)`` of documents ``d`` that ranks ``g`` hold (elementwise; -1: none)."""
+        o = np.lexsort((self.start, self.doc, self.rank))            # by (rank, doc, start)
+        n_docs = int(self.doc.max(initial=0)) + 1
+        own_grp = self.rank[o] * n_docs + self.doc[o]
+        own_a, own_b = self.start[o], self.end[o]
+        cum = np.concatenate(([0], np.cumsum(own_b - own_a)))
+        grp = g * n_docs + d
+        lo = np.searchsorted(own_grp, grp, side="left")
+        j = np.searchsorted(own_grp * self.big + own_a, grp * self.big + e, side="left") - 1  # last start < e
+        ok = (j >= lo) & (g >= 0)
+        j = np.maximum(j, 0)
+        return np.where(ok, cum[j] - cum[lo] + np.minimum(e, own_b[j]) - own_a[j], 0)
+
     def pieces(self, doc, a, b) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Pieces of ranges ``[a, b)``: ``(range index, chunk, piece start, piece end)`` in range order,
         positions ascending."""
@@ -208,11 +222,17 @@ def build_dispatch(plan: Plan, rank: int) -> Dispatch:
     if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < R:
         raise ValueError(f"rank {rank} is outside the plan's ranks 0..{R - 1}")
     cache = plan.__dict__.setdefault("_dispatch_cache", {})     # shared by every rank's build
-    if "chunks" not in cache:
-        cache["chunks"] = _Chunks(plan)
-        cache["needs"] = _needs(plan)
-        cache["matrices"] = plan.token_matrices()
-    C, (need_key, need_e), (q_mat, kv_mat) = cache["chunks"], cache["needs"], cache["matrices"]
+    if not cache:
+        C = cache["chunks"] = _Chunks(plan)
+        key, e = _needs(plan)                                     # sorted by (server, doc)
+        srv, dd = key // layout.n_docs, key % layout.n_docs
+        by_doc = np.lexsort((srv, dd))
+        cache["needs"] = (srv, dd, e, by_doc, np.searchsorted(dd[by_doc], np.arange(layout.n_docs + 1)))
+        own = C.owned(np.where(srv < R, srv, -1), dd, e)          # KV tokens a server holds itself
+        cache["kv_traffic"] = bool(np.any(own < e))
+        cache["q_traffic"] = bool(np.any(plan.home != plan.server))
+    C = cache["chunks"]
+    srv, dd, need_e, need_by_doc, need_doc_ptr = cache["needs"]
     n_local = int(C.n_local[rank])
     doc, a, b, home, server = plan.doc, plan.q_start, plan.q_end, plan.home, plan.server
     n_q = b - a
@@ -222,6 +242,7 @@ def build_dispatch(plan: Plan, rank: int) -> Dispatch:
     mine = mine[np.argsort(server[mine], kind="stable")]
     _, j, lo, hi = C.pieces(doc[mine], a[mine], b[mine])
     q_send_index = C.local_rows(j, lo, hi)
+    q_send_splits = np.bincount(server[mine], weights=n_q[mine], minlength=R).astype(np.int64)
 
     # -- Q exchange, server side: where each served task's query rows land ----------------------
     # Receive positions follow the homes' send order (plan order); the fused call then lists the
@@ -230,6 +251,7 @@ def build_dispatch(plan: Plan, rank: int) -> Dispatch:
     served = np.flatnonzero(server == rank)
     remote = served[home[served] != rank]
     by_home = remote[np.argsort(home[remote], kind="stable")]
+    q_recv_splits = np.bincount(home[remote], weights=n_q[remote], minlength=R).astype(np.int64)
     recv_start = np.zeros(len(plan.doc), dtype=np.int64)
     recv_start[by_home] = n_local + np.cumsum(n_q[by_home]) - n_q[by_home]
     served = served[np.argsort(-b[served], kind="stable")]
@@ -239,26 +261,32 @@ def build_dispatch(plan: Plan, rank: int) -> Dispatch:
     starts = np.where(own_piece, C.off[j] + lo - C.start[j], recv_start[served][grp] + lo - a[served][grp])
     q_rows = _expand(starts, hi - lo)
 
-    # -- KV exchange, owner side: my tokens of [0, e) for every (server != me, doc), grouped by server,
-    # documents ascending, positions ascending ----------------------------------------------------
-    n_docs = layout.n_docs
-    srv, dd = need_key // n_docs, need_key % n_docs
-    other = srv != rank
-    grp, j, lo, hi = C.pieces(dd[other], np.zeros(int(other.sum()), dtype=np.int64), need_e[other])
-    keep = (C.rank[j] == rank) & (hi > lo)
-    kv_send_index = C.local_rows(j[keep], lo[keep], hi[keep])
+    # -- KV exchange, owner side: for each of my chunks and each other server needing its document's
+    # prefix [0, e), the piece [start, min(end, e)); grouped by server, documents and positions ascending
+    mc = np.flatnonzero(C.rank == rank)
+    lo_n, cnt = need_doc_ptr[C.doc[mc]], need_doc_ptr[C.doc[mc] + 1] - need_doc_ptr[C.doc[mc]]
+    grp, k = _ragged(cnt)
+    ni = need_by_doc[lo_n[grp] + k]
+    c = mc[grp]
+    lo, hi = C.start[c], np.minimum(C.end[c], need_e[ni])
+    keep = (srv[ni] != rank) & (hi > lo)
+    c, lo, hi, to = c[keep], lo[keep], hi[keep], srv[ni][keep]
+    o = np.lexsort((lo, C.doc[c], to))
+    kv_send_index = C.local_rows(c[o], lo[o], hi[o])
+    kv_send_splits = np.bincount(to, weights=hi - lo, minlength=R).astype(np.int64)
 
     # -- KV exchange, server side: where each token of my documents' prefixes lands ---------------
-    my = ~other
-    my_docs, my_e = dd[my], need_e[my]
+    span = slice(*np.searchsorted(srv, [rank, rank + 1]))       # needs sorted by (server, doc)
+    my_docs, my_e = dd[span], need_e[span]
     grp, j, lo, hi = C.pieces(my_docs, np.zeros(my_docs.size, dtype=np.int64), my_e)
     owner = C.rank[j]
     rem = owner != rank
-    kv_base = np.cumsum(kv_mat[:, rank]) - kv_mat[:, rank]
+    plen = hi - lo
+    kv_recv_splits = np.bincount(owner[rem], weights=plen[rem], minlength=R).astype(np.int64)
+    kv_base = np.cumsum(kv_recv_splits) - kv_recv_splits
     loc = C.off[j] + lo - C.start[j]                           # start row of each piece (local ones)
     r_idx = np.flatnonzero(rem)
     r_idx = r_idx[np.argsort(owner[r_idx], kind="stable")]    # per owner: documents, positions ascending
-    plen = hi - lo
     within = np.zeros(j.size, dtype=np.int64)
     if r_idx.size:
         cum = np.cumsum(plen[r_idx]) - plen[r_idx]
@@ -284,13 +312,12 @@ def build_dispatch(plan: Plan, rank: int) -> Dispatch:
     nq, nk = n_q[served], b[served]
     return Dispatch(
         rank=rank, world=R, n_local=n_local,
-        q_send_index=q_send_index, q_send_splits=q_mat[rank, :R].tolist(),
-        q_recv_splits=q_mat[:R, rank].tolist(),
-        kv_send_index=kv_send_index, kv_send_splits=kv_mat[rank, :R].tolist(),
-        kv_recv_splits=kv_mat[:R, rank].tolist(), tasks=served.tolist(), q_rows=q_rows, kv_rows=kv_rows,
+        q_send_index=q_send_index, q_send_splits=q_send_splits.tolist(), q_recv_splits=q_recv_splits.tolist(),
+        kv_send_index=kv_send_index, kv_send_splits=kv_send_splits.tolist(),
+        kv_recv_splits=kv_recv_splits.tolist(), tasks=served.tolist(), q_rows=q_rows, kv_rows=kv_rows,
         cu_q=_cu(nq), cu_k=_cu(nk), max_q=int(nq.max(initial=0)), max_k=int(nk.max(initial=0)),
         ret_rows=ret_rows, self_rows=self_rows, self_local=self_local,
-        q_traffic=bool(q_mat.sum()), kv_traffic=bool(kv_mat.sum()))
+        q_traffic=cache["q_traffic"], kv_traffic=cache["kv_traffic"])
 
 
 def build_all(plan: Plan) -> list[Dispatch]:

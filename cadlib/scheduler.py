@@ -186,7 +186,9 @@ def place(layout: Layout, method: str = "cad", n_servers: int | None = None, mod
 
     ``guard`` (``cad`` only): if the bytes-blind ``equal_flops`` plan reaches the tolerance while this
     one does not, or moves fewer bytes at the same tolerance, return it instead (``meta['guard']``
-    records it). The greedy is built to need this rarely; the benchmark reports how often."""
+    records it). The greedy is built to need this rarely; the benchmark reports how often.
+    ``meta['moved_bytes']``: the forward bytes the moves added to the colocated placement's, exact
+    (tracked move by move; ``plan.forward_bytes(model)`` gives the total)."""
     from .scheduler_engine import Greedy
 
     if method not in METHODS:
@@ -204,14 +206,14 @@ def place(layout: Layout, method: str = "cad", n_servers: int | None = None, mod
     meta = {"method": method, "n_moves": g.n_moves, "n_splits": g.n_splits, "tolerance": tol,
             "reached": reached, "min_shard": m, "n_servers": S, "model": spec.name, "dtype": dtype,
             "imbalance_before": g.imbalance_before, "imbalance_after": g.imbalance(),
-            "forward_bytes": float(g.forward_bytes), "guard": False}
-    if method == "cad" and guard:
+            "moved_bytes": g.moved_bytes, "guard": False}
+    if method == "cad" and guard and g.n_moves:                # no move: equal_flops makes none either
         e = Greedy(ch, layout.n_docs, S, tol, m, qb, kvb, "flops")
         e_reached = e.run()
-        if (e_reached and not reached) or (e_reached == reached and e.forward_bytes < g.forward_bytes):
+        if (e_reached and not reached) or (e_reached == reached and e.moved_bytes < g.moved_bytes):
             g, meta["guard"], meta["reached"] = e, True, e_reached
             meta.update(n_moves=e.n_moves, n_splits=e.n_splits, imbalance_after=e.imbalance(),
-                        forward_bytes=float(e.forward_bytes))
+                        moved_bytes=e.moved_bytes)
     cols = g.task_arrays()
     meta["loop_seconds"] = t2 - t1
     meta["seconds"] = time.perf_counter() - t0

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .cost import causal_pairs, imbalance
-from .plan import cut_shards, transfer_tokens
+from .plan import cut_shards
 
 
 @dataclass
@@ -42,6 +42,26 @@ class Candidates:
     receiver: np.ndarray
     need_r: np.ndarray
     other_s: np.ndarray
+    avail: np.ndarray | None = None
+
+
+@dataclass
+class DonorView:
+    """A donor's live tasks (plan indices ``tasks`` and their fields), the donor's prefix end for the
+    task's document without the task (``other``), the pairs of the task's smallest valid move
+    (``min_pairs``), and the chunks of the task's document (``rep``: which task, ``chunk``, its
+    ``holder`` rank or -1 when that rank is not a server)."""
+
+    tasks: np.ndarray
+    doc: np.ndarray
+    a: np.ndarray
+    b: np.ndarray
+    home: np.ndarray
+    other: np.ndarray
+    min_pairs: np.ndarray
+    rep: np.ndarray | None = None
+    chunk: np.ndarray | None = None
+    holder: np.ndarray | None = None
 
 
 @dataclass
@@ -68,7 +88,23 @@ class Greedy:
                                 minlength=S).astype(np.int64)
         self.U = (1.0 + tolerance) * self.load.sum() / S
         self.imbalance_before = self.imbalance()
-        # per doc, its chunks (by_doc order): their servers may change, their holders do not
+        self.prepared = False
+        self.shards: list[tuple[int, int, int, int, int]] = []
+        self.shard_servers: dict[int, set[int]] = {}          # doc -> servers given shards of it
+        by_srv = np.argsort(self.server, kind="stable")
+        ptr = np.searchsorted(self.server[by_srv], np.arange(S + 1))
+        self.live = {s: by_srv[ptr[s]:ptr[s + 1]] for s in np.flatnonzero(self.load > self.U).tolist()}
+        self.stuck: set[int] = set()
+        self.views: dict[int, DonorView] = {}
+        self.n_moves = self.n_splits = 0
+        self.moved_bytes = 0                                   # forward bytes added by the moves (exact)
+
+    def prepare(self) -> None:
+        """Index the chunks (only once there is a donor): per document its chunks (``by_doc`` order:
+        their servers may change, their holders do not); for ``owned`` the chunks sorted by
+        ``(rank, doc, start)`` with cumulative lengths; the prefix end ``need`` per (server, doc)."""
+        self.prepared = True
+        S, n_docs = self.S, self.n_docs
         self.by_doc = np.argsort(self.doc, kind="stable")
         self.doc_ptr = np.searchsorted(self.doc[self.by_doc], np.arange(n_docs + 1))
         holder = self.home[self.by_doc]
@@ -83,14 +119,7 @@ class Greedy:
         key, inv = np.unique(self.server * n_docs + self.doc, return_inverse=True)
         end = np.zeros(key.size, dtype=np.int64)
         np.maximum.at(end, inv, self.b)
-        self.need: dict[int, int] = dict(zip(key.tolist(), end.tolist()))   # server * n_docs + doc -> end
-        self.shards: list[tuple[int, int, int, int, int]] = []
-        self.shard_servers: dict[int, set[int]] = {}          # doc -> servers given shards of it
-        by_srv = np.argsort(self.server, kind="stable")
-        ptr = np.searchsorted(self.server[by_srv], np.arange(S + 1))
-        self.live = {s: by_srv[ptr[s]:ptr[s + 1]] for s in np.flatnonzero(self.load > self.U).tolist()}
-        self.stuck: set[int] = set()
-        self.n_moves = self.n_splits = 0
+        self.need: dict[int, int] = dict(zip(key.tolist(), end.tolist()))   # server * n_docs + doc: end
 
     # -- helpers ----------------------------------------------------------------------------------
     def imbalance(self) -> float:
@@ -113,59 +142,79 @@ class Greedy:
         """KV tokens server ``g`` fetches to serve ``d`` up to ``e``: ``e - owned(g, d, e)``."""
         return e - self.owned(g, d, e)
 
-    def avail(self, d: np.ndarray) -> np.ndarray:
-        """Per document of ``d``, the pairs donors could shed of it: ``sum over its chunks on donors of
-        min(pairs, the donor's excess)``."""
-        lo, cnt = self.doc_ptr[d], self.doc_ptr[d + 1] - self.doc_ptr[d]
-        rep = np.repeat(np.arange(d.size), cnt)
-        j = self.by_doc[lo[rep] + np.arange(rep.size) - np.repeat(np.cumsum(cnt) - cnt, cnt)]
-        ex = np.maximum(self.load[self.server[j]] - self.U, 0)
-        return np.bincount(rep, weights=np.minimum(ex, causal_pairs(self.a[j], self.b[j])), minlength=d.size)
-
     # -- one move ---------------------------------------------------------------------------------
-    def candidates(self, s: int, g: int) -> Candidates | None:
-        """Donor ``s``'s (task, receiver) pairs: receivers serving or holding part of the task's
-        document, and the emptiest receiver ``g``; only receivers below ``U``."""
+    def donor_view(self, s: int) -> DonorView | None:
+        """Donor ``s``'s tasks and what about them stays fixed until ``s`` itself moves (kept until
+        then): per task its document, the donor's prefix end without it, the fewest pairs any valid
+        move of it carries, and (bytes mode) the chunks of its document."""
+        v = self.views.get(s)
+        if v is not None:
+            return v
         idx = self.live[s] = self.live[s][self.server[self.live[s]] == s]
         if not idx.size:
             return None
-        d = self.doc[idx]
+        d, a, b = self.doc[idx], self.a[idx], self.b[idx]
         # the donor's prefix end for d without this task: the max b of its other tasks of d
-        o = np.lexsort((self.b[idx], d))
-        ds, bs = d[o], self.b[idx][o]
-        last = np.r_[ds[1:] != ds[:-1], True]
-        first = np.r_[True, ds[:-1] != ds[1:]]
-        top = np.repeat(bs[last], np.diff(np.r_[0, np.flatnonzero(last) + 1]))
-        second = np.where(first, 0, np.r_[0, bs[:-1]])
+        o = np.lexsort((b, d))
+        ds, bs = d[o], b[o]
+        new_doc = np.concatenate(([True], ds[1:] != ds[:-1]))
+        last = np.concatenate((ds[1:] != ds[:-1], [True]))
+        top = np.repeat(bs[last], np.diff(np.concatenate(([0], np.flatnonzero(last) + 1))))
+        second = np.where(new_doc, 0, np.concatenate(([0], bs[:-1])))
         other = np.empty_like(bs)
         other[o] = np.where(last, second, top)
-        if self.mode == "flops":
-            task, recv = np.arange(idx.size), np.full(idx.size, g)
-        else:
+        e = np.where(b - a >= 2 * self.m, a + self.m, b)             # smallest valid move: m start tokens
+        v = DonorView(tasks=idx, doc=d, a=a, b=b, home=self.home[idx], other=other,
+                      min_pairs=(e * (e + 1) - a * (a + 1)) // 2)
+        if self.mode == "bytes":
             lo, cnt = self.doc_ptr[d], self.doc_ptr[d + 1] - self.doc_ptr[d]
-            rep = np.repeat(np.arange(idx.size), cnt)
-            pos = lo[rep] + np.arange(rep.size) - np.repeat(np.cumsum(cnt) - cnt, cnt)   # by_doc positions
+            v.rep = np.repeat(np.arange(idx.size), cnt)
+            pos = lo[v.rep] + np.arange(v.rep.size) - np.repeat(np.cumsum(cnt) - cnt, cnt)
+            v.chunk, v.holder = self.by_doc[pos], self.holder_of[pos]
+        self.views[s] = v
+        return v
+
+    def candidates(self, s: int, g: int) -> Candidates | None:
+        """Donor ``s``'s (task, receiver) pairs: receivers serving or holding part of the task's
+        document, and the emptiest receiver ``g``; only receivers below ``U`` with room for the task's
+        smallest valid move."""
+        v = self.donor_view(s)
+        if v is None:
+            return None
+        room = np.floor(self.U - self.load)
+        if self.mode == "flops":
+            task = np.flatnonzero(v.min_pairs <= room[g])
+            recv = np.full(task.size, g)
+            avail = None
+        else:
+            n = v.tasks.size
             extra_t, extra_r = [], []
-            hit = np.flatnonzero(np.isin(d, list(self.shard_servers))) if self.shard_servers else d[:0]
-            for i in hit.tolist():
-                for r in self.shard_servers[int(d[i])]:
-                    extra_t.append(i)
-                    extra_r.append(r)
-            task = np.concatenate((rep, rep, np.arange(idx.size), np.array(extra_t, dtype=np.int64)))
-            recv = np.concatenate((self.server[self.by_doc[pos]], self.holder_of[pos], np.full(idx.size, g),
-                                   np.array(extra_r, dtype=np.int64)))
+            if self.shard_servers:
+                for i in np.flatnonzero(np.isin(v.doc, list(self.shard_servers))).tolist():
+                    for r in self.shard_servers[int(v.doc[i])]:
+                        extra_t.append(i)
+                        extra_r.append(r)
+            srv = self.server[v.chunk]
+            task = np.concatenate((v.rep, v.rep, np.arange(n), np.array(extra_t, dtype=np.int64)))
+            recv = np.concatenate((srv, v.holder, np.full(n, g), np.array(extra_r, dtype=np.int64)))
             keep = (recv >= 0) & (recv != s)
-            keep[keep] = self.load[recv[keep]] < self.U
-            key = np.unique(task[keep] * self.S + recv[keep])
-            task, recv = key // self.S, key % self.S
+            keep &= v.min_pairs[task] <= room[recv]                  # room for the smallest valid move
+            mark = np.zeros((n, self.S), dtype=bool)                 # each (task, receiver) once, sorted
+            mark[task[keep], recv[keep]] = True
+            task, recv = np.nonzero(mark)
+            # pairs of each task's document that donors could shed: sum over its chunks on donors of
+            # min(pairs, the donor's excess)
+            ca, cb = self.a[v.chunk], self.b[v.chunk]
+            ex = np.maximum(self.load[srv] - self.U, 0)
+            avail = np.bincount(v.rep, weights=np.minimum(ex, (cb * (cb + 1) - ca * (ca + 1)) // 2),
+                                minlength=n)[task]
         if not task.size:
             return None
-        dd = d[task]
+        dd = v.doc[task]
         get = self.need.get
         need_r = np.array([get(k, 0) for k in (recv * self.n_docs + dd).tolist()], dtype=np.int64)
-        t = idx[task]
-        return Candidates(task=t, doc=dd, a=self.a[t], b=self.b[t], home=self.home[t], receiver=recv,
-                          need_r=need_r, other_s=other[task])
+        return Candidates(task=v.tasks[task], doc=dd, a=v.a[task], b=v.b[task], home=v.home[task],
+                          receiver=recv, need_r=need_r, other_s=v.other[task], avail=avail)
 
     def best_move(self, s: int) -> Move | None:
         """Donor ``s``'s lowest-priority move (``reference_greedy``'s formula, vectorised)."""
@@ -181,8 +230,7 @@ class Greedy:
         y = np.floor(room).astype(np.int64)
         k, p = cut_shards(c.a, c.b, x, y, self.m)                 # [2, N]: end row, start row
         valid = (k > 0) & (p <= y)
-        n = c.b - c.a
-        whole = k == n
+        whole = k == c.b - c.a
         if self.mode == "flops":
             valid[1] = False                                      # end shards only, largest first
             byt = np.zeros_like(k)
@@ -192,7 +240,7 @@ class Greedy:
             left = np.where(whole, 0, np.stack((c.b - k[0], c.b)))  # end of what s keeps of the task
             # one batched kv(): receiver after (2 sides), before; donor after (2 sides), before
             N = c.task.size
-            g = np.concatenate((np.tile(c.receiver, 3), np.full(3 * N, s)))
+            g = np.concatenate((c.receiver, c.receiver, c.receiver, np.full(3 * N, s)))
             ends = np.concatenate((np.maximum(c.need_r, e).ravel(), c.need_r,
                                    np.maximum(c.other_s, left).ravel(), np.maximum(c.other_s, c.b)))
             kvs = self.kv(g, np.tile(c.doc, 6), ends).reshape(6, N)
@@ -200,27 +248,43 @@ class Greedy:
             kv_s = kvs[3:5] - kvs[5]
             q = (c.home != c.receiver).astype(np.int64) - (c.home != s)
             byt = self.qb * k * q + self.kvb * (kv_r + kv_s)
-            bundle = np.maximum(np.minimum(room, self.avail(c.doc)), p)
+            bundle = np.maximum(np.minimum(room, c.avail), p)
             cost = np.maximum(byt - self.kvb * kv_r + self.kvb * kv_r * p / bundle, np.minimum(byt, 0))
             prio = cost / np.maximum(p, 1)
             excess = self.load[s] - self.U
             clears = valid & (p >= excess)
             if clears.any():                                      # a partial move: + the cheapest clearing
                 prio = np.where(clears, prio, (cost + cost[clears].min()) / excess)
-        prio = np.where(valid, prio, np.inf)
-        N = c.task.size
-        side = np.repeat(np.arange(2), N)
-        order = np.lexsort((side, np.tile(c.receiver, 2), np.tile(c.task, 2), -p.ravel(), prio.ravel()))
-        i = int(order[0])
-        sd, col = divmod(i, N)
-        if not np.isfinite(prio[sd, col]):
+        prio = np.where(valid, prio, np.inf).ravel()
+        best = np.flatnonzero(prio == prio.min())
+        if not np.isfinite(prio[best[0]]):
             return None
+        if best.size > 1:                                         # ties: larger P, task, receiver, end
+            N = c.task.size
+            side, col = np.divmod(best, N)
+            best = best[np.lexsort((side, c.receiver[col], c.task[col], -p.ravel()[best]))]
+        sd, col = divmod(int(best[0]), c.task.size)
         return Move(task=int(c.task[col]), receiver=int(c.receiver[col]), k=int(k[sd, col]),
                     pairs=int(p[sd, col]), from_end=sd == 0, bytes=int(byt[sd, col]))
+
+    def move_bytes(self, s: int, mv: Move) -> int:
+        """The forward bytes a move adds (``reference_greedy``'s ``bytes``), for one move."""
+        t, r, k = mv.task, mv.receiver, mv.k
+        d, a, b, h = int(self.doc[t]), int(self.a[t]), int(self.b[t]), int(self.home[t])
+        live = self.live[s]
+        mine = live[(self.doc[live] == d) & (self.server[live] == s) & (live != t)]
+        other = int(self.b[mine].max()) if mine.size else 0
+        need_r = self.need.get(r * self.n_docs + d, 0)
+        e = b if mv.from_end else a + k
+        left = 0 if k == b - a else (b - k if mv.from_end else b)
+        kv = self.kv(np.array([r, r, s, s]), np.full(4, d),
+                     np.array([max(need_r, e), need_r, max(other, left), max(other, b)])).tolist()
+        return self.qb * k * (int(h != r) - int(h != s)) + self.kvb * (kv[0] - kv[1] + kv[2] - kv[3])
 
     def apply(self, s: int, mv: Move) -> None:
         t, r, k = mv.task, mv.receiver, mv.k
         d, a, b, h = int(self.doc[t]), int(self.a[t]), int(self.b[t]), int(self.home[t])
+        self.moved_bytes += mv.bytes if self.mode == "bytes" else self.move_bytes(s, mv)
         if k == b - a:
             self.server[t] = r
             e = b
@@ -241,6 +305,7 @@ class Greedy:
             self.need[sk] = int(self.b[mine].max())
         else:
             self.need.pop(sk, None)
+        self.views.pop(s, None)                                # its tasks changed
         self.load[s] -= mv.pairs
         self.load[r] += mv.pairs
         self.n_moves += 1
@@ -249,6 +314,8 @@ class Greedy:
 
     def run(self) -> bool:
         """Move until no donor can: the most loaded donor first. Returns ``reached``."""
+        if not self.prepared and np.any(self.load > self.U):
+            self.prepare()
         while True:
             donors = np.flatnonzero(self.load > self.U)
             if self.stuck:
@@ -269,11 +336,3 @@ class Greedy:
             extra = np.array(self.shards, dtype=np.int64)
             cols = [np.r_[c, extra[:, i]] for i, c in enumerate(cols)]
         return TaskArrays(*cols)
-
-    @property
-    def forward_bytes(self) -> int:
-        """Forward dispatch bytes of the current placement (``transfer_tokens``)."""
-        t = self.task_arrays()
-        R = int(self.chunks[:, 3].max(initial=-1)) + 1
-        q, kv = transfer_tokens(self.chunks, t.doc, t.q_start, t.q_end, t.home, t.server, max(R, 1), self.S)
-        return int(q.sum()) * self.qb + int(kv.sum()) * self.kvb

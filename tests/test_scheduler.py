@@ -83,7 +83,8 @@ def test_random_layouts(layout, tol, min_shard, servers, method):
     q, kv = reference_token_matrices(plan)              # per-token reference accounting
     np.testing.assert_array_equal(q, plan.token_matrices()[0])
     np.testing.assert_array_equal(kv, plan.token_matrices()[1])
-    assert plan.meta["forward_bytes"] == q.sum() * QB + kv.sum() * KVB
+    base = colocated(layout, servers).forward_bytes(MODEL)
+    assert plan.meta["moved_bytes"] == q.sum() * QB + kv.sum() * KVB - base
     load = plan.server_pairs()
     mean = load.sum() / plan.n_servers
     assert plan.meta["reached"] == bool(load.max() <= (1 + tol) * mean)
@@ -361,11 +362,14 @@ def test_never_worse_than_equal_flops_on_realistic_batches(dist, pk, seed):
 
 
 def test_forward_bytes_of_moves_are_exact():
-    """After the greedy, the forward bytes it tracks equal Plan's accounting (stale holdings would show)."""
+    """The forward bytes the greedy tracks move by move equal Plan's accounting (stale holdings would
+    show), in both modes."""
     rng = np.random.default_rng(5)
     for _ in range(30):
         layout, S = _random_layout(rng)
-        plan = place(layout, "cad", S, MODEL, 0.05, 8, guard=False)
-        plan.validate()
-        q, kv = reference_token_matrices(plan)
-        assert plan.meta["forward_bytes"] == q.sum() * QB + kv.sum() * KVB
+        base = colocated(layout, S).forward_bytes(MODEL)
+        for method in ("cad", "equal_flops"):
+            plan = place(layout, method, S, MODEL, 0.05, 8, guard=False)
+            plan.validate()
+            q, kv = reference_token_matrices(plan)
+            assert plan.meta["moved_bytes"] == q.sum() * QB + kv.sum() * KVB - base
