@@ -209,6 +209,7 @@ def place(layout: Layout, method: str = "cad", n_servers: int | None = None, mod
             "moved_bytes": g.moved_bytes, "guard": False}
     if method == "cad" and guard and g.n_moves:                # no move: equal_flops makes none either
         e = Greedy(ch, layout.n_docs, S, tol, m, qb, kvb, "flops")
+        e.prepare_from(g)
         e_reached = e.run()
         if (e_reached and not reached) or (e_reached == reached and e.moved_bytes < g.moved_bytes):
             g, meta["guard"], meta["reached"] = e, True, e_reached

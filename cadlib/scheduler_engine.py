@@ -99,6 +99,14 @@ class Greedy:
         self.n_moves = self.n_splits = 0
         self.moved_bytes = 0                                   # forward bytes added by the moves (exact)
 
+    def prepare_from(self, other: "Greedy") -> None:
+        """Take ``other``'s chunk index (same chunks and servers, not yet moved: its initial state)."""
+        for name in ("by_doc", "doc_ptr", "holder_of", "big", "own_key", "own_grp", "own_a", "own_b",
+                     "own_cum"):
+            setattr(self, name, getattr(other, name))
+        self.need = dict(other.need0)
+        self.prepared = True
+
     def prepare(self) -> None:
         """Index the chunks (only once there is a donor): per document its chunks (``by_doc`` order:
         their servers may change, their holders do not); for ``owned`` the chunks sorted by
@@ -120,6 +128,7 @@ class Greedy:
         end = np.zeros(key.size, dtype=np.int64)
         np.maximum.at(end, inv, self.b)
         self.need: dict[int, int] = dict(zip(key.tolist(), end.tolist()))   # server * n_docs + doc: end
+        self.need0 = dict(self.need)
 
     # -- helpers ----------------------------------------------------------------------------------
     def imbalance(self) -> float:
@@ -222,6 +231,8 @@ class Greedy:
         if not recv.any():
             return None
         g = int(np.argmax(np.where(recv, self.U - self.load, -np.inf)))
+        if self.mode == "flops":
+            return self.largest_move(s, g)
         c = self.candidates(s, g)
         if c is None:
             return None
@@ -280,6 +291,26 @@ class Greedy:
         kv = self.kv(np.array([r, r, s, s]), np.full(4, d),
                      np.array([max(need_r, e), need_r, max(other, left), max(other, b)])).tolist()
         return self.qb * k * (int(h != r) - int(h != s)) + self.kvb * (kv[0] - kv[1] + kv[2] - kv[3])
+
+    def largest_move(self, s: int, g: int) -> Move | None:
+        """``equal_flops``: donor ``s``'s largest valid end shard to the emptiest receiver ``g`` (ties:
+        the first task)."""
+        v = self.donor_view(s)
+        if v is None:
+            return None
+        room = self.U - self.load[g]
+        y = int(np.floor(room))
+        ok = np.flatnonzero(v.min_pairs <= y)
+        if not ok.size:
+            return None
+        x = max(int(np.ceil(min(self.load[s] - self.U, room))), 1)
+        k, p = cut_shards(v.a[ok], v.b[ok], x, y, self.m)
+        pe = np.where((k[0] > 0) & (p[0] <= y), p[0], -1)
+        i = int(np.argmax(pe))
+        if pe[i] < 0:
+            return None
+        return Move(task=int(v.tasks[ok[i]]), receiver=g, k=int(k[0, i]), pairs=int(p[0, i]), from_end=True,
+                    bytes=0)
 
     def apply(self, s: int, mv: Move) -> None:
         t, r, k = mv.task, mv.receiver, mv.k
