@@ -41,7 +41,7 @@ class Layout:
     doc_lens: list[int]
 
     def __post_init__(self):
-        self.ranks = [[Chunk(*c) for c in r] for r in self.ranks]
+        self.ranks = [[c if type(c) is Chunk else Chunk(*c) for c in r] for r in self.ranks]
         self.doc_lens = [int(n) for n in self.doc_lens]
         self.validate()
 
@@ -61,36 +61,46 @@ class Layout:
         return np.array([sum(c.length for c in r) for r in self.ranks], dtype=np.int64)
 
     def validate(self) -> "Layout":
-        """Raise ValueError unless every token of every document lies in exactly one chunk."""
+        """Raise ValueError unless every token of every document lies in exactly one chunk (vectorised:
+        chunks sorted by ``(doc, start)`` must tile each document)."""
         if self.n_ranks < 1:
             raise ValueError("a layout needs at least one rank")
-        for i, n in enumerate(self.doc_lens):
-            if n < 1:
-                raise ValueError(f"document {i} has length {n}; document lengths must be >= 1")
-        pieces: list[list[tuple[int, int, int]]] = [[] for _ in self.doc_lens]
-        for rank, chunks in enumerate(self.ranks):
-            for c in chunks:
-                if not 0 <= c.doc < self.n_docs:
-                    raise ValueError(f"rank {rank} holds chunk {tuple(c)} of unknown document "
-                                     f"{c.doc}; valid documents are 0..{self.n_docs - 1}")
-                if not 0 <= c.start < c.end <= self.doc_lens[c.doc]:
-                    raise ValueError(f"rank {rank} holds chunk {tuple(c)}: need 0 <= start < end <= "
-                                     f"{self.doc_lens[c.doc]} (length of document {c.doc})")
-                pieces[c.doc].append((c.start, c.end, rank))
-        for d, ps in enumerate(pieces):
-            ps.sort()
-            pos = 0
-            for s, e, rank in ps:
-                if s < pos:
-                    raise ValueError(f"document {d}: tokens [{s}, {min(pos, e)}) are held twice "
-                                     f"(again by rank {rank}); every token must be in exactly one chunk")
-                if s > pos:
-                    raise ValueError(f"document {d}: tokens [{pos}, {s}) are held by no rank; every "
-                                     "token must be in exactly one chunk")
-                pos = e
-            if pos != self.doc_lens[d]:
-                raise ValueError(f"document {d}: tokens [{pos}, {self.doc_lens[d]}) are held by no rank; "
-                                 "every token must be in exactly one chunk")
+        lens = np.asarray(self.doc_lens, dtype=np.int64)
+        if (lens < 1).any():
+            i = int(np.flatnonzero(lens < 1)[0])
+            raise ValueError(f"document {i} has length {lens[i]}; document lengths must be >= 1")
+        ch = self.chunk_array()
+        d, a, b, rank = ch[:, 0], ch[:, 1], ch[:, 2], ch[:, 3]
+        bad = (d < 0) | (d >= self.n_docs)
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise ValueError(f"rank {rank[i]} holds chunk {tuple(ch[i, :3].tolist())} of unknown document "
+                             f"{d[i]}; valid documents are 0..{self.n_docs - 1}")
+        bad = ~((0 <= a) & (a < b) & (b <= lens[d]))
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise ValueError(f"rank {rank[i]} holds chunk {tuple(ch[i, :3].tolist())}: need 0 <= start < end "
+                             f"<= {lens[d[i]]} (length of document {d[i]})")
+        o = np.lexsort((a, d))
+        d, a, b, rank = d[o], a[o], b[o], rank[o]
+        first = np.concatenate(([True], d[1:] != d[:-1]))
+        prev = np.where(first, 0, np.concatenate(([0], b[:-1])))  # where the previous chunk ended
+        last = np.concatenate((d[1:] != d[:-1], [True]))
+        missing = np.setdiff1d(np.arange(self.n_docs), d)
+        gap = a != prev
+        short = last & (b != lens[d])
+        if missing.size:
+            m = int(missing[0])
+            raise ValueError(f"document {m}: tokens [0, {lens[m]}) are held by no rank; every token must be "
+                             "in exactly one chunk")
+        if gap.any() or short.any():
+            i = int(np.flatnonzero(gap | short)[0])
+            if gap[i] and a[i] < prev[i]:
+                raise ValueError(f"document {d[i]}: tokens [{a[i]}, {min(prev[i], b[i])}) are held twice "
+                                 f"(again by rank {rank[i]}); every token must be in exactly one chunk")
+            lo, hi = (prev[i], a[i]) if gap[i] else (b[i], lens[d[i]])
+            raise ValueError(f"document {d[i]}: tokens [{lo}, {hi}) are held by no rank; every token must be "
+                             "in exactly one chunk")
         return self
 
     def owner_map(self) -> list[np.ndarray]:

@@ -13,7 +13,9 @@ water-filling, in three parts:
   8/16/32 ranks x 32K/64K/128K tokens, sequential and balanced packing, tolerance 0.02/0.05/0.1,
   seeds 0-3, min_shard 512: the ratio greedy / equal_flops per case and its summary.
 * **host path** (``--host-path``, written to ``results/bench_host_path.json``): one training step's
-  host work per rank at 64 x 512K: layout -> plan (``place``) -> ``build_dispatch`` for its rank.
+  host work per rank at 64 x 512K: the layout (``Layout`` from per-rank chunk lists, validated) ->
+  plan (``place``, with the guard) -> ``build_dispatch`` for its rank. ``kv_rows_max`` is the largest
+  per-rank KV gather index (the dispatch's output: one entry per KV token a served task reads).
 
     python scripts/bench_scheduler.py                 # scale
     python scripts/bench_scheduler.py --grid          # the bytes grid
@@ -35,7 +37,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from cadlib.cost import ModelSpec  # noqa: E402
 from cadlib.dispatch import build_dispatch  # noqa: E402
 from cadlib.packing import pack  # noqa: E402
-from cadlib.plan import Plan  # noqa: E402
+from cadlib.plan import Layout, Plan  # noqa: E402
 from cadlib.results import save_result  # noqa: E402
 from cadlib.scheduler import place  # noqa: E402
 from cadlib.sim import zigzag_layout  # noqa: E402
@@ -140,24 +142,31 @@ def run_host_path(args, model):
     for dist, kind in (("pretrain", "sequential"), ("prolong", "sequential"), ("pretrain-x4", "sequential"),
                        ("pretrain-x4", "zigzag")):
         layout = make_layout(dist, n, tpr, kind, args.seed)
+        _, lay_wall, lay_cpu = timed(lambda: Layout(layout.ranks, layout.doc_lens), args.runs)
         plan, wall, cpu = timed(lambda: place(layout, "cad", n, model, args.tolerance, args.min_shard),
                                 args.runs)
-        per = []
+        per, kv_rows = [], []
         for r in range(n):
             fresh = Plan.from_arrays(layout, plan.doc, plan.q_start, plan.q_end, plan.home, plan.server, n)
-            _, w, c = timed(lambda: build_dispatch(fresh, r), 1)   # each rank builds from a fresh plan
+            d, w, c = timed(lambda: build_dispatch(fresh, r), 1)   # each rank builds from a fresh plan
             per.append((w, c))
+            kv_rows.append(d.kv_rows.size)
         per = np.array(per) * 1e3
         _, val, _ = timed(plan.validate, 1)
         row = {"dist": dist, "layout": kind, "servers": n, "tokens_per_rank": tpr, "n_tasks": plan.n_tasks,
+               "n_chunks": int(sum(len(r) for r in layout.ranks)),
+               "layout_ms": lay_wall * 1e3, "layout_cpu_ms": lay_cpu * 1e3,
                "plan_ms": wall * 1e3, "plan_cpu_ms": cpu * 1e3,
                "dispatch_ms_median": float(np.median(per[:, 0])), "dispatch_ms_max": float(per[:, 0].max()),
                "dispatch_cpu_ms_median": float(np.median(per[:, 1])),
                "dispatch_cpu_ms_max": float(per[:, 1].max()),
-               "step_host_cpu_ms_max": cpu * 1e3 + float(per[:, 1].max()),
-               "step_host_ms_max": wall * 1e3 + float(per[:, 0].max()), "validate_ms": val * 1e3}
+               "kv_rows_max": int(max(kv_rows)),
+               "step_host_cpu_ms_max": (lay_cpu + cpu) * 1e3 + float(per[:, 1].max()),
+               "step_host_ms_max": (lay_wall + wall) * 1e3 + float(per[:, 0].max()), "validate_ms": val * 1e3}
         out.append(row)
-        print(f"host path {dist:12}{kind:11} plan {row['plan_ms']:.1f} ms (cpu {row['plan_cpu_ms']:.1f}), "
+        print(f"host path {dist:12}{kind:11} layout {row['layout_ms']:.1f} ms "
+              f"(cpu {row['layout_cpu_ms']:.1f}), "
+              f"plan {row['plan_ms']:.1f} ms (cpu {row['plan_cpu_ms']:.1f}), "
               f"dispatch median {row['dispatch_ms_median']:.1f} max {row['dispatch_ms_max']:.1f} ms "
               f"(cpu {row['dispatch_cpu_ms_median']:.1f} / {row['dispatch_cpu_ms_max']:.1f}), "
               f"validate {row['validate_ms']:.1f} ms", flush=True)
