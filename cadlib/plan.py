@@ -208,24 +208,33 @@ def cut_shards(a, b, x, y, min_shard: int) -> tuple[np.ndarray, np.ndarray]:
     ``k = b - tri_floor(b(b+1) - 2x)``; the start shard ``[a, e)`` has ``(e(e+1) - a(a+1)) / 2``, so
     ``k = tri_ceil(a(a+1) + 2x) - a``; and with ``y``: ``b - tri_ceil(b(b+1) - 2y)``,
     ``tri_floor(a(a+1) + 2y) - a``."""
-    a, b, x, y = (np.asarray(v, dtype=np.int64) for v in (a, b, x, y))
+    a, b = np.asarray(a, dtype=np.int64), np.asarray(b, dtype=np.int64)
+    x2, y2 = 2 * np.asarray(x, dtype=np.int64), 2 * np.asarray(y, dtype=np.int64)
     m, n = int(min_shard), b - a
     bb, aa = b * (b + 1), a * (a + 1)
     # floor roots of b(b+1) - 2x, a(a+1) + 2y; ceiling roots (tri_ceil(v) = tri_floor(v - 1) + [v >= 1])
     # of a(a+1) + 2x, b(b+1) - 2y: one pass
-    v = np.stack((bb - 2 * x, aa + 2 * y, aa + 2 * x - 1, bb - 2 * y - 1))
+    v = _rows(bb - x2, aa + y2, aa + x2 - 1, bb - y2 - 1)
     r = tri_floor(v)
     r[2:] += v[2:] >= 0
-    k = np.stack((b - r[0], r[2] - a, b - r[3], r[1] - a)).reshape(2, 2, -1)   # [fewest/most, end/start]
-    up = np.maximum(k[0], m)                           # fewest valid tokens >= fewest
-    up = np.where(up > n - m, n, up)
-    dn = np.minimum(k[1], n - m)                       # most valid tokens <= most
-    dn = np.where(k[1] >= n, n, np.where(dn >= m, dn, 0))
-    kk = np.stack((up, dn))
-    side = np.array([[-1], [1]])                       # end k(2b + 1 - k) / 2, start k(2a + 1 + k) / 2
-    p = (kk * (np.stack((2 * b + 1, 2 * a + 1)) + side * kk)) >> 1
+    k = _rows(b - r[0], r[2] - a, b - r[3], r[1] - a)         # fewest (end, start), most (end, start)
+    up = np.maximum(k[:2], m)                          # fewest valid tokens >= fewest
+    np.copyto(up, n, where=up > n - m)
+    dn = np.minimum(k[2:], n - m)                      # most valid tokens <= most
+    dn *= dn >= m
+    np.copyto(dn, n, where=k[2:] >= n)
+    kk = np.concatenate((up, dn)).reshape(2, 2, -1)    # [up/down, end/start, N]
+    p = (kk * (_rows(2 * b + 1, 2 * a + 1) + _SIDE * kk)) >> 1   # end k(2b+1-k)/2, start k(2a+1+k)/2
     ok = p[0] <= y
     return np.where(ok, up, dn), np.where(ok, p[0], p[1])
+
+
+_SIDE = np.array([[-1], [1]])
+
+
+def _rows(*arrays) -> np.ndarray:
+    """``np.stack`` of equal-length 1-d arrays (faster for small arrays)."""
+    return np.concatenate(arrays).reshape(len(arrays), -1)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -185,8 +185,9 @@ def place(layout: Layout, method: str = "cad", n_servers: int | None = None, mod
     planning time including that conversion; ``meta['loop_seconds']`` the greedy alone.
 
     ``guard`` (``cad`` only): if the bytes-blind ``equal_flops`` plan reaches the tolerance while this
-    one does not, or moves fewer bytes at the same tolerance, return it instead (``meta['guard']``
-    records it). The greedy is built to need this rarely; the benchmark reports how often.
+    one does not, or both reach it and it moves fewer bytes (neither: a lower peak load), return it
+    instead (``meta['guard']`` records it). The greedy is built to need this rarely; the benchmark
+    reports how often.
     ``meta['moved_bytes']``: the forward bytes the moves added to the colocated placement's, exact
     (tracked move by move; ``plan.forward_bytes(model)`` gives the total)."""
     from .scheduler_engine import Greedy
@@ -211,7 +212,13 @@ def place(layout: Layout, method: str = "cad", n_servers: int | None = None, mod
         e = Greedy(ch, layout.n_docs, S, tol, m, qb, kvb, "flops")
         e.prepare_from(g)
         e_reached = e.run()
-        if (e_reached and not reached) or (e_reached == reached and e.moved_bytes < g.moved_bytes):
+        if reached != e_reached:
+            better = e_reached
+        elif reached:                                           # both balanced: fewer bytes
+            better = e.moved_bytes < g.moved_bytes
+        else:                                                   # neither: lower peak, then fewer bytes
+            better = (e.load.max(), e.moved_bytes) < (g.load.max(), g.moved_bytes)
+        if better:
             g, meta["guard"], meta["reached"] = e, True, e_reached
             meta.update(n_moves=e.n_moves, n_splits=e.n_splits, imbalance_after=e.imbalance(),
                         moved_bytes=e.moved_bytes)

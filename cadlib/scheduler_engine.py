@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .cost import causal_pairs, imbalance
-from .plan import cut_shards
+from .plan import _rows, cut_shards
 
 
 @dataclass
@@ -247,14 +247,15 @@ class Greedy:
             byt = np.zeros_like(k)
             prio = -p.astype(np.float64)
         else:
-            e = np.stack((c.b, c.a + k[1]))                       # the shard's KV prefix end
-            left = np.where(whole, 0, np.stack((c.b - k[0], c.b)))  # end of what s keeps of the task
+            e = _rows(c.b, c.a + k[1])                            # the shard's KV prefix end
+            left = _rows(c.b - k[0], c.b)                         # end of what s keeps of the task
+            left *= ~whole
             # one batched kv(): receiver after (2 sides), before; donor after (2 sides), before
             N = c.task.size
             g = np.concatenate((c.receiver, c.receiver, c.receiver, np.full(3 * N, s)))
             ends = np.concatenate((np.maximum(c.need_r, e).ravel(), c.need_r,
                                    np.maximum(c.other_s, left).ravel(), np.maximum(c.other_s, c.b)))
-            kvs = self.kv(g, np.tile(c.doc, 6), ends).reshape(6, N)
+            kvs = self.kv(g, np.concatenate((c.doc,) * 6), ends).reshape(6, N)
             kv_r = kvs[0:2] - kvs[2]
             kv_s = kvs[3:5] - kvs[5]
             q = (c.home != c.receiver).astype(np.int64) - (c.home != s)
