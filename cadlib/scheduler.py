@@ -20,6 +20,8 @@ from __future__ import annotations
 import math
 import numbers
 import time
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -66,25 +68,25 @@ def reference_greedy(chunks: np.ndarray, n_servers: int, tolerance: float, min_s
     only its room differs, and more room never gives a worse move). Ties: larger ``P``, then task,
     receiver, end before start."""
     S, m = n_servers, int(min_shard)
-    tasks = [[int(d), int(a), int(b), int(h), int(h) % S] for d, a, b, h in chunks]
-    by_doc: dict[int, list[list[int]]] = {}
-    held: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    tasks = [Task(int(d), int(a), int(b), int(h), int(h) % S) for d, a, b, h in chunks]
+    by_doc: dict[int, list[Task]] = {}
+    held: dict[tuple[int, int], list[tuple[int, int]]] = {}    # (rank, doc) -> its token ranges
     for t in tasks:
-        by_doc.setdefault(t[0], []).append(t)
-        held.setdefault((t[3], t[0]), []).append((t[1], t[2]))
-    holders: dict[int, set[int]] = {d: set() for d in by_doc}
+        by_doc.setdefault(t.doc, []).append(t)
+        held.setdefault((t.home, t.doc), []).append((t.a, t.b))
+    holders: dict[int, set[int]] = {d: set() for d in by_doc}   # doc -> ranks holding part of it
     for h, d in held:
         if h < S:
             holders[d].add(h)
     load = [0] * S
     for t in tasks:
-        load[t[4]] += causal_pairs(t[1], t[2])
+        load[t.server] += causal_pairs(t.a, t.b)
     U = (1.0 + tolerance) * sum(load) / S
 
     def kv(g, d, skip=None, end=0):
         """KV tokens server ``g`` fetches for ``d``: its tasks' prefix (task ``skip`` replaced by one
         ending at ``end``) minus what rank ``g`` holds of it."""
-        e = max([end] + [t[2] for t in by_doc[d] if t[4] == g and t is not skip])
+        e = max([end] + [t.b for t in by_doc[d] if t.server == g and t is not skip])
         return e - sum(max(0, min(hi, e) - lo) for lo, hi in held.get((g, d), ()))
 
     stuck: set[int] = set()
@@ -95,14 +97,14 @@ def reference_greedy(chunks: np.ndarray, n_servers: int, tolerance: float, min_s
         s = max(donors, key=lambda i: (load[i], -i))          # the most loaded donor moves
         receivers = [r for r in range(S) if load[r] < U]
         g = max(receivers, key=lambda i: (U - load[i], -i)) if receivers else None
-        cands = []                                             # (cost, P, key, move)
+        cands: list[Candidate] = []
         for ti, t in enumerate(tasks):
-            if t[4] != s:
+            if t.server != s:
                 continue
-            d, a, b, h = t[:4]
-            near = {t2[4] for t2 in by_doc[d]} | holders[d]     # servers serving or holding part of d
-            avail = sum(min(causal_pairs(t2[1], t2[2]), load[t2[4]] - U) for t2 in by_doc[d]
-                        if load[t2[4]] > U)                     # pairs of d that donors could shed
+            d, a, b, h = t.doc, t.a, t.b, t.home
+            near = {t2.server for t2 in by_doc[d]} | holders[d]   # servers serving or holding part of d
+            avail = sum(min(causal_pairs(t2.a, t2.b), load[t2.server] - U) for t2 in by_doc[d]
+                        if load[t2.server] > U)                 # pairs of d that donors could shed
             rs = [r for r in receivers if r in near or r == g] if mode == "bytes" else [g] * (g is not None)
             for r in rs:
                 room = U - load[r]
@@ -119,37 +121,62 @@ def reference_greedy(chunks: np.ndarray, n_servers: int, tolerance: float, min_s
                     byt = q_bytes * kk * ((h != r) - (h != s)) + kv_bytes * (kv_r + kv_s)
                     bundle = max(min(room, avail), P)
                     cost = max(byt - kv_bytes * kv_r + kv_bytes * kv_r * P / bundle, min(byt, 0))
-                    cands.append((cost, P, (-P, ti, r, side), (t, r, kk, from_end)))
+                    cands.append(Candidate(cost, P, ti, t, r, kk, side))
         excess = load[s] - U
-        clear = min((c[0] for c in cands if c[1] >= excess), default=None)
-        best = None
-        for cost, P, tie, move in cands:
+        clear = min((c.cost for c in cands if c.pairs >= excess), default=None)
+        best, best_key = None, None
+        for c in cands:
             if mode == "flops":
-                prio = -P
-            elif clear is None or P >= excess:
-                prio = cost / P
+                prio = -c.pairs
+            elif clear is None or c.pairs >= excess:
+                prio = c.cost / c.pairs
             else:
-                prio = (cost + clear) / excess
-            if best is None or (prio, *tie) < best[0]:
-                best = ((prio, *tie), *move)
+                prio = (c.cost + clear) / excess
+            key = (prio, -c.pairs, c.index, c.receiver, c.side)
+            if best is None or key < best_key:
+                best, best_key = c, key
         if best is None:
             stuck.add(s)
             continue
-        _, t, r, k, from_end = best
-        d, a, b, h = t[:4]
+        t, r, k, from_end = best.task, best.receiver, best.k, best.side == 0
+        a, b = t.a, t.b
         if k == b - a:
-            t[4] = r
+            t.server = r
         else:
-            new = [d, b - k, b, h, r] if from_end else [d, a, a + k, h, r]
-            t[1:3] = [a, b - k] if from_end else [a + k, b]
+            new = Task(t.doc, b - k, b, t.home, r) if from_end else Task(t.doc, a, a + k, t.home, r)
+            t.a, t.b = (a, b - k) if from_end else (a + k, b)
             tasks.append(new)
-            by_doc[d].append(new)
-        P = causal_pairs(b - k, b) if from_end else causal_pairs(a, a + k)
-        load[s] -= P
-        load[r] += P
+            by_doc[t.doc].append(new)
+        load[s] -= best.pairs
+        load[r] += best.pairs
         if load[s] < U:
             stuck.clear()                                      # a new receiver: retry stuck donors
-    return tasks, all(v <= U for v in load)
+    return [[t.doc, t.a, t.b, t.home, t.server] for t in tasks], all(v <= U for v in load)
+
+
+@dataclass(eq=False)
+class Task:
+    """A CA-task of ``reference_greedy``: query tokens ``[a, b)`` of ``doc``, homed on ``home``,
+    served on ``server`` (``a``, ``b``, ``server`` change as it moves or is cut)."""
+
+    doc: int
+    a: int
+    b: int
+    home: int
+    server: int
+
+
+class Candidate(NamedTuple):
+    """A scored move of ``reference_greedy``: ``k`` query tokens of ``task`` (the ``index``-th task)
+    to ``receiver``, from its end (``side`` 0) or its start (1), moving ``pairs`` at ``cost``."""
+
+    cost: float
+    pairs: int
+    index: int
+    task: Task
+    receiver: int
+    k: int
+    side: int
 
 
 # ---------------------------------------------------------------------------------------------------

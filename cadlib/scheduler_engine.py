@@ -255,9 +255,11 @@ class Greedy:
             g = np.concatenate((c.receiver, c.receiver, c.receiver, np.full(3 * N, s)))
             ends = np.concatenate((np.maximum(c.need_r, e).ravel(), c.need_r,
                                    np.maximum(c.other_s, left).ravel(), np.maximum(c.other_s, c.b)))
-            kvs = self.kv(g, np.concatenate((c.doc,) * 6), ends).reshape(6, N)
-            kv_r = kvs[0:2] - kvs[2]
-            kv_s = kvs[3:5] - kvs[5]
+            kvs = self.kv(g, np.concatenate((c.doc,) * 6), ends)
+            r_after, r_before = kvs[:2 * N].reshape(2, N), kvs[2 * N:3 * N]
+            s_after, s_before = kvs[3 * N:5 * N].reshape(2, N), kvs[5 * N:]
+            kv_r = r_after - r_before                             # [end, start] x N
+            kv_s = s_after - s_before
             q = (c.home != c.receiver).astype(np.int64) - (c.home != s)
             byt = self.qb * k * q + self.kvb * (kv_r + kv_s)
             bundle = np.maximum(np.minimum(room, c.avail), p)
