@@ -91,6 +91,7 @@ class Greedy:
         self.prepared = False
         self.shards: list[tuple[int, int, int, int, int]] = []
         self.shard_servers: dict[int, set[int]] = {}          # doc -> servers given shards of it
+        self.has_shard = np.zeros(n_docs, dtype=bool)
         by_srv = np.argsort(self.server, kind="stable")
         ptr = np.searchsorted(self.server[by_srv], np.arange(S + 1))
         self.live = {s: by_srv[ptr[s]:ptr[s + 1]] for s in np.flatnonzero(self.load > self.U).tolist()}
@@ -199,7 +200,7 @@ class Greedy:
             n = v.tasks.size
             extra_t, extra_r = [], []
             if self.shard_servers:
-                for i in np.flatnonzero(np.isin(v.doc, list(self.shard_servers))).tolist():
+                for i in np.flatnonzero(self.has_shard[v.doc]).tolist():
                     for r in self.shard_servers[int(v.doc[i])]:
                         extra_t.append(i)
                         extra_r.append(r)
@@ -326,6 +327,7 @@ class Greedy:
             lo, hi = (b - k, b) if mv.from_end else (a, a + k)
             self.shards.append((d, lo, hi, h, r))
             self.shard_servers.setdefault(d, set()).add(r)
+            self.has_shard[d] = True
             if mv.from_end:
                 self.b[t] = b - k
             else:
