@@ -57,7 +57,7 @@ class DonorView:
     a: np.ndarray
     b: np.ndarray
     home: np.ndarray
-    other: np.ndarray
+    other: np.ndarray | None
     min_pairs: np.ndarray
     rep: np.ndarray | None = None
     chunk: np.ndarray | None = None
@@ -105,7 +105,8 @@ class Greedy:
         for name in ("by_doc", "doc_ptr", "holder_of", "big", "own_key", "own_grp", "own_a", "own_b",
                      "own_cum"):
             setattr(self, name, getattr(other, name))
-        self.need = dict(other.need0)
+        self.need_key, self.need_end = other.need_key, other.need_end
+        self.need_over, self.doc_over = {}, np.zeros(self.n_docs, dtype=bool)
         self.prepared = True
 
     def prepare(self) -> None:
@@ -125,11 +126,29 @@ class Greedy:
         self.own_grp = self.home[o] * n_docs + self.doc[o]
         self.own_a, self.own_b = self.a[o], self.b[o]
         self.own_cum = np.r_[0, np.cumsum(self.own_b - self.own_a)]
-        key, inv = np.unique(self.server * n_docs + self.doc, return_inverse=True)
-        end = np.zeros(key.size, dtype=np.int64)
-        np.maximum.at(end, inv, self.b)
-        self.need: dict[int, int] = dict(zip(key.tolist(), end.tolist()))   # server * n_docs + doc: end
-        self.need0 = dict(self.need)
+        # need at the start: sorted keys server * n_docs + doc and their max q_end; changes go to the
+        # dict need_over (doc_over flags their documents)
+        key = self.server * n_docs + self.doc
+        o = np.argsort(key, kind="stable")
+        k = key[o]
+        first = np.flatnonzero(np.concatenate(([True], k[1:] != k[:-1]))) if k.size else k
+        self.need_key = k[first]
+        self.need_end = np.maximum.reduceat(self.b[o], first) if k.size else k
+        self.need_over: dict[int, int] = {}
+        self.doc_over = np.zeros(n_docs, dtype=bool)
+
+    def need(self, g: np.ndarray, d: np.ndarray) -> np.ndarray:
+        """The prefix end server ``g`` fetches of document ``d`` (0 if it serves none), elementwise."""
+        key = g * self.n_docs + d
+        if not self.need_key.size:
+            return np.zeros_like(key)
+        i = np.minimum(np.searchsorted(self.need_key, key), self.need_key.size - 1)
+        out = np.where(self.need_key[i] == key, self.need_end[i], 0)
+        if self.need_over:
+            get = self.need_over.get
+            for j in np.flatnonzero(self.doc_over[d]).tolist():
+                out[j] = get(int(key[j]), out[j])
+        return out
 
     # -- helpers ----------------------------------------------------------------------------------
     def imbalance(self) -> float:
@@ -153,6 +172,20 @@ class Greedy:
         return e - self.owned(g, d, e)
 
     # -- one move ---------------------------------------------------------------------------------
+    @staticmethod
+    def other_ends(d: np.ndarray, b: np.ndarray) -> np.ndarray:
+        """Per task of one server (documents ``d``, ends ``b``), the server's prefix end for the document
+        without this task: the largest ``b`` of its other tasks of that document (0 if none)."""
+        o = np.lexsort((b, d))
+        ds, bs = d[o], b[o]
+        new_doc = np.concatenate(([True], ds[1:] != ds[:-1]))
+        last = np.concatenate((ds[1:] != ds[:-1], [True]))
+        top = np.repeat(bs[last], np.diff(np.concatenate(([0], np.flatnonzero(last) + 1))))
+        second = np.where(new_doc, 0, np.concatenate(([0], bs[:-1])))
+        other = np.empty_like(bs)
+        other[o] = np.where(last, second, top)
+        return other
+
     def donor_view(self, s: int) -> DonorView | None:
         """Donor ``s``'s tasks and what about them stays fixed until ``s`` itself moves (kept until
         then): per task its document, the donor's prefix end without it, the fewest pairs any valid
@@ -164,15 +197,7 @@ class Greedy:
         if not idx.size:
             return None
         d, a, b = self.doc[idx], self.a[idx], self.b[idx]
-        # the donor's prefix end for d without this task: the max b of its other tasks of d
-        o = np.lexsort((b, d))
-        ds, bs = d[o], b[o]
-        new_doc = np.concatenate(([True], ds[1:] != ds[:-1]))
-        last = np.concatenate((ds[1:] != ds[:-1], [True]))
-        top = np.repeat(bs[last], np.diff(np.concatenate(([0], np.flatnonzero(last) + 1))))
-        second = np.where(new_doc, 0, np.concatenate(([0], bs[:-1])))
-        other = np.empty_like(bs)
-        other[o] = np.where(last, second, top)
+        other = self.other_ends(d, b) if self.mode == "bytes" else None
         e = np.where(b - a >= 2 * self.m, a + self.m, b)             # smallest valid move: m start tokens
         v = DonorView(tasks=idx, doc=d, a=a, b=b, home=self.home[idx], other=other,
                       min_pairs=(e * (e + 1) - a * (a + 1)) // 2)
@@ -221,8 +246,7 @@ class Greedy:
         if not task.size:
             return None
         dd = v.doc[task]
-        get = self.need.get
-        need_r = np.array([get(k, 0) for k in (recv * self.n_docs + dd).tolist()], dtype=np.int64)
+        need_r = self.need(recv, dd)
         return Candidates(task=v.tasks[task], doc=dd, a=v.a[task], b=v.b[task], home=v.home[task],
                           receiver=recv, need_r=need_r, other_s=v.other[task], avail=avail)
 
@@ -289,7 +313,7 @@ class Greedy:
         live = self.live[s]
         mine = live[(self.doc[live] == d) & (self.server[live] == s) & (live != t)]
         other = int(self.b[mine].max()) if mine.size else 0
-        need_r = self.need.get(r * self.n_docs + d, 0)
+        need_r = int(self.need(np.array([r]), np.array([d]))[0])
         e = b if mv.from_end else a + k
         left = 0 if k == b - a else (b - k if mv.from_end else b)
         kv = self.kv(np.array([r, r, s, s]), np.full(4, d),
@@ -335,12 +359,13 @@ class Greedy:
             e = hi
             self.n_splits += 1
         rk, sk = r * self.n_docs + d, s * self.n_docs + d
-        self.need[rk] = max(self.need.get(rk, 0), e)
+        self.need_over[rk] = max(int(self.need(np.array([r]), np.array([d]))[0]), e)
+        self.doc_over[d] = True
         mine = self.live[s][(self.doc[self.live[s]] == d) & (self.server[self.live[s]] == s)]
         if mine.size:
-            self.need[sk] = int(self.b[mine].max())
+            self.need_over[sk] = int(self.b[mine].max())
         else:
-            self.need.pop(sk, None)
+            self.need_over[sk] = 0
         self.views.pop(s, None)                                # its tasks changed
         self.load[s] -= mv.pairs
         self.load[r] += mv.pairs
