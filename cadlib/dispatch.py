@@ -80,18 +80,26 @@ class Dispatch:
         return len(self.tasks)
 
     def to(self, device) -> "DeviceDispatch":
-        """Index arrays as device tensors, copied once per device and cached."""
+        """Index arrays as device tensors, copied once per device and cached. On CUDA all of them go
+        in one pinned host buffer and one ``non_blocking`` copy on the current stream, so the host
+        never waits for the device (the next step's plan can be built meanwhile); the pinned buffer
+        is kept alive by torch's caching host allocator until the copy has run. On CPU: as_tensor."""
         import torch
 
         key = str(device)
         if key not in self._device_cache:
-            def t(a, dtype=torch.int64):
-                return torch.as_tensor(np.ascontiguousarray(a)).to(device=device, dtype=dtype)
-            self._device_cache[key] = DeviceDispatch(
-                meta=self, q_send_index=t(self.q_send_index), kv_send_index=t(self.kv_send_index),
-                q_rows=t(self.q_rows), kv_rows=t(self.kv_rows), cu_q=t(self.cu_q, torch.int32),
-                cu_k=t(self.cu_k, torch.int32), ret_rows=t(self.ret_rows), self_rows=t(self.self_rows),
-                self_local=t(self.self_local))
+            names = ("q_send_index", "kv_send_index", "q_rows", "kv_rows", "cu_q", "cu_k", "ret_rows",
+                     "self_rows", "self_local")
+            arrays = [np.asarray(getattr(self, n), dtype=np.int64).reshape(-1) for n in names]
+            host = torch.from_numpy(np.concatenate(arrays))
+            dev = torch.device(device)
+            if dev.type == "cuda":
+                flat = host.pin_memory().to(dev, non_blocking=True)
+            else:
+                flat = host.to(dev)
+            parts = dict(zip(names, torch.split(flat, [a.size for a in arrays])))
+            parts["cu_q"], parts["cu_k"] = parts["cu_q"].to(torch.int32), parts["cu_k"].to(torch.int32)
+            self._device_cache[key] = DeviceDispatch(meta=self, **parts)
         return self._device_cache[key]
 
 
@@ -112,7 +120,8 @@ class DeviceDispatch:
 
 
 def local_index_map(layout: Layout) -> list[np.ndarray]:
-    """Per document, an int array: each token's row in its owner's local buffer."""
+    """Per document, an int array: each token's row in its owner's local buffer (O(tokens); for tests
+    and notebooks, not used by :func:`build_dispatch`)."""
     lidx = [np.empty(n, dtype=np.int64) for n in layout.doc_lens]
     for chunks, offs in zip(layout.ranks, layout.local_offsets()):
         for c, off in zip(chunks, offs):
@@ -122,130 +131,193 @@ def local_index_map(layout: Layout) -> list[np.ndarray]:
 
 def kv_needs(plan: Plan) -> dict[tuple[int, int], int]:
     """``{(server, doc): e}``: the server needs KV prefix ``[0, e)`` of the doc, ``e = max q_end``."""
-    need: dict[tuple[int, int], int] = {}
-    for t in plan.tasks:
-        key = (t.server, t.doc)
-        need[key] = max(need.get(key, 0), t.q_end)
-    return need
+    key, e = _needs(plan)
+    n = plan.layout.n_docs
+    return dict(zip(zip((key // n).tolist(), (key % n).tolist()), e.tolist()))
 
 
-def _rank_within_groups(groups: np.ndarray, n_groups: int) -> tuple[np.ndarray, np.ndarray]:
-    """For each element, how many earlier elements share its group; and the count per group."""
-    counts = np.bincount(groups, minlength=n_groups)
-    order = np.argsort(groups, kind="stable")
-    within = np.empty(len(groups), dtype=np.int64)
-    within[order] = np.arange(len(groups), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
-    return within, counts
+def _needs(plan: Plan) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted keys ``server * n_docs + doc`` and their prefix ends ``max q_end``."""
+    key = plan.server * plan.layout.n_docs + plan.doc
+    uk, inv = np.unique(key, return_inverse=True)
+    e = np.zeros(uk.size, dtype=np.int64)
+    np.maximum.at(e, inv, plan.q_end)
+    return uk, e
 
 
-def _cat(parts: list[np.ndarray]) -> np.ndarray:
-    return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, dtype=np.int64)
+def _expand(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """``concatenate([arange(s, s + n) for s, n in zip(starts, lens)])`` without a Python loop."""
+    lens = np.asarray(lens, dtype=np.int64)
+    total = int(lens.sum())
+    if not total:
+        return np.zeros(0, dtype=np.int64)
+    head = np.cumsum(lens) - lens
+    return np.repeat(np.asarray(starts, dtype=np.int64) - head, lens) + np.arange(total, dtype=np.int64)
 
 
-def _cu(lengths: list[int]) -> np.ndarray:
+def _cu(lengths) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(np.asarray(lengths, dtype=np.int64))]).astype(np.int32)
 
 
-def build_dispatch(plan: Plan, rank: int) -> Dispatch:
-    """Rank ``rank``'s communication plan for ``plan`` (host metadata; vectorised over tokens).
+def _ragged(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For groups of ``counts`` items: each item's group and its index within the group."""
+    grp = np.repeat(np.arange(counts.size), counts)
+    return grp, np.arange(grp.size) - np.repeat(np.cumsum(counts) - counts, counts)
 
-    Per-task and per-(server, doc) Python loops only; token index arrays come from numpy slices."""
+
+class _Chunks:
+    """The layout's chunks sorted by ``(doc, start)``, with each chunk's row in its rank's local buffer:
+    the pieces of any token range ``[a, b)`` of a document are found by binary search."""
+
+    def __init__(self, plan: Plan):
+        ch = plan.chunk_array()                                 # rank-major, layout order
+        lens = ch[:, 2] - ch[:, 1]
+        first = np.r_[True, ch[1:, 3] != ch[:-1, 3]] if len(ch) else np.zeros(0, dtype=bool)
+        csum = np.cumsum(lens) - lens
+        off = csum - np.maximum.accumulate(np.where(first, csum, 0)) if len(ch) else csum
+        o = np.lexsort((ch[:, 1], ch[:, 0]))
+        self.doc, self.start, self.end, self.rank, self.off = ch[o, 0], ch[o, 1], ch[o, 2], ch[o, 3], off[o]
+        self.big = int(max(plan.layout.doc_lens)) + 1
+        self.key = self.doc * self.big + self.start
+        self.n_local = np.bincount(ch[:, 3], weights=lens, minlength=plan.layout.n_ranks).astype(np.int64)
+
+    def owned(self, g, d, e) -> np.ndarray:
+        """Tokens of ``[0, e)`` of documents ``d`` that ranks ``g`` hold (elementwise; -1: none)."""
+        o = np.lexsort((self.start, self.doc, self.rank))            # by (rank, doc, start)
+        n_docs = int(self.doc.max(initial=0)) + 1
+        own_grp = self.rank[o] * n_docs + self.doc[o]
+        own_a, own_b = self.start[o], self.end[o]
+        cum = np.concatenate(([0], np.cumsum(own_b - own_a)))
+        grp = g * n_docs + d
+        lo = np.searchsorted(own_grp, grp, side="left")
+        j = np.searchsorted(own_grp * self.big + own_a, grp * self.big + e, side="left") - 1  # last start < e
+        ok = (j >= lo) & (g >= 0)
+        j = np.maximum(j, 0)
+        return np.where(ok, cum[j] - cum[lo] + np.minimum(e, own_b[j]) - own_a[j], 0)
+
+    def pieces(self, doc, a, b) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Pieces of ranges ``[a, b)``: ``(range index, chunk, piece start, piece end)`` in range order,
+        positions ascending."""
+        j0 = np.searchsorted(self.key, doc * self.big + a, side="right") - 1
+        j1 = np.searchsorted(self.key, doc * self.big + b, side="left") - 1
+        cnt = np.maximum(j1 - j0 + 1, 0)
+        grp, k = _ragged(cnt)
+        j = j0[grp] + k
+        return grp, j, np.maximum(a[grp], self.start[j]), np.minimum(b[grp], self.end[j])
+
+    def local_rows(self, j, lo, hi) -> np.ndarray:
+        """Local rows of pieces ``[lo, hi)`` of chunks ``j``."""
+        return _expand(self.off[j] + lo - self.start[j], hi - lo)
+
+
+def build_dispatch(plan: Plan, rank: int) -> Dispatch:
+    """Rank ``rank``'s communication plan for ``plan`` (host metadata). O(chunks + tasks) work in
+    numpy, plus the index arrays themselves (one entry per token sent, received or read); no Python
+    loop over tasks or tokens, no owner map."""
     layout = plan.layout
     R = layout.n_ranks
     if plan.n_servers != R:
         raise ValueError(f"plan has {plan.n_servers} servers but its layout {R} ranks; distributed CAD "
                          "runs one attention server per rank, so they must be equal")
-    if not 0 <= rank < R:
+    if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < R:
         raise ValueError(f"rank {rank} is outside the plan's ranks 0..{R - 1}")
-    owner = layout.owner_map()
-    lidx = local_index_map(layout)
-    n_local = int(layout.tokens_per_rank()[rank])
-    tasks = plan.tasks
+    cache = plan.__dict__.setdefault("_dispatch_cache", {})     # shared by every rank's build
+    if not cache:
+        C = cache["chunks"] = _Chunks(plan)
+        key, e = _needs(plan)                                     # sorted by (server, doc)
+        srv, dd = key // layout.n_docs, key % layout.n_docs
+        by_doc = np.lexsort((srv, dd))
+        cache["needs"] = (srv, dd, e, by_doc, np.searchsorted(dd[by_doc], np.arange(layout.n_docs + 1)))
+        own = C.owned(np.where(srv < R, srv, -1), dd, e)          # KV tokens a server holds itself
+        cache["kv_traffic"] = bool(np.any(own < e))
+        cache["q_traffic"] = bool(np.any(plan.home != plan.server))
+    C = cache["chunks"]
+    srv, dd, need_e, need_by_doc, need_doc_ptr = cache["needs"]
+    n_local = int(C.n_local[rank])
+    doc, a, b, home, server = plan.doc, plan.q_start, plan.q_end, plan.home, plan.server
+    n_q = b - a
 
     # -- Q exchange, home side: my tasks served elsewhere, grouped by server, plan order ---------
-    q_parts: list[list[np.ndarray]] = [[] for _ in range(R)]
-    for t in tasks:
-        if t.home == rank and t.server != rank:
-            q_parts[t.server].append(lidx[t.doc][t.q_start:t.q_end])
-    q_send_splits = [int(sum(len(p) for p in ps)) for ps in q_parts]
-    q_send_index = _cat([p for ps in q_parts for p in ps])
+    mine = np.flatnonzero((home == rank) & (server != rank))
+    mine = mine[np.argsort(server[mine], kind="stable")]
+    _, j, lo, hi = C.pieces(doc[mine], a[mine], b[mine])
+    q_send_index = C.local_rows(j, lo, hi)
+    q_send_splits = np.bincount(server[mine], weights=n_q[mine], minlength=R).astype(np.int64)
 
     # -- Q exchange, server side: where each served task's query rows land ----------------------
     # Receive positions follow the homes' send order (plan order); the fused call then lists the
     # tasks longest KV prefix first (LPT): varlen kernels hand out tiles segment by segment, so the
     # longest tiles must not come last and leave SMs idle at the tail.
-    served = [i for i, t in enumerate(tasks) if t.server == rank]
-    q_recv_splits = [0] * R
-    for i in served:
-        if tasks[i].home != rank:
-            q_recv_splits[tasks[i].home] += tasks[i].n_q
-    q_base = np.cumsum([0] + q_recv_splits[:-1])
-    q_fill = [0] * R
-    q_rows_of: dict[int, np.ndarray] = {}
-    for i in served:
-        t = tasks[i]
-        if t.home == rank:
-            q_rows_of[i] = lidx[t.doc][t.q_start:t.q_end]
-        else:
-            start = n_local + int(q_base[t.home]) + q_fill[t.home]
-            q_rows_of[i] = np.arange(start, start + t.n_q, dtype=np.int64)
-            q_fill[t.home] += t.n_q
-    served = sorted(served, key=lambda i: -tasks[i].q_end)
-    q_rows = _cat([q_rows_of[i] for i in served])
+    served = np.flatnonzero(server == rank)
+    remote = served[home[served] != rank]
+    by_home = remote[np.argsort(home[remote], kind="stable")]
+    q_recv_splits = np.bincount(home[remote], weights=n_q[remote], minlength=R).astype(np.int64)
+    recv_start = np.zeros(len(plan.doc), dtype=np.int64)
+    recv_start[by_home] = n_local + np.cumsum(n_q[by_home]) - n_q[by_home]
+    served = served[np.argsort(-b[served], kind="stable")]
+    is_self = home[served] == rank
+    grp, j, lo, hi = C.pieces(doc[served], a[served], b[served])
+    own_piece = is_self[grp]                                   # self-served tasks: their local rows
+    starts = np.where(own_piece, C.off[j] + lo - C.start[j], recv_start[served][grp] + lo - a[served][grp])
+    q_rows = _expand(starts, hi - lo)
 
-    # -- KV exchange: owner side (what I send) and server side (where received tokens land) -------
-    need = kv_needs(plan)
-    kv_parts: list[list[np.ndarray]] = [[] for _ in range(R)]
-    kv_recv_splits = [0] * R
-    my_docs = []
-    kv_traffic = False
-    for (server, doc), e in sorted(need.items()):
-        own = owner[doc][:e]
-        if not kv_traffic and np.any(own != server):
-            kv_traffic = True
-        if server == rank:
-            my_docs.append((doc, e))
-            cnt = np.bincount(own, minlength=R)
-            cnt[rank] = 0
-            kv_recv_splits = [a + int(b) for a, b in zip(kv_recv_splits, cnt)]
-        else:
-            mine = own == rank
-            if mine.any():
-                kv_parts[server].append(lidx[doc][:e][mine])
-    kv_send_splits = [int(sum(len(p) for p in ps)) for ps in kv_parts]
-    kv_send_index = _cat([p for ps in kv_parts for p in ps])
+    # -- KV exchange, owner side: for each of my chunks and each other server needing its document's
+    # prefix [0, e), the piece [start, min(end, e)); grouped by server, documents and positions ascending
+    mc = np.flatnonzero(C.rank == rank)
+    lo_n, cnt = need_doc_ptr[C.doc[mc]], need_doc_ptr[C.doc[mc] + 1] - need_doc_ptr[C.doc[mc]]
+    grp, k = _ragged(cnt)
+    ni = need_by_doc[lo_n[grp] + k]
+    c = mc[grp]
+    lo, hi = C.start[c], np.minimum(C.end[c], need_e[ni])
+    keep = (srv[ni] != rank) & (hi > lo)
+    c, lo, hi, to = c[keep], lo[keep], hi[keep], srv[ni][keep]
+    o = np.lexsort((lo, C.doc[c], to))
+    kv_send_index = C.local_rows(c[o], lo[o], hi[o])
+    kv_send_splits = np.bincount(to, weights=hi - lo, minlength=R).astype(np.int64)
 
-    kv_base = np.cumsum([0] + kv_recv_splits[:-1]).astype(np.int64)
-    kv_fill = np.zeros(R, dtype=np.int64)
-    kv_loc: dict[int, np.ndarray] = {}
-    for doc, e in my_docs:                      # same (doc ascending) order the owners send in
-        own = owner[doc][:e]
-        within, cnt = _rank_within_groups(own, R)
-        remote = n_local + kv_base[own] + kv_fill[own] + within
-        kv_loc[doc] = np.where(own == rank, lidx[doc][:e], remote)
-        cnt[rank] = 0
-        kv_fill += cnt
-    kv_rows = _cat([kv_loc[tasks[i].doc][:tasks[i].q_end] for i in served])
+    # -- KV exchange, server side: where each token of my documents' prefixes lands ---------------
+    span = slice(*np.searchsorted(srv, [rank, rank + 1]))       # needs sorted by (server, doc)
+    my_docs, my_e = dd[span], need_e[span]
+    grp, j, lo, hi = C.pieces(my_docs, np.zeros(my_docs.size, dtype=np.int64), my_e)
+    owner = C.rank[j]
+    rem = owner != rank
+    plen = hi - lo
+    kv_recv_splits = np.bincount(owner[rem], weights=plen[rem], minlength=R).astype(np.int64)
+    kv_base = np.cumsum(kv_recv_splits) - kv_recv_splits
+    loc = C.off[j] + lo - C.start[j]                           # start row of each piece (local ones)
+    r_idx = np.flatnonzero(rem)
+    r_idx = r_idx[np.argsort(owner[r_idx], kind="stable")]    # per owner: documents, positions ascending
+    within = np.zeros(j.size, dtype=np.int64)
+    if r_idx.size:
+        cum = np.cumsum(plen[r_idx]) - plen[r_idx]
+        first = np.searchsorted(owner[r_idx], owner[r_idx])
+        within[r_idx] = cum - cum[first]
+    loc = np.where(rem, n_local + kv_base[owner] + within, loc)
+    # each served task reads its document's pieces, clipped to its q_end
+    doc_pos = np.searchsorted(my_docs, doc[served])           # my_docs ascending
+    piece_lo = np.searchsorted(grp, np.arange(my_docs.size))
+    piece_cnt = np.bincount(grp, minlength=my_docs.size)
+    t_grp, k = _ragged(piece_cnt[doc_pos])
+    pj = piece_lo[doc_pos][t_grp] + k
+    end = np.minimum(hi[pj], b[served][t_grp])
+    kv_rows = _expand(loc[pj], np.maximum(end - lo[pj], 0))
 
     # -- return path: received Q buffer order <- server output rows --------------------------------
-    n_rows = len(q_rows)
     is_remote = q_rows >= n_local
     ret_rows = np.empty(int(is_remote.sum()), dtype=np.int64)
     ret_rows[q_rows[is_remote] - n_local] = np.flatnonzero(is_remote)
     self_rows = np.flatnonzero(~is_remote).astype(np.int64)
     self_local = q_rows[~is_remote]
-    assert n_rows == len(self_rows) + len(ret_rows)
 
-    n_q = [tasks[i].n_q for i in served]
-    n_k = [tasks[i].q_end for i in served]
+    nq, nk = n_q[served], b[served]
     return Dispatch(
         rank=rank, world=R, n_local=n_local,
-        q_send_index=q_send_index, q_send_splits=q_send_splits, q_recv_splits=q_recv_splits,
-        kv_send_index=kv_send_index, kv_send_splits=kv_send_splits, kv_recv_splits=kv_recv_splits,
-        tasks=served, q_rows=q_rows, kv_rows=kv_rows, cu_q=_cu(n_q), cu_k=_cu(n_k),
-        max_q=max(n_q, default=0), max_k=max(n_k, default=0),
+        q_send_index=q_send_index, q_send_splits=q_send_splits.tolist(), q_recv_splits=q_recv_splits.tolist(),
+        kv_send_index=kv_send_index, kv_send_splits=kv_send_splits.tolist(),
+        kv_recv_splits=kv_recv_splits.tolist(), tasks=served.tolist(), q_rows=q_rows, kv_rows=kv_rows,
+        cu_q=_cu(nq), cu_k=_cu(nk), max_q=int(nq.max(initial=0)), max_k=int(nk.max(initial=0)),
         ret_rows=ret_rows, self_rows=self_rows, self_local=self_local,
-        q_traffic=any(t.home != t.server for t in tasks), kv_traffic=kv_traffic)
+        q_traffic=cache["q_traffic"], kv_traffic=cache["kv_traffic"])
 
 
 def build_all(plan: Plan) -> list[Dispatch]:

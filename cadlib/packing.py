@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Sequence
 
 import numpy as np
@@ -39,6 +40,13 @@ def _check_docs(doc_lens: Sequence[int]) -> list[int]:
     return lens
 
 
+def _check_int(name: str, value) -> int:
+    """``value`` as an int if it is an integer >= 1 (Python or numpy), else ValueError."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    return int(value)
+
+
 def pack(doc_lens: Sequence[int], n_ranks: int, tokens_per_rank: int | None = None,
          method: str = "sequential", model: ModelSpec | str | None = None,
          cap: int | None = None) -> Layout:
@@ -58,12 +66,13 @@ def pack(doc_lens: Sequence[int], n_ranks: int, tokens_per_rank: int | None = No
     (ties: lowest cost), and so on until nothing is left. Ranks hold between 0 and ``cap`` tokens.
     """
     lens = _check_docs(doc_lens)
-    if n_ranks < 1:
-        raise ValueError(f"n_ranks must be >= 1, got {n_ranks}")
+    n_ranks = _check_int("n_ranks", n_ranks)
     if method not in PACK_METHODS:
         raise ValueError(f"unknown pack method {method!r}; choose one of: {', '.join(PACK_METHODS)}")
-    if tokens_per_rank is not None and tokens_per_rank < 1:
-        raise ValueError(f"tokens_per_rank must be >= 1, got {tokens_per_rank}")
+    if tokens_per_rank is not None:
+        tokens_per_rank = _check_int("tokens_per_rank", tokens_per_rank)
+    if cap is not None:
+        cap = _check_int("cap", cap)
     n_ranks, total = int(n_ranks), sum(lens)
     if method == "sequential":
         if cap is not None:

@@ -12,13 +12,13 @@
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import chain
-from typing import Iterable, NamedTuple, Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from .cost import MIN_SHARD_TOKENS, ModelSpec, causal_pairs, imbalance
+from .cost import ModelSpec, causal_pairs, imbalance
 
 
 class Chunk(NamedTuple):
@@ -41,7 +41,7 @@ class Layout:
     doc_lens: list[int]
 
     def __post_init__(self):
-        self.ranks = [[Chunk(*c) for c in r] for r in self.ranks]
+        self.ranks = [[c if type(c) is Chunk else Chunk(*c) for c in r] for r in self.ranks]
         self.doc_lens = [int(n) for n in self.doc_lens]
         self.validate()
 
@@ -61,36 +61,46 @@ class Layout:
         return np.array([sum(c.length for c in r) for r in self.ranks], dtype=np.int64)
 
     def validate(self) -> "Layout":
-        """Raise ValueError unless every token of every document lies in exactly one chunk."""
+        """Raise ValueError unless every token of every document lies in exactly one chunk (vectorised:
+        chunks sorted by ``(doc, start)`` must tile each document)."""
         if self.n_ranks < 1:
             raise ValueError("a layout needs at least one rank")
-        for i, n in enumerate(self.doc_lens):
-            if n < 1:
-                raise ValueError(f"document {i} has length {n}; document lengths must be >= 1")
-        pieces: list[list[tuple[int, int, int]]] = [[] for _ in self.doc_lens]
-        for rank, chunks in enumerate(self.ranks):
-            for c in chunks:
-                if not 0 <= c.doc < self.n_docs:
-                    raise ValueError(f"rank {rank} holds chunk {tuple(c)} of unknown document "
-                                     f"{c.doc}; valid documents are 0..{self.n_docs - 1}")
-                if not 0 <= c.start < c.end <= self.doc_lens[c.doc]:
-                    raise ValueError(f"rank {rank} holds chunk {tuple(c)}: need 0 <= start < end <= "
-                                     f"{self.doc_lens[c.doc]} (length of document {c.doc})")
-                pieces[c.doc].append((c.start, c.end, rank))
-        for d, ps in enumerate(pieces):
-            ps.sort()
-            pos = 0
-            for s, e, rank in ps:
-                if s < pos:
-                    raise ValueError(f"document {d}: tokens [{s}, {min(pos, e)}) are held twice "
-                                     f"(again by rank {rank}); every token must be in exactly one chunk")
-                if s > pos:
-                    raise ValueError(f"document {d}: tokens [{pos}, {s}) are held by no rank; every "
-                                     "token must be in exactly one chunk")
-                pos = e
-            if pos != self.doc_lens[d]:
-                raise ValueError(f"document {d}: tokens [{pos}, {self.doc_lens[d]}) are held by no rank; "
-                                 "every token must be in exactly one chunk")
+        lens = np.asarray(self.doc_lens, dtype=np.int64)
+        if (lens < 1).any():
+            i = int(np.flatnonzero(lens < 1)[0])
+            raise ValueError(f"document {i} has length {lens[i]}; document lengths must be >= 1")
+        ch = self.chunk_array()
+        d, a, b, rank = ch[:, 0], ch[:, 1], ch[:, 2], ch[:, 3]
+        bad = (d < 0) | (d >= self.n_docs)
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise ValueError(f"rank {rank[i]} holds chunk {tuple(ch[i, :3].tolist())} of unknown document "
+                             f"{d[i]}; valid documents are 0..{self.n_docs - 1}")
+        bad = ~((0 <= a) & (a < b) & (b <= lens[d]))
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise ValueError(f"rank {rank[i]} holds chunk {tuple(ch[i, :3].tolist())}: need 0 <= start < end "
+                             f"<= {lens[d[i]]} (length of document {d[i]})")
+        o = np.lexsort((a, d))
+        d, a, b, rank = d[o], a[o], b[o], rank[o]
+        first = np.concatenate(([True], d[1:] != d[:-1]))
+        prev = np.where(first, 0, np.concatenate(([0], b[:-1])))  # where the previous chunk ended
+        last = np.concatenate((d[1:] != d[:-1], [True]))
+        missing = np.setdiff1d(np.arange(self.n_docs), d)
+        gap = a != prev
+        short = last & (b != lens[d])
+        if missing.size:
+            m = int(missing[0])
+            raise ValueError(f"document {m}: tokens [0, {lens[m]}) are held by no rank; every token must be "
+                             "in exactly one chunk")
+        if gap.any() or short.any():
+            i = int(np.flatnonzero(gap | short)[0])
+            if gap[i] and a[i] < prev[i]:
+                raise ValueError(f"document {d[i]}: tokens [{a[i]}, {min(prev[i], b[i])}) are held twice "
+                                 f"(again by rank {rank[i]}); every token must be in exactly one chunk")
+            lo, hi = (prev[i], a[i]) if gap[i] else (b[i], lens[d[i]])
+            raise ValueError(f"document {d[i]}: tokens [{lo}, {hi}) are held by no rank; every token must be "
+                             "in exactly one chunk")
         return self
 
     def owner_map(self) -> list[np.ndarray]:
@@ -153,78 +163,219 @@ def layout_to_tasks(layout: Layout) -> list[CATask]:
             for rank, chunks in enumerate(layout.ranks) for c in chunks]
 
 
-def split_task(task: CATask, cuts: Iterable[int], min_shard: int = MIN_SHARD_TOKENS) -> list[CATask]:
-    """Cut a task's query range at absolute token positions ``cuts`` into consecutive shards.
+# ---------------------------------------------------------------------------------------------------
+# Cutting a CA-task (the one cutter: the scheduler's shards come from here)
+# ---------------------------------------------------------------------------------------------------
 
-    Every shard but a task that is already shorter than ``min_shard`` must keep at least
-    ``min_shard`` query tokens; a cut that would leave a shorter piece raises ValueError."""
-    if min_shard < 1:
-        raise ValueError(f"min_shard must be >= 1, got {min_shard}")
-    points = sorted(set(int(c) for c in cuts))
-    for c in points:
-        if not task.q_start < c < task.q_end:
-            raise ValueError(f"cut {c} is outside the open query range ({task.q_start}, {task.q_end})")
-    bounds = [task.q_start, *points, task.q_end]
-    out = []
-    for a, b in zip(bounds[:-1], bounds[1:]):
-        if b - a < min_shard:
-            raise ValueError(f"cut would leave a {b - a}-token shard [{a}, {b}) of document {task.doc}; "
-                             f"shards must have >= min_shard={min_shard} tokens")
-        out.append(task._replace(q_start=a, q_end=b))
-    return out
+_TRI_EXACT = 2 ** 46
 
 
-def split_even(task: CATask, n: int, min_shard: int = MIN_SHARD_TOKENS) -> list[CATask]:
-    """Cut a task into at most ``n`` shards of near-equal query length, none below ``min_shard``."""
-    n = max(1, min(int(n), task.n_q // max(min_shard, 1)))
-    if n == 1:
-        return [task]
-    cuts = [task.q_start + (task.n_q * k) // n for k in range(1, n)]
-    return split_task(task, cuts, min_shard)
+def tri_floor(v) -> np.ndarray:
+    """Largest ``c >= 0`` with ``c(c+1) <= v`` (0 where ``v < 2``), exact for int64 ``v``:
+    ``floor((sqrt(4v + 1) - 1) / 2)``. In float64 this is exact below ``2**46``: ``4v + 1`` is exact,
+    at ``v = c(c+1)`` it is the square ``(2c+1)**2`` (correctly rounded sqrt is exact) and just below it
+    the root is ``>= 1/(2c+1)`` under ``c``, far more than the rounding error; larger ``v`` get one
+    integer correction step."""
+    v = np.maximum(np.asarray(v, dtype=np.int64), 0)
+    c = (np.sqrt(v + 0.25) - 0.5).astype(np.int64)    # sqrt(4v + 1) / 2: >= 0, truncation is floor
+    if not v.size or v.max() < _TRI_EXACT:
+        return c
+    w = c * (c + 1)                                    # float sqrt is within one of exact here
+    return c - (w > v) + (w + 2 * (c + 1) <= v)
 
 
-@dataclass
+def tri_ceil(v) -> np.ndarray:
+    """Smallest ``c >= 0`` with ``c(c+1) >= v``: ``tri_floor(v - 1) + 1`` for ``v >= 1``, else 0."""
+    v = np.asarray(v, dtype=np.int64)
+    return tri_floor(v - 1) + (v >= 1)
+
+
+def shard_pairs(a, b, k, from_end: bool):
+    """Pairs of the end shard ``[b-k, b)`` (``k(2b + 1 - k) / 2``) or the start shard ``[a, a+k)``
+    (``k(2a + 1 + k) / 2``) of task ``[a, b)``."""
+    return (k * (2 * b + 1 - k)) // 2 if from_end else (k * (2 * a + 1 + k)) // 2
+
+
+def cut_shards(a, b, x, y, min_shard: int) -> tuple[np.ndarray, np.ndarray]:
+    """How many query tokens ``k`` to cut from tasks ``[a, b)`` so that the shard carries at least
+    ``x`` pairs and at most ``y`` (the receiver's room), for both sides at once: returns ``(k, pairs)``,
+    each ``[2, N]``, row 0 the **end** shard ``[b-k, b)``, row 1 the **start** shard ``[a, a+k)``.
+
+    A valid shard leaves both pieces ``>= min_shard`` tokens (``m <= k <= n - m``) or is the whole task
+    (``k = n``). ``k`` is the fewest valid tokens with ``pairs >= x``; if that exceeds ``y``, the most
+    valid tokens with ``pairs <= y`` instead; 0 if none. Causal pairs solve a quadratic: the end shard
+    ``[c, b)`` has ``(b(b+1) - c(c+1)) / 2`` pairs, so the fewest tokens with ``>= x`` pairs are
+    ``k = b - tri_floor(b(b+1) - 2x)``; the start shard ``[a, e)`` has ``(e(e+1) - a(a+1)) / 2``, so
+    ``k = tri_ceil(a(a+1) + 2x) - a``; and with ``y``: ``b - tri_ceil(b(b+1) - 2y)``,
+    ``tri_floor(a(a+1) + 2y) - a``."""
+    a, b = np.asarray(a, dtype=np.int64), np.asarray(b, dtype=np.int64)
+    x2, y2 = 2 * np.asarray(x, dtype=np.int64), 2 * np.asarray(y, dtype=np.int64)
+    m, n = int(min_shard), b - a
+    bb, aa = b * (b + 1), a * (a + 1)
+    # floor roots of b(b+1) - 2x, a(a+1) + 2y; ceiling roots (tri_ceil(v) = tri_floor(v - 1) + [v >= 1])
+    # of a(a+1) + 2x, b(b+1) - 2y: one pass
+    v = _rows(bb - x2, aa + y2, aa + x2 - 1, bb - y2 - 1)
+    r = tri_floor(v)
+    r[2:] += v[2:] >= 0
+    k = _rows(b - r[0], r[2] - a, b - r[3], r[1] - a)         # fewest (end, start), most (end, start)
+    up = np.maximum(k[:2], m)                          # fewest valid tokens >= fewest
+    np.copyto(up, n, where=up > n - m)
+    dn = np.minimum(k[2:], n - m)                      # most valid tokens <= most
+    dn *= dn >= m
+    np.copyto(dn, n, where=k[2:] >= n)
+    kk = np.concatenate((up, dn)).reshape(2, 2, -1)    # [up/down, end/start, N]
+    p = (kk * (_rows(2 * b + 1, 2 * a + 1) + _SIDE * kk)) >> 1   # end k(2b+1-k)/2, start k(2a+1+k)/2
+    ok = p[0] <= y
+    return np.where(ok, up, dn), np.where(ok, p[0], p[1])
+
+
+_SIDE = np.array([[-1], [1]])
+
+
+def _rows(*arrays) -> np.ndarray:
+    """``np.stack`` of equal-length 1-d arrays (faster for small arrays)."""
+    return np.concatenate(arrays).reshape(len(arrays), -1)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The plan
+# ---------------------------------------------------------------------------------------------------
+
+FIELDS = ("doc", "q_start", "q_end", "home", "server")
+
+
+def _check_n_servers(n_servers, n_ranks: int) -> int:
+    if n_servers is None:
+        return n_ranks
+    if isinstance(n_servers, bool) or not isinstance(n_servers, (int, np.integer)) or n_servers < 1:
+        raise ValueError(f"n_servers must be an integer >= 1 (or None for one server per rank), "
+                         f"got {n_servers!r}")
+    return int(n_servers)
+
+
 class Plan:
-    """Tasks with their servers, plus the layout they were made for.
+    """CA-tasks with their servers, plus the layout they were made for.
 
-    ``n_servers`` defaults to the layout's rank count (every GPU is an attention server, in place)."""
+    The tasks are held as parallel int64 arrays ``doc, q_start, q_end, home, server`` (``plan.tasks``
+    gives them as :class:`CATask` records). ``Plan(layout, tasks, n_servers, meta)`` takes a list of
+    tasks and validates it; :meth:`from_arrays` (the scheduler's per-step path) checks only ranges,
+    in O(tasks); :meth:`validate` checks coverage and homes on demand. ``n_servers`` defaults to the
+    layout's rank count (every GPU is an attention server, in place)."""
 
-    layout: Layout
-    tasks: list[CATask]
-    n_servers: int = 0
-    meta: dict = field(default_factory=dict)
+    def __init__(self, layout: Layout, tasks: Sequence, n_servers: int | None = None,
+                 meta: dict | None = None, validate: bool = True):
+        arr = np.array([tuple(t) for t in tasks], dtype=np.int64).reshape(-1, 5)
+        self._init(layout, arr.T, n_servers, meta, None)
+        if validate:
+            self.validate()
 
-    def __post_init__(self):
-        self.tasks = [CATask(*t) for t in self.tasks]
-        if self.n_servers <= 0:
-            self.n_servers = self.layout.n_ranks
-        self.validate()
+    @classmethod
+    def from_arrays(cls, layout: Layout, doc, q_start, q_end, home, server, n_servers: int | None = None,
+                    meta: dict | None = None, chunks: np.ndarray | None = None) -> "Plan":
+        """A plan from parallel task arrays, without the coverage check (call :meth:`validate`).
+        ``chunks`` (``layout.chunk_array()``) may be passed when already at hand."""
+        self = cls.__new__(cls)
+        self._init(layout, [doc, q_start, q_end, home, server], n_servers, meta, chunks)
+        return self
+
+    def _init(self, layout, cols, n_servers, meta, chunks) -> None:
+        if not isinstance(layout, Layout):
+            raise ValueError(f"layout must be a cadlib.plan.Layout, got {type(layout).__name__}")
+        self.layout = layout
+        self.n_servers = _check_n_servers(n_servers, layout.n_ranks)
+        self.meta = dict(meta or {})
+        self.doc, self.q_start, self.q_end, self.home, self.server = (
+            np.ascontiguousarray(c, dtype=np.int64).reshape(-1) for c in cols)
+        self._chunks = chunks
+        self._tasks = None
+        n = {c.size for c in (self.doc, self.q_start, self.q_end, self.home, self.server)}
+        if len(n) != 1:
+            raise ValueError(f"task arrays must have one length, got lengths {sorted(n)}")
+        lens = np.asarray(layout.doc_lens, dtype=np.int64)
+        bad = ~((self.doc >= 0) & (self.doc < layout.n_docs))
+        bad |= ~((0 <= self.q_start) & (self.q_start < self.q_end))
+        bad[~bad] |= self.q_end[~bad] > lens[self.doc[~bad]]
+        bad |= ~((0 <= self.home) & (self.home < layout.n_ranks))
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise ValueError(f"task {self._row(i)} lies outside its document or its home is not a rank "
+                             f"(documents 0..{layout.n_docs - 1}, ranks 0..{layout.n_ranks - 1})")
+        bad = ~((0 <= self.server) & (self.server < self.n_servers))
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise ValueError(f"task {self._row(i)} has server {int(self.server[i])}; "
+                             f"valid: 0..{self.n_servers - 1}")
+
+    def _row(self, i: int) -> tuple:
+        return tuple(int(getattr(self, f)[i]) for f in FIELDS)
+
+    @property
+    def tasks(self) -> list[CATask]:
+        """The tasks as :class:`CATask` records, in plan order (built once, on first use)."""
+        if self._tasks is None:
+            self._tasks = [CATask(*t) for t in zip(*(getattr(self, f).tolist() for f in FIELDS))]
+        return self._tasks
+
+    @property
+    def n_tasks(self) -> int:
+        return int(self.doc.size)
+
+    def chunk_array(self) -> np.ndarray:
+        """``layout.chunk_array()``, computed once per plan."""
+        if self._chunks is None:
+            self._chunks = self.layout.chunk_array()
+        return self._chunks
+
+    def __repr__(self) -> str:
+        return (f"Plan({self.n_tasks} tasks, {self.layout.n_ranks} ranks, {self.n_servers} servers, "
+                f"meta={self.meta})")
 
     def validate(self) -> "Plan":
-        """Every query token of every document is in exactly one task, on the rank that holds it."""
-        own = self.layout.owner_map()
-        seen = [np.zeros(n, dtype=np.int64) for n in self.layout.doc_lens]
-        for t in self.tasks:
-            n = self.layout.doc_lens[t.doc] if 0 <= t.doc < self.layout.n_docs else -1
-            if not 0 <= t.q_start < t.q_end <= n:
-                raise ValueError(f"task {tuple(t)} lies outside its document")
-            if not 0 <= t.server < self.n_servers:
-                raise ValueError(f"task {tuple(t)} has server {t.server}; valid: 0..{self.n_servers - 1}")
-            if np.any(own[t.doc][t.q_start:t.q_end] != t.home):
-                raise ValueError(f"task {tuple(t)}: its query tokens are not all on home rank {t.home}")
-            seen[t.doc][t.q_start:t.q_end] += 1
-        for d, s in enumerate(seen):
-            if np.any(s != 1):
-                bad = int(np.flatnonzero(s != 1)[0])
-                raise ValueError(f"document {d}, token {bad} is in {int(s[bad])} tasks; must be exactly 1")
+        """Raise ValueError unless every query token of every document is in exactly one task, on the
+        rank that holds it. Vectorised over tasks and chunks (sorting, no per-token work)."""
+        lay, ch = self.layout, self.chunk_array()
+        order = np.lexsort((self.q_start, self.doc))
+        d, a, b = self.doc[order], self.q_start[order], self.q_end[order]
+        lens = np.asarray(lay.doc_lens, dtype=np.int64)
+        first = np.r_[True, d[1:] != d[:-1]] if d.size else np.zeros(0, dtype=bool)
+        last = np.r_[d[1:] != d[:-1], True] if d.size else first
+        prev_end = np.where(first, 0, np.r_[0, b[:-1]])
+        gap = a != prev_end                                 # a task starts where the previous ended
+        short = last & (b != lens[d])                       # the last one ends at the document's end
+        missing = np.setdiff1d(np.arange(lay.n_docs), d)
+        if missing.size:
+            raise ValueError(f"document {int(missing[0])}, token 0 is in 0 tasks; every query token must "
+                             "be in exactly 1 task")
+        if gap.any() or short.any():
+            i = int(np.flatnonzero(gap | short)[0])
+            if gap[i]:
+                pos, count = int(min(a[i], prev_end[i])), (0 if a[i] > prev_end[i] else 2)
+            else:
+                pos, count = int(b[i]), 0
+            raise ValueError(f"document {int(d[i])}, token {pos} is in {count} tasks; every query token "
+                             "must be in exactly 1 task")
+        # home: the range of one rank holding q_start must hold the whole task, on the task's home
+        cs = ch[np.lexsort((ch[:, 1], ch[:, 0]))]
+        join = (cs[1:, 0] == cs[:-1, 0]) & (cs[1:, 3] == cs[:-1, 3]) & (cs[1:, 1] == cs[:-1, 2])
+        if join.any():                                      # one rank's neighbouring chunks: one range
+            run = np.flatnonzero(np.r_[True, ~join])
+            ends = cs[np.r_[run[1:], len(cs)] - 1, 2]
+            cs = cs[run].copy()
+            cs[:, 2] = ends
+        big = int(lens.max()) + 1
+        j = np.searchsorted(cs[:, 0] * big + cs[:, 1], self.doc * big + self.q_start, side="right") - 1
+        ok = (cs[j, 0] == self.doc) & (self.q_end <= cs[j, 2]) & (cs[j, 3] == self.home)
+        if not ok.all():
+            i = int(np.flatnonzero(~ok)[0])
+            raise ValueError(f"task {self._row(i)}: its query tokens are not all on home rank "
+                             f"{int(self.home[i])}")
         return self
 
     # -- loads ---------------------------------------------------------------------------------
     def server_pairs(self) -> np.ndarray:
-        load = np.zeros(self.n_servers, dtype=np.float64)
-        for t in self.tasks:
-            load[t.server] += t.pairs
-        return load
+        """Per server ``sum over its tasks of (b(b+1) - a(a+1)) / 2``."""
+        return np.bincount(self.server, weights=causal_pairs(self.q_start, self.q_end).astype(np.float64),
+                           minlength=self.n_servers)
 
     def server_flops(self, model: ModelSpec, backward: bool = False, layers: int | None = 1) -> np.ndarray:
         """Core-attention FLOPs per server (one layer by default)."""
@@ -238,9 +389,13 @@ class Plan:
     def token_matrices(self) -> tuple[np.ndarray, np.ndarray]:
         """``(q_tokens, kv_tokens)``, each ``[src, dst]`` over ``max(n_ranks, n_servers)`` GPUs; see
         :func:`transfer_tokens`."""
-        t = np.array(self.tasks, dtype=np.int64).reshape(-1, 5)
-        return transfer_tokens(self.layout.chunk_array(), t[:, 0], t[:, 1], t[:, 2], t[:, 3], t[:, 4],
-                               self.layout.n_ranks, self.n_servers)
+        return transfer_tokens(self.chunk_array(), self.doc, self.q_start, self.q_end, self.home,
+                               self.server, self.layout.n_ranks, self.n_servers)
+
+    def forward_bytes(self, model: ModelSpec, dtype: str = "bf16") -> float:
+        """Bytes dispatched for one layer's forward: ``q_tokens * q_bytes + kv_tokens * kv_bytes``."""
+        q, kv = self.token_matrices()
+        return float(q.sum() * model.q_bytes(dtype) + kv.sum() * model.kv_bytes(dtype))
 
     def bytes_matrix(self, model: ModelSpec, dtype: str = "bf16", backward: bool = False) -> np.ndarray:
         """Bytes ``[src, dst]`` between GPUs for one layer: Q and KV from homes/owners to servers, O

@@ -1,13 +1,27 @@
 """Benchmark the CAD scheduler against the colocated placement and the bytes-blind equal-FLOPs
-water-filling: imbalance (max/mean attention pairs per server) before and after, forward dispatch
-bytes (Q + KV, one layer, bf16, llama3-8b), tasks and splits, and planning time (median of runs).
+water-filling, in three parts:
 
-    python scripts/bench_scheduler.py            # 8, 64, 512 servers x 128K, 512K tokens/rank
-    python scripts/bench_scheduler.py --quick    # 8, 64 servers x 128K, 1 run
+* **scale** (default): imbalance (max/mean attention pairs per server) before and after, forward
+  dispatch bytes (Q + KV, one layer, bf16, llama3-8b), tasks, moves and planning time at 8, 64, 512
+  servers x 128K, 512K tokens per rank, for ``pretrain``, ``prolong`` and long documents
+  (``pretrain-x4``: pretrain elongated 4x, as DistCA's 512K runs), sequentially packed, plus DistCA's
+  head/tail chunks (``zigzag``: each document in 2R chunks, rank r holding chunks r and 2R-1-r).
+  ``plan_ms`` covers layout -> arrays, the greedy and the equal-FLOPs guard, wall clock;
+  ``plan_cpu_ms`` the same in process CPU time (this machine may be shared: see ``loadavg``);
+  ``noguard`` is the greedy alone.
+* **grid** (``--grid``): greedy (no guard) and equal-FLOPs bytes on DistCA-pretrain and ProLong,
+  8/16/32 ranks x 32K/64K/128K tokens, sequential and balanced packing, tolerance 0.02/0.05/0.1,
+  seeds 0-3, min_shard 512: the ratio greedy / equal_flops per case and its summary.
+* **host path** (``--host-path``, written to ``results/bench_host_path.json``): one training step's
+  host work per rank at 64 x 512K: the layout (``Layout`` from per-rank chunk lists, validated) ->
+  plan (``place``, with the guard) -> ``build_dispatch`` for its rank. ``kv_rows_max`` is the largest
+  per-rank KV gather index (the dispatch's output: one entry per KV token a served task reads).
 
-Writes results/bench_scheduler.json atomically and prints a table. Planning time ``plan_ms`` covers
-layout -> arrays conversion and the greedy; ``loop_ms`` the greedy alone; ``plan_build_s`` the
-O(tokens) ``Plan`` construction + validation, measured only up to ``--validate-max-tokens``.
+    python scripts/bench_scheduler.py                 # scale
+    python scripts/bench_scheduler.py --grid          # the bytes grid
+    python scripts/bench_scheduler.py --host-path     # per-step host time
+    python scripts/bench_scheduler.py --all           # all three
+    python scripts/bench_scheduler.py --quick         # scale at 8, 64 servers x 128K, 1 run
 """
 from __future__ import annotations
 
@@ -17,81 +31,190 @@ import statistics
 import sys
 import time
 
-from tqdm import tqdm
+import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from cadlib.cost import ModelSpec  # noqa: E402
+from cadlib.dispatch import build_dispatch  # noqa: E402
+from cadlib.packing import pack  # noqa: E402
+from cadlib.plan import Layout, Plan  # noqa: E402
 from cadlib.results import save_result  # noqa: E402
 from cadlib.scheduler import place  # noqa: E402
-from cadlib.packing import pack  # noqa: E402
-from cadlib.workload import sample_docs  # noqa: E402
+from cadlib.sim import zigzag_layout  # noqa: E402
+from cadlib.workload import sample_docs, sample_kwargs  # noqa: E402
+
+RESULTS = os.path.join(os.path.dirname(__file__), "..", "results")
+DISTS = {"pretrain": {"dist": "pretrain"}, "prolong": {"dist": "prolong"},
+         "pretrain-x4": {"dist": "pretrain", "elongate": 4.0}}
 
 
-def run_case(dist, n, tpr, args, model):
+def make_layout(dist: str, n: int, tpr: int, layout: str, seed: int):
+    kw = dict(DISTS[dist]) if dist in DISTS else sample_kwargs(dist)
+    docs = sample_docs(kw.pop("dist"), n * tpr, seed=seed, **kw)
+    return zigzag_layout(docs, n) if layout == "zigzag" else pack(docs, n, tpr, method=layout)
+
+
+def timed(fn, runs: int):
+    """``(result, median wall seconds, median CPU seconds)`` over ``runs`` calls."""
+    wall, cpu, out = [], [], None
+    for _ in range(runs):
+        w, c = time.perf_counter(), time.process_time()
+        out = fn()
+        cpu.append(time.process_time() - c)
+        wall.append(time.perf_counter() - w)
+    return out, statistics.median(wall), statistics.median(cpu)
+
+
+def scale_case(dist, n, tpr, layout_kind, args, model):
     t0 = time.perf_counter()
-    docs = sample_docs(dist, n * tpr, seed=args.seed)
-    layout = pack(docs, n, tpr, method="sequential")
-    ch = layout.chunk_array()
+    layout = make_layout(dist, n, tpr, layout_kind, args.seed)
     setup_s = time.perf_counter() - t0
-    row = {"dist": dist, "servers": n, "tokens_per_rank": tpr, "total_tokens": n * tpr,
-           "n_docs": layout.n_docs, "n_chunks": int(len(ch)), "setup_s": round(setup_s, 3)}
-    for method in ("colocated", "equal_flops", "cad"):
-        runs = []
-        for _ in range(args.runs if method != "colocated" else 1):
-            runs.append(place(layout, method, n, model, args.tolerance, args.min_shard, "bf16", chunks=None))
-        p = runs[-1]
-        r = {"imbalance": p.imbalance(), "n_tasks": int(p.doc.size), "n_moves": p.meta["n_moves"],
-             "n_splits": p.meta["n_splits"], "reached": p.meta["reached"],
-             "plan_ms": statistics.median(x.meta["seconds"] for x in runs) * 1e3,
-             "loop_ms": statistics.median(x.meta["loop_seconds"] for x in runs) * 1e3,
-             "dispatch_gb": p.forward_bytes(ch, n, model) / 1e9}
+    row = {"dist": dist, "layout": layout_kind, "servers": n, "tokens_per_rank": tpr, "total_tokens": n * tpr,
+           "n_docs": layout.n_docs, "n_chunks": int(sum(len(r) for r in layout.ranks)),
+           "setup_s": round(setup_s, 3)}
+    ch = layout.chunk_array()
+    variants = [("colocated", "colocated", True), ("equal_flops", "equal_flops", True), ("cad", "cad", True),
+                ("cad_noguard", "cad", False)]
+    for name, method, guard in variants:
+        p, wall, cpu = timed(lambda: place(layout, method, n, model, args.tolerance, args.min_shard, "bf16",
+                                           chunks=ch, guard=guard), 1 if method == "colocated" else args.runs)
+        r = {"imbalance": p.imbalance(), "n_tasks": p.n_tasks, "n_moves": p.meta["n_moves"],
+             "n_splits": p.meta["n_splits"], "reached": p.meta["reached"], "guard_used": p.meta["guard"],
+             "plan_ms": wall * 1e3, "plan_cpu_ms": cpu * 1e3, "loop_ms": p.meta["loop_seconds"] * 1e3,
+             "dispatch_gb": p.forward_bytes(model) / 1e9}
         if n * tpr <= args.validate_max_tokens:
-            t1 = time.perf_counter()
-            plan = p.to_plan(layout)
-            r["plan_build_s"] = round(time.perf_counter() - t1, 3)
-            assert abs(plan.imbalance() - r["imbalance"]) < 1e-9
-        row[method] = r
+            _, r["validate_ms"], _ = timed(p.validate, 1)
+            r["validate_ms"] *= 1e3
+        row[name] = r
     row["imbalance_before"] = row["colocated"]["imbalance"]
     return row
+
+
+def run_scale(args, model):
+    cases = [(d, n, t, "sequential") for d in args.dists for n in args.servers for t in args.tokens_per_rank]
+    cases += [(d, n, t, "zigzag") for d in args.zigzag_dists for n in args.servers
+              for t in args.tokens_per_rank if n <= 64]
+    rows = []
+    for c in cases:
+        rows.append(scale_case(*c, args, model))
+        r = rows[-1]
+        cad, eq, ng = r["cad"], r["equal_flops"], r["cad_noguard"]
+        print(f"{r['dist']:12}{r['layout']:11}{r['servers']:>5}{r['tokens_per_rank'] // 1024:>6}K"
+              f"{r['imbalance_before']:>7.2f}{eq['imbalance']:>7.3f}{cad['imbalance']:>7.3f}"
+              f"{eq['dispatch_gb']:>9.2f}{ng['dispatch_gb']:>9.2f}{cad['dispatch_gb']:>9.2f}{cad['n_moves']:>6}"
+              f"{cad['plan_ms']:>9.1f}{cad['plan_cpu_ms']:>9.1f}{ng['plan_cpu_ms']:>9.1f}", flush=True)
+    return rows
+
+
+def run_grid(args, model):
+    rows = []
+    for dist in ("distca-pretrain", "prolong"):
+        for n in (8, 16, 32):
+            for tpr in (32768, 65536, 131072):
+                for pk in ("sequential", "balanced"):
+                    for seed in range(4):
+                        layout = make_layout(dist, n, tpr, pk, seed)
+                        ch = layout.chunk_array()
+                        for tol in (0.02, 0.05, 0.1):
+                            eq = place(layout, "equal_flops", n, model, tol, 512, chunks=ch)
+                            cad = place(layout, "cad", n, model, tol, 512, chunks=ch, guard=False)
+                            be, bc = eq.forward_bytes(model), cad.forward_bytes(model)
+                            rows.append({"dist": dist, "ranks": n, "tokens_per_rank": tpr, "pack": pk,
+                                         "seed": seed, "tolerance": tol, "eq_gb": be / 1e9,
+                                         "cad_gb": bc / 1e9,
+                                         "ratio": bc / be if be else (1.0 if bc == 0 else float("inf")),
+                                         "eq_reached": eq.meta["reached"], "cad_reached": cad.meta["reached"],
+                                         "eq_moves": eq.meta["n_moves"], "cad_moves": cad.meta["n_moves"]})
+    ratio = np.array([r["ratio"] for r in rows])
+    summary = {"cases": len(rows), "ratio_min": float(ratio.min()), "ratio_median": float(np.median(ratio)),
+               "ratio_max": float(ratio.max()), "cases_above_1": int((ratio > 1).sum()),
+               "cases_above_1.01": int((ratio > 1.01).sum()),
+               "eq_reached_cad_not": sum(r["eq_reached"] and not r["cad_reached"] for r in rows),
+               "eq_not_reached": sum(not r["eq_reached"] for r in rows),
+               "note": "the greedy without the equal-FLOPs guard; with it (the default) every ratio is <= 1"}
+    print("grid:", summary)
+    return rows, summary
+
+
+def run_host_path(args, model):
+    n, tpr = 64, 512 * 1024
+    out = []
+    for dist, kind in (("pretrain", "sequential"), ("prolong", "sequential"), ("pretrain-x4", "sequential"),
+                       ("pretrain-x4", "zigzag")):
+        layout = make_layout(dist, n, tpr, kind, args.seed)
+        _, lay_wall, lay_cpu = timed(lambda: Layout(layout.ranks, layout.doc_lens), args.runs)
+        plan, wall, cpu = timed(lambda: place(layout, "cad", n, model, args.tolerance, args.min_shard),
+                                args.runs)
+        per, kv_rows = [], []
+        for r in range(n):
+            fresh = Plan.from_arrays(layout, plan.doc, plan.q_start, plan.q_end, plan.home, plan.server, n)
+            d, w, c = timed(lambda: build_dispatch(fresh, r), 1)   # each rank builds from a fresh plan
+            per.append((w, c))
+            kv_rows.append(d.kv_rows.size)
+        per = np.array(per) * 1e3
+        _, val, _ = timed(plan.validate, 1)
+        row = {"dist": dist, "layout": kind, "servers": n, "tokens_per_rank": tpr, "n_tasks": plan.n_tasks,
+               "n_chunks": int(sum(len(r) for r in layout.ranks)),
+               "layout_ms": lay_wall * 1e3, "layout_cpu_ms": lay_cpu * 1e3,
+               "plan_ms": wall * 1e3, "plan_cpu_ms": cpu * 1e3,
+               "dispatch_ms_median": float(np.median(per[:, 0])), "dispatch_ms_max": float(per[:, 0].max()),
+               "dispatch_cpu_ms_median": float(np.median(per[:, 1])),
+               "dispatch_cpu_ms_max": float(per[:, 1].max()),
+               "kv_rows_max": int(max(kv_rows)),
+               "step_host_cpu_ms_max": (lay_cpu + cpu) * 1e3 + float(per[:, 1].max()),
+               "step_host_ms_max": (lay_wall + wall) * 1e3 + float(per[:, 0].max()), "validate_ms": val * 1e3}
+        out.append(row)
+        print(f"host path {dist:12}{kind:11} layout {row['layout_ms']:.1f} ms "
+              f"(cpu {row['layout_cpu_ms']:.1f}), "
+              f"plan {row['plan_ms']:.1f} ms (cpu {row['plan_cpu_ms']:.1f}), "
+              f"dispatch median {row['dispatch_ms_median']:.1f} max {row['dispatch_ms_max']:.1f} ms "
+              f"(cpu {row['dispatch_cpu_ms_median']:.1f} / {row['dispatch_cpu_ms_max']:.1f}), "
+              f"validate {row['validate_ms']:.1f} ms", flush=True)
+    return out
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="8 and 64 servers at 128K tokens/rank, one run")
+    ap.add_argument("--grid", action="store_true", help="only the bytes grid")
+    ap.add_argument("--host-path", action="store_true", help="only the per-step host path")
+    ap.add_argument("--all", action="store_true", help="scale, grid and host path")
     ap.add_argument("--servers", type=int, nargs="+", default=[8, 64, 512])
     ap.add_argument("--tokens-per-rank", type=int, nargs="+", default=[128 * 1024, 512 * 1024])
-    ap.add_argument("--dists", nargs="+", default=["pretrain", "prolong"])
+    ap.add_argument("--dists", nargs="+", default=list(DISTS))
+    ap.add_argument("--zigzag-dists", nargs="+", default=["pretrain-x4"])
     ap.add_argument("--tolerance", type=float, default=0.1)
     ap.add_argument("--min-shard", type=int, default=512)
     ap.add_argument("--runs", type=int, default=5, help="planning runs per case (median reported)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--validate-max-tokens", type=int, default=8 * 1024 * 1024,
-                    help="build and validate the Plan (O(tokens)) only up to this many tokens")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "results",
-                                                  "bench_scheduler.json"))
+    ap.add_argument("--validate-max-tokens", type=int, default=64 * 512 * 1024,
+                    help="time Plan.validate only up to this many tokens")
+    ap.add_argument("--out", default=os.path.join(RESULTS, "bench_scheduler.json"))
+    ap.add_argument("--host-out", default=os.path.join(RESULTS, "bench_host_path.json"))
     args = ap.parse_args(argv)
     if args.quick:
         args.servers, args.tokens_per_rank, args.runs = [8, 64], [128 * 1024], 1
     model = ModelSpec.from_name("llama3-8b")
-    cases = [(d, n, t) for d in args.dists for n in args.servers for t in args.tokens_per_rank]
-    results = []
+    do_scale = args.all or not (args.grid or args.host_path)
+    config = {k: v for k, v in vars(args).items() if k not in ("out", "host_out")} | {
+        "model": model.name, "dtype": "bf16", "loadavg_at_start": list(os.getloadavg())}
     t_all = time.perf_counter()
-    for d, n, t in tqdm(cases, desc="bench_scheduler"):
-        results.append(run_case(d, n, t, args, model))
-    config = {k: v for k, v in vars(args).items() if k != "out"} | {
-        "model": model.name, "dtype": "bf16", "pack": "sequential"}
-    wall_s = round(time.perf_counter() - t_all, 1)
-    target = {"servers": 64, "tokens_per_rank": 512 * 1024, "plan_ms": 10.0}
-    save_result(args.out, config, results, target=target, wall_s=wall_s)
-    hdr = (f"{'dist':9}{'S':>5}{'tok/rank':>9}{'before':>8}{'eq':>7}{'cad':>7}{'eq GB':>9}{'cad GB':>9}"
-           f"{'tasks':>8}{'splits':>7}{'moves':>6}{'plan ms':>9}{'loop ms':>9}")
-    print(hdr)
-    for r in results:
-        c, e = r["cad"], r["equal_flops"]
-        print(f"{r['dist']:9}{r['servers']:>5}{r['tokens_per_rank'] // 1024:>8}K{r['imbalance_before']:>8.2f}"
-              f"{e['imbalance']:>7.3f}{c['imbalance']:>7.3f}{e['dispatch_gb']:>9.2f}{c['dispatch_gb']:>9.2f}"
-              f"{c['n_tasks']:>8}{c['n_splits']:>7}{c['n_moves']:>6}{c['plan_ms']:>9.1f}{c['loop_ms']:>9.1f}")
-    print(f"wrote {args.out} ({wall_s} s)")
+    if do_scale or args.grid or args.all:
+        extra = {"target": {"servers": 64, "tokens_per_rank": 512 * 1024, "plan_ms": 10.0}}
+        if do_scale:
+            print(f"{'dist':12}{'layout':11}{'S':>5}{'tok/r':>7}{'before':>7}{'eq':>7}{'cad':>7}{'eq GB':>9}"
+                  f"{'raw GB':>9}{'cad GB':>9}{'moves':>6}{'plan ms':>9}{'cpu ms':>9}{'raw cpu':>9}")
+        scale = run_scale(args, model) if do_scale else []
+        if args.grid or args.all:
+            extra["grid"], extra["grid_summary"] = run_grid(args, model)
+        extra["wall_s"] = round(time.perf_counter() - t_all, 1)
+        save_result(args.out, config, scale, **extra)
+        print(f"wrote {args.out}")
+    if args.host_path or args.all:
+        rows = run_host_path(args, model)
+        save_result(args.host_out, config, rows, target={"servers": 64, "tokens_per_rank": 512 * 1024,
+                                                         "step_host_ms_per_rank": 50.0})
+        print(f"wrote {args.host_out}")
 
 
 if __name__ == "__main__":

@@ -162,3 +162,15 @@ def test_errors_say_what_is_valid():
         build_dispatch(wide, 0)
     with pytest.raises(ValueError, match="choose one of: q, kv"):
         simulate_exchange(build_all(plan), local_ids(plan.layout), "o")
+
+
+def test_to_device_copies_every_index_array():
+    """``Dispatch.to``: every index array as a tensor (int64; cu_q/cu_k int32), cached per device."""
+    torch = pytest.importorskip("torch")
+    d = build_dispatch(random_plan(7, 3), 1)
+    dev = d.to("cpu")
+    assert d.to("cpu") is dev
+    for name in ("q_send_index", "kv_send_index", "q_rows", "kv_rows", "ret_rows", "self_rows", "self_local"):
+        t = getattr(dev, name)
+        assert t.dtype == torch.int64 and np.array_equal(t.numpy(), getattr(d, name))
+    assert dev.cu_q.dtype == torch.int32 and np.array_equal(dev.cu_k.numpy(), d.cu_k)

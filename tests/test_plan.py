@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from cadlib.cost import ModelSpec
-from cadlib.plan import CATask, Chunk, Layout, Plan, layout_to_tasks, split_even, split_task
+from cadlib.plan import Chunk, Layout, Plan, layout_to_tasks
 
 
 def two_rank_layout():
@@ -70,15 +70,29 @@ def test_plan_rejects_lost_duplicated_or_misplaced_tokens():
         Plan(L, [tasks[0]._replace(server=5)] + tasks[1:])
 
 
-def test_split_task():
-    t = CATask(0, 0, 4096, 0, 0)
-    parts = split_task(t, [1024, 3000], min_shard=512)
-    assert [(p.q_start, p.q_end) for p in parts] == [(0, 1024), (1024, 3000), (3000, 4096)]
-    assert sum(p.pairs for p in parts) == t.pairs
-    with pytest.raises(ValueError, match="min_shard=512"):
-        split_task(t, [100], min_shard=512)
-    with pytest.raises(ValueError, match="outside"):
-        split_task(t, [5000])
-    assert len(split_even(t, 16, min_shard=512)) == 8     # capped by the minimum shard size
-    assert split_even(CATask(0, 0, 10, 0, 0), 4, min_shard=512) == [CATask(0, 0, 10, 0, 0)]
+def test_from_arrays_validates_on_demand():
+    L = two_rank_layout()
+    tasks = layout_to_tasks(L)
+    cols = np.array(tasks).T
+    P = Plan.from_arrays(L, *cols, meta={"x": 1})
+    assert P.tasks == tasks and P.n_servers == 2 and P.meta == {"x": 1}
+    assert P.imbalance() == Plan(L, tasks).imbalance()
+    P.validate()
+    lost = Plan.from_arrays(L, *cols[:, 1:])              # built without the coverage check ...
+    with pytest.raises(ValueError, match="exactly 1"):
+        lost.validate()                                   # ... which runs on demand
+    with pytest.raises(ValueError, match="server 7"):
+        Plan.from_arrays(L, *cols[:4], np.full(4, 7))     # ranges are checked always, in O(tasks)
+    with pytest.raises(ValueError, match="lies outside its document"):
+        Plan.from_arrays(L, cols[0], cols[1], cols[2] + 500, cols[3], cols[4])
+
+
+@pytest.mark.parametrize("bad", [-3, 0, 2.5, "2", True])
+def test_plan_rejects_bad_n_servers(bad):
+    L = two_rank_layout()
+    with pytest.raises(ValueError, match="n_servers must be an integer >= 1"):
+        Plan(L, layout_to_tasks(L), n_servers=bad)
+
+
+def test_chunk_length():
     assert Chunk(0, 3, 10).length == 7
