@@ -18,8 +18,9 @@ moves only dO out and dQ, dK, dV back: half the bytes of the stateless backward,
 equal to the rows it received. ``staged_attention`` chains the three on one stream (CAD without
 ping-pong); :mod:`cadlib.pingpong` interleaves two nano-batches.
 
-Streams: a stage's backward runs on the stream its forward ran on (autograd's rule for CUDA), and
-autograd makes a node's stream wait for the streams that produced its gradients. Tensors that cross
+Streams: a stage's backward runs on the stream that was current when the stage was applied
+(autograd's rule for CUDA), so :func:`send` and :func:`ret` are applied on the comm stream; autograd
+makes a node's stream wait for the streams that produced its gradients when that node runs. Tensors that cross
 streams are kept alive for the stream that uses them (``record_stream``). Nothing here reads a device
 value on the host. On CPU there are no streams: the same code runs in program order.
 """
@@ -217,8 +218,13 @@ class _Return(torch.autograd.Function):
 
 def send(q, k, v, dd, comm, streams, tl=_OFF, name=""):
     """Stage 1 (comm stream): q, k, v of this rank's tokens to their servers; returns the server
-    buffers ``(q_buf, k_buf, v_buf)`` = ``cat([local, received])``."""
-    return _Send.apply(q, k, v, dd, comm, streams, tl, name)
+    buffers ``(q_buf, k_buf, v_buf)`` = ``cat([local, received])``.
+
+    Applied with the comm stream current, so that autograd runs its backward there too (a node's
+    backward runs on the stream that was current when it was applied) and makes the consumers of its
+    gradients wait for that stream only when they run."""
+    with streams.on_comm():
+        return _Send.apply(q, k, v, dd, comm, streams, tl, name)
 
 
 def serve(q_buf, k_buf, v_buf, dd, attn_backend=None, tl=_OFF, name=""):
@@ -227,8 +233,10 @@ def serve(q_buf, k_buf, v_buf, dd, attn_backend=None, tl=_OFF, name=""):
 
 
 def ret(out, dd, comm, streams, tl=_OFF, name=""):
-    """Stage 3 (comm stream): O rows back to their homes; returns ``o [n_local, Hq, D]``."""
-    return _Return.apply(out, dd, comm, streams, tl, name)
+    """Stage 3 (comm stream): O rows back to their homes; returns ``o [n_local, Hq, D]`` (applied on
+    the comm stream, like :func:`send`)."""
+    with streams.on_comm():
+        return _Return.apply(out, dd, comm, streams, tl, name)
 
 
 def prepare_staged(q, k, v, plan, group, attn_backend=None):
