@@ -51,3 +51,6 @@ DISTCA_NO_PINGPONG_SLOWDOWN_MAX = PaperFigure(
 DISTCA_PINGPONG_EXPOSED_COMM = PaperFigure(
     0, "%", "step time of CAD with ping-pong above the signal-only control (every all-to-all cut to one "
     "element per peer): with ping-pong the two are equal", DISTCA + ", ablation of ping-pong")
+DISTCA_PINGPONG_OVERLAP = PaperFigure(
+    100, "%", "share of CAD's communication that ping-pong hides behind compute (\"completely overlap "
+    "communication with compute\")", DISTCA + ", abstract")
