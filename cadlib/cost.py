@@ -1,7 +1,7 @@
 """Cost model: model shapes, FLOPs of the linear layers and of core attention, bytes moved, memory.
 
 Everything the scheduler, the simulator and the benchmarks count comes from here, so a number is
-defined once. Conventions (DESIGN.md):
+defined once. Conventions (docs/design.md):
 
 * a causal CA-task over query tokens ``[a, b)`` of one document attends to the KV prefix ``[0, b)``;
   its **pair count** is ``sum_{i=a}^{b-1} (i + 1) = (b(b+1) - a(a+1)) / 2``;
@@ -20,7 +20,7 @@ import numpy as np
 # ---------------------------------------------------------------------------------------------------
 
 ATTN_BWD_MULT = 2.5
-"""Backward/forward FLOP ratio of flash attention (recomputes QK^T: 5 matmuls vs 2). DESIGN.md."""
+"""Backward/forward FLOP ratio of flash attention (recomputes QK^T: 5 matmuls vs 2)."""
 LINEAR_BWD_MULT = 2.0
 """Backward/forward FLOP ratio of a linear layer (dX and dW)."""
 
@@ -29,10 +29,10 @@ DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
 MIN_SHARD_TOKENS = 512
 """Default minimum query-shard size. Below it the fused fwd+bwd kernel loses efficiency (see below)."""
 
-# H200 attention rates measured in DESIGN.md (TF/s; causal, 32 q / 8 kv heads, d=128, bf16): a 16K
+# H200 attention rates, measured on one H200 (TF/s; causal, 32 q / 8 kv heads, d=128, bf16): a 16K
 # document cut into query shards of the given length, each shard carrying its own causal KV prefix,
-# all shards in one fused varlen call; 16384 = the unsplit document. The 64-token forward point
-# (0.46 of unsplit) is from issue #2's measurement with the same kernel.
+# all shards in one fused varlen call; 16384 = the unsplit document (the table of docs/design.md).
+# The 64-token forward point (0.46 of unsplit) was measured with the same kernel.
 H200_ATTN_TFLOPS = {
     "fa2_fwd": {64: 0.46 * 320, 128: 304, 512: 320, 2048: 315, 16384: 320},
     "fa2_fwd_bwd": {128: 168, 512: 261, 2048: 305, 16384: 311},
@@ -41,9 +41,9 @@ H200_ATTN_TFLOPS = {
 }
 WHOLE_DOC = 16384
 H200_MATMUL_TFLOPS = 790.0
-"""bf16 8192^3 matmul on one H200, measured (device KINDS.md: 769-798 TF/s)."""
+"""bf16 8192^3 matmul on one H200, measured: 769-798 TF/s on random data."""
 H200_NVLINK_ALL_TO_ALL_GBPS = 300 * 1.073741824
-"""NCCL all-to-all between two H200s at 1 GiB per rank: ~300 GiB/s (shared/device/README.md), in GB/s."""
+"""NCCL all-to-all between two H200s over NVLink at 1 GiB per rank: ~300 GiB/s measured, in GB/s."""
 IB_GBPS_PER_GPU = 50.0
 """Assumed inter-node bandwidth per GPU (one 400 Gb/s NIC per GPU); not measured here."""
 

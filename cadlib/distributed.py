@@ -19,12 +19,13 @@ from __future__ import annotations
 import json
 import os
 import sys
-from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
+
+from .results import atomic_write_text, json_default
 
 PROGRESS_TAG = "CADLIB_PROGRESS"
 """Prefix of a structured progress line; the rest of the line is one JSON object."""
@@ -144,22 +145,6 @@ def report_progress(step: int, total: int, desc: str = "") -> None:
         print(line, flush=True)
 
 
-def _to_jsonable(obj: Any) -> Any:
-    """JSON fallback for tensors, numpy values and dataclasses (``tolist()``/``item()``/``asdict``)."""
-    if is_dataclass(obj) and not isinstance(obj, type):
-        return asdict(obj)
-    if hasattr(obj, "tolist"):
-        return obj.tolist()
-    if hasattr(obj, "item"):
-        return obj.item()
-    if isinstance(obj, (set, tuple)):
-        return list(obj)
-    if isinstance(obj, Path):
-        return str(obj)
-    raise TypeError(f"write_result cannot store a {type(obj).__name__}; use JSON types (dict, list, "
-                    f"str, int, float, bool, None), tensors, numpy values or dataclasses")
-
-
 def write_result(obj: Any, results_dir: str | os.PathLike | None = None) -> Path | None:
     """Write this rank's result to ``<results_dir>/rank<k>.json`` atomically and return the path.
 
@@ -172,14 +157,8 @@ def write_result(obj: Any, results_dir: str | os.PathLike | None = None) -> Path
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     rank = env_rank()
-    text = json.dumps(obj, default=_to_jsonable)
     path = folder / f"rank{rank}.json"
-    tmp = folder / f".rank{rank}.json.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(obj, default=json_default))
     return path
 
 

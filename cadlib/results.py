@@ -1,7 +1,7 @@
 """Run folders, atomic writes and the provenance every result file carries.
 
 Every GPU (and CPU) result file records the device name, torch version, git commit, date and the
-full configuration (DESIGN.md): use :func:`save_result` so that is never forgotten.
+full configuration (docs/design.md): use :func:`save_result` so that is never forgotten.
 """
 from __future__ import annotations
 
@@ -37,21 +37,26 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> pathlib.Path:
 
 
 def atomic_write_json(path: str | os.PathLike, obj: Any) -> pathlib.Path:
-    return atomic_write_text(path, json.dumps(obj, indent=2, default=_json_default) + "\n")
+    return atomic_write_text(path, json.dumps(obj, indent=2, default=json_default) + "\n")
 
 
-def _json_default(o):
-    try:
-        import numpy as np
-        if isinstance(o, np.generic):
-            return o.item()
-        if isinstance(o, np.ndarray):
-            return o.tolist()
-    except ImportError:  # pragma: no cover
-        pass
-    if isinstance(o, pathlib.Path):
-        return str(o)
-    raise TypeError(f"cannot serialise {type(o).__name__} to JSON")
+def json_default(obj: Any) -> Any:
+    """The one JSON fallback of the library: tensors and numpy values (``tolist()``/``item()``),
+    dataclasses (``asdict``), sets and tuples (lists), paths (strings)."""
+    from dataclasses import asdict, is_dataclass
+
+    if is_dataclass(obj) and not isinstance(obj, type):
+        return asdict(obj)
+    if hasattr(obj, "tolist"):
+        return obj.tolist()
+    if hasattr(obj, "item"):
+        return obj.item()
+    if isinstance(obj, (set, tuple)):
+        return list(obj)
+    if isinstance(obj, pathlib.PurePath):
+        return str(obj)
+    raise TypeError(f"cannot store a {type(obj).__name__} as JSON; use JSON types (dict, list, str, int, "
+                    "float, bool, None), tensors, numpy values or dataclasses")
 
 
 def git_commit(root: str | os.PathLike = REPO_ROOT) -> str:

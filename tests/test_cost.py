@@ -56,11 +56,11 @@ def test_model_lookup_and_validation():
 
 
 def test_measured_rates_and_shard_efficiency():
-    # the DESIGN.md table is reproduced at its own points
+    # the measured table is reproduced at its own points
     assert attention_tflops(512, "fa2", backward=True) == 261
     assert attention_tflops(16384, "fa4", backward=False) == 669
     assert attention_tflops(1 << 20, "fa2") == 311                      # clamped above
-    assert shard_efficiency(64, backward=False) == pytest.approx(0.46)  # issue #2's 64-token point
+    assert shard_efficiency(64, backward=False) == pytest.approx(0.46)  # the measured 64-token point
     assert 0.9 <= shard_efficiency(128, backward=False) <= 0.96
     assert shard_efficiency(128) == pytest.approx(168 / 311)
     assert shard_efficiency(512) == pytest.approx(261 / 311)

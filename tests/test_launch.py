@@ -140,7 +140,7 @@ def test_write_result_is_atomic_json_per_rank(monkeypatch, tmp_path):
         assert path == tmp_path / f"rank{rank}.json"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0.json", "rank1.json"]  # no tmp left
     assert read_results(tmp_path) == {0: {"rank_sq": 0, "v": [0, 1, 2]}, 1: {"rank_sq": 1, "v": [1, 2, 3]}}
-    with pytest.raises(TypeError, match="write_result cannot store a object"):
+    with pytest.raises(TypeError, match="cannot store a object as JSON"):
         write_result({"x": object()})
 
 
