@@ -341,6 +341,29 @@ def check_tick_order(rows, n_layers: int, pingpong: bool = True) -> None:
                              f"({len(got)} stages recorded, {len(w)} expected)")
 
 
+def layer_window(rows, layer: int, direction: str = "forward") -> pd.DataFrame:
+    """One layer's ticks of one rank's step, times from the layer's start: the spans that overlap
+    ``[start of the layer's first stage, start of the next layer's)`` (forward: A's send; backward:
+    B's return, whose primed span opens each layer of the mirror order), clipped to it."""
+    df = rows if isinstance(rows, pd.DataFrame) else pd.DataFrame(rows)
+    if direction not in ("forward", "backward"):
+        raise ValueError(f"direction must be 'forward' or 'backward', got {direction!r}")
+    df = df[df.lane != "step"]
+    df = df[df.phase.map(is_backward) == (direction == "backward")]
+    names = df.phase.str.replace("'", "").str.split().str.join(" ")
+    pingpong = names.isin(PINGPONG_STAGES).any()
+    stages = PINGPONG_STAGES if pingpong else ONE_STREAM_STAGES
+    first = stages[0] if direction == "forward" else stages[-1]
+    starts = sorted(df.start_ms[names == first])
+    if not 0 <= layer < len(starts):
+        raise ValueError(f"layer must be in [0, {len(starts)}) for this timeline, got {layer}")
+    a = starts[layer]
+    b = starts[layer + 1] if layer + 1 < len(starts) else float(df.end_ms.max())
+    w = df[(df.end_ms > a) & (df.start_ms < b)].copy()
+    w["start_ms"], w["end_ms"] = w.start_ms.clip(lower=a) - a, w.end_ms.clip(upper=b) - a
+    return w
+
+
 # ------------------------------------------------------------------------------ paper beside ours
 def record_metrics(rows: list[dict]) -> pd.DataFrame:
     """Put each ``{"metric", "ours", "paper", "unit", "kind", "how", "note"}`` beside the paper: through

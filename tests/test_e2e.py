@@ -97,3 +97,13 @@ def test_record_metrics_keeps_rows_without_a_value():
     out = e2e.record_metrics([{"metric": "a", "ours": 1.2, "paper": 1.35, "unit": "x", "kind": "measured"},
                               {"metric": "b", "ours": float("nan"), "paper": None, "kind": "measured"}])
     assert list(out.metric) == ["a", "b"]
+
+
+def test_layer_window_clips_one_layer_and_starts_at_zero():
+    rows = _pingpong_rows(3)
+    w = e2e.layer_window(rows, 1, "forward")
+    assert w.start_ms.min() == 0 and e2e.stage_sequence(w) == list(e2e.PINGPONG_STAGES)
+    wb = e2e.layer_window(rows, 2, "backward")
+    assert e2e.stage_sequence(wb, "backward") == list(e2e.PINGPONG_STAGES[::-1])
+    with pytest.raises(ValueError, match="layer must be in"):
+        e2e.layer_window(rows, 3)
