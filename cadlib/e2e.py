@@ -123,3 +123,268 @@ def summarise(results: list[dict], config: dict, world: int) -> dict:
     summary["peak_mem_gib"] = {m: float(pb[pb.method == m].peak_mem_gib.max()) for m in methods} \
         if pb.peak_mem_gib.notna().any() else None
     return {"summary": summary, "per_batch": table.reset_index().to_dict(orient="records")}
+
+
+# ------------------------------------------------------------------------------ runs and result files
+def collect(results: list[dict], world: int) -> dict:
+    """The rank results of one ``cadlib.train`` run (``run_torchrun(...).attrs["results"]``) in the
+    shape of a committed ``bench_e2e_*.json``'s ``results``: :func:`summarise`, plus ``timelines``
+    (``{"rank<k>": {method: rows}}``), ``records``, ``model`` and ``device_name``."""
+    out = summarise(results, dict(results[0]["config"]), world)
+    out["timelines"] = {f"rank{r['rank']}": r["timelines"] for r in results}
+    out["records"] = [rec for r in results for rec in r["records"]]
+    out["model"], out["device_name"] = results[0]["model"], results[0]["device_name"]
+    return out
+
+
+def kernel_only_spans(res: dict, config: dict) -> bool:
+    """Whether colocated's ``attention_ms`` counts its attention kernels alone. Runs made before that
+    (all-gathers and the waits inside them counted as attention) lack the ``cp`` span that wraps the
+    whole per-document CP call; their saving, recovery and prediction are not meaningful."""
+    if config.get("colocated_impl", "allgather") != "allgather":
+        return False                      # the all-to-all colocated plan times its kernel with the comm
+    tls = [t.get("colocated") for t in res.get("timelines", {}).values()]
+    rows = [r for t in tls if t for r in _last_step(t)]
+    return any(r["phase"] == "cp" for r in rows)
+
+
+def setting_label(config: dict) -> str:
+    """``pretrain 64K nvlink x2``: what a committed result file measured."""
+    link = f" {config['link']}" if config.get("link") else ""
+    return f"{config['dist']} {config['tokens_per_rank'] // 1024}K{link} x{config.get('nproc', '?')}"
+
+
+def load_committed(pattern: str = "bench_e2e_*.json", results_dir=None) -> list[dict]:
+    """Every committed end-to-end result file matching ``pattern`` (smoke runs left out), as dicts
+    with ``file``, ``setting``, ``device``, ``kernel_only_spans``, ``config`` and ``results``."""
+    from .results import find_results, load_result
+
+    out = []
+    for path in find_results(pattern, results_dir):
+        if "_smoke_" in path.name:
+            continue
+        d = load_result(path)
+        cfg, res = d["config"], d["results"]
+        out.append({"file": path.name, "setting": setting_label(cfg),
+                    "device": d.get("meta", {}).get("device") or res.get("device_name"),
+                    "kernel_only_spans": kernel_only_spans(res, cfg), "config": cfg, "results": res})
+    return out
+
+
+def speedups(per_batch_rows: list[dict], kernel_only: bool = True) -> pd.DataFrame:
+    """Long frame from a ``per_batch`` table: one row per (batch, method) with ``speedup`` over
+    colocated, ``layers_speedup`` and ``predicted`` (the calibrated CAD prediction, the same for
+    every method of a batch; NaN when the run's colocated attention was not kernel-only)."""
+    pb = pd.DataFrame(per_batch_rows)
+    rows = []
+    for m in [c[len("speedup "):] for c in pb.columns if c.startswith("speedup ")]:
+        for _, r in pb.iterrows():
+            pred = r.get("predicted_speedup", float("nan")) if kernel_only else float("nan")
+            rows.append({"batch": int(r["batch"]), "method": m, "speedup": float(r[f"speedup {m}"]),
+                         "layers_speedup": float(r[f"layers speedup {m}"]), "predicted": float(pred)})
+    return pd.DataFrame(rows, columns=["batch", "method", "speedup", "layers_speedup", "predicted"])
+
+
+def settings_table(loaded: list[dict]) -> pd.DataFrame:
+    """One row per committed setting: mean (min) speedup of every method over colocated, CAD with
+    ping-pong over ``wlb``, exposed communication, ping-pong gain, worst slowdown against colocated
+    and peak memory per GPU of every method."""
+    rows = []
+    for item in loaded:
+        res = item["results"]
+        pb = pd.DataFrame(res["per_batch"])
+        row = {"setting": item["setting"], "device": item["device"], "batches": len(pb),
+               "kernel_only_spans": item["kernel_only_spans"]}
+        for c in [c for c in pb.columns if c.startswith("speedup ")]:
+            row[f"mean {c}"] = float(pb[c].mean())
+            row[f"min {c}"] = float(pb[c].min())
+        if {"step_ms wlb", "step_ms cad-pingpong"} <= set(pb.columns):
+            row["mean cad-pingpong over wlb"] = float((pb["step_ms wlb"] / pb["step_ms cad-pingpong"]).mean())
+        if "step_ms cad-pingpong" in pb and "step_ms colocated" in pb:
+            slow = pb["step_ms cad-pingpong"] / pb["step_ms colocated"]
+            row["max slowdown cad-pingpong"] = float(slow.max())
+        for c in ("exposed_comm_frac", "pingpong_gain"):
+            if c in pb:
+                row[f"mean {c}"], row[f"max {c}"] = float(pb[c].mean()), float(pb[c].max())
+        for m, gib in (res["summary"].get("peak_mem_gib") or {}).items():
+            row[f"peak GiB {m}"] = gib
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+# ------------------------------------------------------------------------------------------ timelines
+PINGPONG_STAGES = ("send A", "send B", "attn A", "return A", "attn B", "return B")
+"""DistCA's tick order of one layer's CA stages (:mod:`cadlib.pingpong`): ticks 1-4 start with
+A's send, B's send, A's return and B's return on the comm stream, beside B's linear, A's attention,
+B's attention and A's linear on the compute stream."""
+ONE_STREAM_STAGES = ("send", "attn", "return")
+"""CAD without ping-pong: one nano-batch, its stages in sequence."""
+_STAGES = ("send", "attn", "return")
+
+
+def is_backward(phase: str) -> bool:
+    """Backward spans carry a prime: ``"attn' A"``, ``"send' B"``, ``"linear A'"``, ``"head'"``."""
+    return "'" in phase
+
+
+def _last_step(rows) -> list[dict]:
+    """A method's timeline: one step's rows, or a list of steps (then the last)."""
+    return rows[-1] if rows and isinstance(rows[0], list) else list(rows)
+
+
+def timeline_frame(timelines) -> pd.DataFrame:
+    """All spans as one frame: ``rank, method, lane, phase, start_ms, end_ms, direction`` (forward,
+    backward or step). ``timelines``: ``{"rank0": {method: rows}, ...}`` (a result file's) or the rank
+    results of a run (each with ``rank`` and ``timelines``). A method's rows may be a list of steps:
+    the last one is taken."""
+    if isinstance(timelines, list):
+        timelines = {f"rank{r['rank']}": r["timelines"] for r in timelines}
+    out = []
+    for key, by_method in timelines.items():
+        rank = int(str(key).removeprefix("rank"))
+        for method, rows in by_method.items():
+            for r in _last_step(rows):
+                out.append({"rank": rank, "method": method, **r,
+                            "direction": "step" if r["lane"] == "step" else
+                            "backward" if is_backward(r["phase"]) else "forward"})
+    return pd.DataFrame(out, columns=["rank", "method", "lane", "phase", "start_ms", "end_ms", "direction"])
+
+
+def _union(spans) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def _intersection(x, y) -> float:
+    """Length of the intersection of two sorted, disjoint interval lists (one merge pass)."""
+    i = j = 0
+    total = 0.0
+    while i < len(x) and j < len(y):
+        total += max(0.0, min(x[i][1], y[j][1]) - max(x[i][0], y[j][0]))
+        if x[i][1] < y[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def overlap(rows, direction: str | None = None) -> dict:
+    """Communication time and the part of it overlapped by compute, one rank's step.
+
+    ``comm = |U comm spans|``, ``overlapped = |U comm spans ∩ U compute spans|`` and
+    ``overlap_ratio = overlapped / comm`` (NaN without communication). ``direction`` ("forward" or
+    "backward") keeps that pass's spans only (backward spans carry a prime)."""
+    if isinstance(rows, pd.DataFrame):
+        rows = rows.to_dict(orient="records")
+    if direction not in (None, "forward", "backward"):
+        raise ValueError(f"direction must be None, 'forward' or 'backward', got {direction!r}")
+    keep = [r for r in rows if r["lane"] in ("comm", "compute")
+            and (direction is None or is_backward(r["phase"]) == (direction == "backward"))]
+    comm = _union([(r["start_ms"], r["end_ms"]) for r in keep if r["lane"] == "comm"])
+    comp = _union([(r["start_ms"], r["end_ms"]) for r in keep if r["lane"] == "compute"])
+    c = float(sum(b - a for a, b in comm))
+    o = _intersection(comm, comp)
+    return {"comm_ms": c, "overlapped_ms": o, "overlap_ratio": o / c if c > 0 else float("nan")}
+
+
+def overlap_ratio(rows, direction: str | None = None) -> float:
+    """Share of the communication time overlapped by compute (see :func:`overlap`)."""
+    return overlap(rows, direction)["overlap_ratio"]
+
+
+def overlap_table(tf: pd.DataFrame, methods=None) -> pd.DataFrame:
+    """:func:`overlap` per (method, rank, direction) of a :func:`timeline_frame`."""
+    rows = []
+    for (m, r), g in tf.groupby(["method", "rank"], sort=False):
+        if methods is not None and m not in methods:
+            continue
+        for d in ("forward", "backward"):
+            rows.append({"method": m, "rank": r, "direction": d, **overlap(g, d)})
+    return pd.DataFrame(rows, columns=["method", "rank", "direction", "comm_ms", "overlapped_ms",
+                                       "overlap_ratio"])
+
+
+def stage_sequence(rows, direction: str = "forward") -> list[str]:
+    """The CA stages (send, attn, return, with their nano-batch) in the order the host recorded
+    them; backward primes dropped, so a backward sequence reads in the forward's names."""
+    if isinstance(rows, pd.DataFrame):
+        rows = rows.to_dict(orient="records")
+    out = []
+    for r in rows:
+        if r["lane"] == "step" or is_backward(r["phase"]) != (direction == "backward"):
+            continue
+        words = r["phase"].replace("'", "").split()
+        if words and words[0] in _STAGES:
+            out.append(" ".join(words))
+    return out
+
+
+def check_tick_order(rows, n_layers: int, pingpong: bool = True) -> None:
+    """Raise ValueError unless one rank's step ran DistCA's tick order: every layer's forward CA
+    stages in :data:`PINGPONG_STAGES` order (:data:`ONE_STREAM_STAGES` without ping-pong), and the
+    backward the mirror image, layer by layer in reverse."""
+    if n_layers < 1:
+        raise ValueError(f"n_layers must be >= 1, got {n_layers}")
+    layer = list(PINGPONG_STAGES if pingpong else ONE_STREAM_STAGES)
+    want = {"forward": layer * n_layers, "backward": layer[::-1] * n_layers}
+    for d, w in want.items():
+        got = stage_sequence(rows, d)
+        if got != w:
+            bad = next((i for i, (a, b) in enumerate(zip(got, w)) if a != b), min(len(got), len(w)))
+            raise ValueError(f"{d} stages differ from the tick order at position {bad} (layer "
+                             f"{bad // len(layer)}): got {got[bad:bad + 3]}, expected {w[bad:bad + 3]} "
+                             f"({len(got)} stages recorded, {len(w)} expected)")
+
+
+def layer_window(rows, layer: int, direction: str = "forward") -> pd.DataFrame:
+    """One layer's ticks of one rank's step, times from the layer's start: the spans that overlap
+    ``[start of the layer's first stage, start of the next layer's)`` (forward: A's send; backward:
+    B's return, whose primed span opens each layer of the mirror order), clipped to it."""
+    df = rows if isinstance(rows, pd.DataFrame) else pd.DataFrame(rows)
+    if direction not in ("forward", "backward"):
+        raise ValueError(f"direction must be 'forward' or 'backward', got {direction!r}")
+    df = df[df.lane != "step"]
+    df = df[df.phase.map(is_backward) == (direction == "backward")]
+    names = df.phase.str.replace("'", "").str.split().str.join(" ")
+    pingpong = names.isin(PINGPONG_STAGES).any()
+    stages = PINGPONG_STAGES if pingpong else ONE_STREAM_STAGES
+    first = stages[0] if direction == "forward" else stages[-1]
+    starts = sorted(df.start_ms[names == first])
+    if not 0 <= layer < len(starts):
+        raise ValueError(f"layer must be in [0, {len(starts)}) for this timeline, got {layer}")
+    a = starts[layer]
+    b = starts[layer + 1] if layer + 1 < len(starts) else float(df.end_ms.max())
+    w = df[(df.end_ms > a) & (df.start_ms < b)].copy()
+    w["start_ms"], w["end_ms"] = w.start_ms.clip(lower=a) - a, w.end_ms.clip(upper=b) - a
+    return w
+
+
+# ------------------------------------------------------------------------------ paper beside ours
+def record_metrics(rows: list[dict]) -> pd.DataFrame:
+    """Put each ``{"metric", "ours", "paper", "unit", "kind", "how", "note"}`` beside the paper: through
+    ``cadlib.report.record`` when that module exists (the reproduction report gathers them), else as a
+    plain table. Rows whose ``ours`` is None or NaN are shown, not recorded."""
+    try:
+        from .report import record
+    except ImportError:
+        record = None
+    frames, plain = [], []
+    for r in rows:
+        ok = r.get("ours") is not None and not (isinstance(r["ours"], float) and r["ours"] != r["ours"])
+        if record is not None and ok:
+            frames.append(record(r["metric"], r["ours"], paper=r.get("paper"), unit=r.get("unit", ""),
+                                 kind=r.get("kind", "measured"), how=r.get("how", ""),
+                                 note=r.get("note", "")))
+        else:
+            p = r.get("paper")
+            plain.append({"metric": r["metric"], "paper": getattr(p, "value", p), "ours": r.get("ours"),
+                          "unit": r.get("unit", ""), "kind": r.get("kind", ""), "how": r.get("how", ""),
+                          "note": r.get("note", "")})
+    if plain:
+        frames.append(pd.DataFrame(plain))
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()

@@ -41,3 +41,16 @@ DISTCA_IDLE_DP8 = PaperFigure(
 DISTCA_IDLE_DP2 = PaperFigure(
     2, "%", "share of GPU time idle from data-parallel stragglers at DP=2 (read as '~2%'; the same curve "
     "reaches 55% at DP=8)", DISTCA_BLOG + ", Figure 5a")
+
+DISTCA_NO_PINGPONG_SLOWDOWN_MIN = PaperFigure(
+    10, "%", "step time added when CAD runs without ping-pong (one nano-batch, communication exposed), "
+    "lower end", DISTCA + ", ablation of ping-pong")
+DISTCA_NO_PINGPONG_SLOWDOWN_MAX = PaperFigure(
+    17, "%", "step time added when CAD runs without ping-pong (one nano-batch, communication exposed), "
+    "upper end", DISTCA + ", ablation of ping-pong")
+DISTCA_PINGPONG_EXPOSED_COMM = PaperFigure(
+    0, "%", "step time of CAD with ping-pong above the signal-only control (every all-to-all cut to one "
+    "element per peer): with ping-pong the two are equal", DISTCA + ", ablation of ping-pong")
+DISTCA_PINGPONG_OVERLAP = PaperFigure(
+    100, "%", "share of CAD's communication that ping-pong hides behind compute (\"completely overlap "
+    "communication with compute\")", DISTCA + ", abstract")
