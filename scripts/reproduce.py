@@ -41,19 +41,24 @@ from cadlib.results import atomic_write_text, environment_info, new_run_dir  # n
 # CPU profile). Keys are substrings of notebook paths under notebooks/ ("*": every notebook that defines
 # the name). An entry whose key matches no notebook in this checkout is skipped with a note, so a profile
 # may name notebooks that do not exist yet; an entry naming a parameter its notebook lacks is an error.
+_E2E = {"model": "llama3-8b", "layers": 4, "dist": "pretrain", "max_doc_len": 0, "min_shard": 512,
+        "steps": 10, "mlp_recompute": True}
+_OVERLAP = {"model_name": "llama3-8b", "layers": 4, "max_doc_len": 0, "min_shard": 512, "mlp_recompute": True}
+_SERVERS = {"dtype": "bf16", "model_name": "llama3-8b", "tokens_per_rank": 8192,
+            "distribution": "pretrain,prolong"}
 PROFILES: dict[str, dict[str, dict]] = {
     "cpu": {},
     "h200x2": {
-        "02_cad/02_attention_servers": {"nproc": 2, "dtype": "bf16", "model_name": "llama3-8b",
-                                        "tokens_per_rank": 8192, "distribution": "pretrain,prolong"},
-        "03_pingpong/01_overlap": {},
-        "04_benchmarks/01_end_to_end": {},
+        "02_cad/02_attention_servers": {"nproc": 2, **_SERVERS},
+        "03_pingpong/01_overlap": {"nproc": 2, "tokens_per_rank": 65536, **_OVERLAP},
+        "04_benchmarks/01_end_to_end": {"nproc": 2, "tokens_per_rank": 65536, "timeout_s": 1800, **_E2E},
+        "04_benchmarks/03_context_parallel": {"nproc": 2},
     },
     "h200x8": {
-        "02_cad/02_attention_servers": {"nproc": 8, "dtype": "bf16", "model_name": "llama3-8b",
-                                        "tokens_per_rank": 8192, "distribution": "pretrain,prolong"},
-        "03_pingpong/01_overlap": {},
-        "04_benchmarks/01_end_to_end": {},
+        "02_cad/02_attention_servers": {"nproc": 8, **_SERVERS},
+        "03_pingpong/01_overlap": {"nproc": 8, "tokens_per_rank": 131072, **_OVERLAP},
+        "04_benchmarks/01_end_to_end": {"nproc": 8, "tokens_per_rank": 131072, "timeout_s": 3600, **_E2E},
+        "04_benchmarks/03_context_parallel": {"nproc": 8},
     },
 }
 
