@@ -86,7 +86,7 @@ def record(claim_id: str, ours, *, how: str, kind: str | None = None, reason: st
     paper = c.paper if c.paper is None or not isinstance(c.paper, tuple) else list(c.paper)
     return report.record(metric_id(c.id, setting), ours, paper=paper, unit=c.unit, kind=kind or c.kind,
                          how=how,
-                         note="; ".join(s for s in (note, c.setting and f"paper: {c.setting}") if s),
+                         note=note,
                          verdict=verdict(c, ours, reason, holds), source=c.source)
 
 
@@ -165,7 +165,7 @@ def record_e2e(results_dir: str | os.PathLike | None = None):
         paper = c.paper if not isinstance(c.paper, tuple) else list(c.paper)
         out.append(report.record(metric_id(c.id, r["setting"]), r["ours"], paper=paper, unit=c.unit,
                                  kind=r["kind"], how=r["how"],
-                                 note=f"paper: {c.setting}", verdict=r["verdict"], source=c.source))
+                                 verdict=r["verdict"], source=c.source))
     return pd.concat(out, ignore_index=True) if out else report.metrics_frame([])
 
 

@@ -94,8 +94,7 @@ class Claim(NamedTuple):
 DISTCA_ARXIV = "DistCA, arXiv 2510.18121"
 LONGCA_REPO = "LongCA-bench (github.com/NJUDeepEngine/LongCA-bench)"
 _ABSTRACT = "read in the arXiv abstract (2510.18121v1)"
-_UNREAD = ("not verified: the paper's body was not readable from the sources available to this "
-           "workbook; the figure is as quoted in the reproduction's brief")
+_UNREAD = "unverified: not checked against the paper's text (its body could not be read here)"
 _E2E = "04_benchmarks/01_end_to_end.ipynb"
 _GAP_4D = ("4D parallelism (context parallelism inside each data-parallel group) at 64+ GPUs is beyond the "
            "measured 2-GPU runs; they fill distca.speedup_3d_*")

@@ -311,7 +311,10 @@ _CSS = ("body{font-family:system-ui,sans-serif;max-width:72em;margin:2em auto;pa
         "table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:.25em .6em;"
         "text-align:left;vertical-align:top}th{background:#f0f0f0}pre{background:#f6f6f6;padding:.6em;"
         "overflow-x:auto;white-space:pre-wrap}.failed{color:#b00}.ok{color:#070}"
-        ".figure{margin:1em 0;border:1px solid #eee}table.claims td{font-size:.88em}"
+        ".figure{margin:1em 0;border:1px solid #eee}table.claims{table-layout:fixed;width:100%}"
+        "table.claims td{font-size:.85em;overflow-wrap:anywhere}table.claims .src{color:#777;font-size:.85em;"
+        "margin-top:.3em}col.c-claim{width:22%}col.c-paper{width:22%}col.c-ours{width:10%}col.c-kind{width:13%}"
+        "col.c-verdict{width:23%}col.c-notebook{width:10%}"
         "tr.claim-ok td:nth-child(5){color:#070}tr.claim-off td:nth-child(5){color:#a40}"
         "tr.claim-missing td{color:#777}")
 
@@ -397,14 +400,19 @@ def write_report(dest: str | os.PathLike, rows: list[dict], meta: dict, profile:
         for k, fig in enumerate(key_figures(nb) if nb else []):
             h.append(f"<div class='figure'>{figure_html(fig, f'{anchor}-fig{k}')}</div>")
     if claims is not None:
+        cols = [k for k in CLAIM_COLUMNS if k != "source"]     # the source goes under the paper's figure
         h += ["<h2 id='claims'>Claims: paper vs ours</h2>", f"<p>{esc(CLAIMS_INTRO)}</p>",
-              "<table class='claims'><tr>" + "".join(f"<th>{esc(k)}</th>" for k in CLAIM_COLUMNS) + "</tr>"]
+              "<table class='claims'><colgroup>" + "".join(f"<col class='c-{k}'>" for k in cols),
+              "</colgroup><tr>" + "".join(f"<th>{esc(k)}</th>" for k in cols) + "</tr>"]
         for c in claims:
             v = str(c.get("verdict", ""))
             cls = ("claim-ok" if v.startswith(("within", "matches", "holds")) else
                    "claim-missing" if v.startswith(("not run", "not reproduced")) else "claim-off")
-            h.append(f"<tr class='{cls}'>" + "".join(
-                f"<td>{esc(str(c.get(k, '')))}</td>" for k in CLAIM_COLUMNS) + "</tr>")
+            cid, _, sentence = str(c.get("claim", "")).partition(": ")
+            cells = {k: esc(str(c.get(k, ""))) for k in cols}
+            cells["claim"] = f"<b>{esc(cid)}</b><br>{esc(sentence)}"
+            cells["paper"] += f"<div class='src'>{esc(str(c.get('source', '')))}</div>"
+            h.append(f"<tr class='{cls}'>" + "".join(f"<td>{cells[k]}</td>" for k in cols) + "</tr>")
         h.append("</table>")
     h.append("</body></html>")
     html_path = atomic_write_text(dest / "report.html", "\n".join(h) + "\n")
