@@ -152,7 +152,7 @@ CLAIMS_LIST: tuple[Claim, ...] = (
           "(max/mean).", (1.08, 1.2), "x", DISTCA_ARXIV + ", Figure 3", "variable-length chunking, DP 2-8",
           _UNREAD, "01_imbalance/01_stragglers.ipynb", "simulated"),
     Claim("distca.composability", "A flash kernel keeps near-peak throughput on fused query shards of at "
-          "least 128 tokens.", None, "", DISTCA_ARXIV + ", composability",
+          "least 128 tokens.", None, "x unsplit TF/s", DISTCA_ARXIV + ", composability",
           "H100/H200, varlen flash attention",
           _ABSTRACT + " (qualitative: 'sustain high utilization')", "02_cad/02_attention_servers.ipynb",
           "measured", text="near peak for shards >= 128 tokens"),
@@ -167,7 +167,8 @@ CLAIMS_LIST: tuple[Claim, ...] = (
           "Llama-3 8B and 34B, multi-node; read as exposed communication <= 2% of the step", _UNREAD,
           "03_pingpong/01_overlap.ipynb", "measured"),
     Claim("distca.scheduler_bytes", "The communication-aware scheduler balances to within the tolerance "
-          "while moving fewer bytes than bytes-blind balancing.", None, "", DISTCA_ARXIV + ", scheduler",
+          "while moving fewer bytes than bytes-blind balancing.", None, "x equal-FLOPs bytes",
+          DISTCA_ARXIV + ", scheduler",
           "any batch; ours against equal-FLOPs water-filling (DistCA's own planner is not ported)",
           _ABSTRACT + " (the abstract names the greedy scheduler; the byte claim is qualitative)",
           "02_cad/01_scheduling.ipynb", "computed", text="balanced within ε, fewer bytes than equal-FLOPs"),
@@ -179,7 +180,8 @@ CLAIMS_LIST: tuple[Claim, ...] = (
           "04_benchmarks/02_kernels_masks.ipynb", "computed"),
     Claim("longca.sliding_window_count", "The benchmark counts its two-sided sliding_window mask with the "
           "area of the causal band (window (w, 0)) while the kernel computes the two-sided band (w, w): "
-          "counted / computed area.", None, "", LONGCA_REPO + ", longca_bench/attn/run_benchmark.py "
+          "counted / computed area.", None, "x computed area",
+          LONGCA_REPO + ", longca_bench/attn/run_benchmark.py "
           "(MaskIterator built with window_size=(window_size, 0) for every mask)",
           "w = 1024, 1K-48K tokens", "read in the repository's code (commit 22683e3)",
           "04_benchmarks/02_kernels_masks.ipynb", "computed",
