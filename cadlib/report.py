@@ -33,6 +33,11 @@ KINDS = ("measured", "simulated", "computed")
 exactly (e.g. a FLOP count). A kind may say more after the word, e.g. ``"measured on 2x H200"``."""
 FIGURE_TAGS = ("figure", "summary")
 METRIC_COLUMNS = ["metric", "paper", "ours", "unit", "kind", "source", "how", "note", "notebook"]
+CLAIM_COLUMNS = ["claim", "paper", "ours", "kind", "verdict", "notebook", "source"]
+"""The columns of the report's closing claims table (:func:`cadlib.claims.claims_table`)."""
+CLAIMS_INTRO = ("Every headline claim of DistCA and LongCA-bench (registry: cadlib.paper.CLAIMS), with ours: "
+                "simulated or computed on the CPU, measured on the named GPUs (committed results where this "
+                "profile did not run them). A claim this run did not check says so.")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -65,24 +70,26 @@ def _paper_fields(paper) -> dict:
         return {"paper": _scalar(paper.value, "paper.value"), "paper_unit": getattr(paper, "unit", ""),
                 "paper_source": getattr(paper, "source", ""), "paper_what": getattr(paper, "what", "")}
     if isinstance(paper, (tuple, list)):
-        if len(paper) != 2:
-            raise ValueError(f"paper as a range must be (low, high), got {paper!r}")
-        low, high = (_scalar(v, "paper") for v in paper)
-        if not low <= high:
+        if len(paper) != 2 or paper[0] is None and paper[1] is None:
+            raise ValueError(f"paper as a range must be (low, high) (one end may be None), got {paper!r}")
+        low, high = (None if v is None else _scalar(v, "paper") for v in paper)
+        if low is not None and high is not None and not low <= high:
             raise ValueError(f"paper range must have low <= high, got {paper!r}")
         return {"paper": [low, high]}
     return {"paper": _scalar(paper, "paper")}
 
 
 def record(metric_id: str, ours, *, paper=None, unit: str = "", kind: str = "simulated", how: str = "",
-           note: str = ""):
+           note: str = "", verdict: str = "", source: str = ""):
     """Record one of our figures beside the paper's; return it as a one-row ``pandas.DataFrame``.
 
     ``metric_id``: a stable name (e.g. ``"idle_fraction_dp8_512k"``); ``ours``: our value (number, bool
     or string); ``paper``: the paper's value, ``(low, high)`` range or a ``PaperFigure`` (whose unit and
     source are used); ``kind``: one of :data:`KINDS`, optionally followed by detail (a bare
     ``"measured"`` is labelled with the device this cell runs on); ``how``: how ours was obtained;
-    ``note``: anything the reader must know (why it differs, what was not reproduced).
+    ``note``: anything the reader must know (why it differs, what was not reproduced); ``verdict``:
+    how ours stands against the paper (``cadlib.claims.record`` fills it from the claims registry);
+    ``source``: where the paper's figure comes from, when ``paper`` does not say.
     """
     from .results import device_name
 
@@ -90,14 +97,16 @@ def record(metric_id: str, ours, *, paper=None, unit: str = "", kind: str = "sim
         raise ValueError(f"metric_id must be a non-empty string, got {metric_id!r}")
     if not isinstance(kind, str) or not kind.startswith(KINDS):
         raise ValueError(f"kind must start with one of {', '.join(KINDS)}, got {kind!r}")
-    for name, v in {"unit": unit, "how": how, "note": note}.items():
+    for name, v in {"unit": unit, "how": how, "note": note, "verdict": verdict, "source": source}.items():
         if not isinstance(v, str):
             raise ValueError(f"{name} must be a string, got {type(v).__name__} {v!r}")
     row = {"metric": metric_id.strip(), "ours": _scalar(ours, "ours"), **_paper_fields(paper)}
+    if source and not row.get("paper_source"):
+        row["paper_source"] = source
     row["unit"] = unit or row.pop("paper_unit", "").strip()
     row.pop("paper_unit", None)
     row.update(kind="measured on " + device_name() if kind == "measured" else kind, how=how, note=note,
-               notebook=os.environ.get("CADLIB_NOTEBOOK", ""),
+               notebook=os.environ.get("CADLIB_NOTEBOOK", ""), **({"verdict": verdict} if verdict else {}),
                time=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
     out_dir = os.environ.get("CADLIB_REPORT_DIR")
     if out_dir:
@@ -127,6 +136,10 @@ def _fmt(v) -> str:
     if v is None:
         return "—"
     if isinstance(v, list):
+        if len(v) == 2 and v[0] is None:
+            return f"≤ {_fmt(v[1])}"
+        if len(v) == 2 and v[1] is None:
+            return f"≥ {_fmt(v[0])}"
         return "–".join(_fmt(x) for x in v)
     if isinstance(v, float):
         return f"{v:.4g}"
@@ -143,7 +156,9 @@ def metrics_frame(rows: Iterable[dict]):
     import pandas as pd
     table = [{"metric": r["metric"], "paper": _fmt(r.get("paper")), "ours": _fmt(r.get("ours")),
               "unit": r.get("unit", ""), "kind": r.get("kind", ""), "source": _source(r),
-              "how": r.get("how", ""), "note": r.get("note", ""), "notebook": r.get("notebook", "")}
+              "how": r.get("how", ""),
+              "note": "; ".join(s for s in (r.get("verdict", ""), r.get("note", "")) if s),
+              "notebook": r.get("notebook", "")}
              for r in rows]
     return pd.DataFrame(table, columns=METRIC_COLUMNS)
 
@@ -296,7 +311,12 @@ _CSS = ("body{font-family:system-ui,sans-serif;max-width:72em;margin:2em auto;pa
         "table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:.25em .6em;"
         "text-align:left;vertical-align:top}th{background:#f0f0f0}pre{background:#f6f6f6;padding:.6em;"
         "overflow-x:auto;white-space:pre-wrap}.failed{color:#b00}.ok{color:#070}"
-        ".figure{margin:1em 0;border:1px solid #eee}")
+        ".figure{margin:1em 0;border:1px solid #eee}table.claims{table-layout:fixed;width:100%}"
+        "table.claims td{font-size:.85em;overflow-wrap:anywhere}table.claims .src{color:#777;font-size:.85em;"
+        "margin-top:.3em}col.c-claim{width:22%}col.c-paper{width:22%}col.c-ours{width:10%}col.c-kind{width:13%}"
+        "col.c-verdict{width:23%}col.c-notebook{width:10%}"
+        "tr.claim-ok td:nth-child(5){color:#070}tr.claim-off td:nth-child(5){color:#a40}"
+        "tr.claim-missing td{color:#777}")
 
 
 def _md_cell(v) -> str:
@@ -304,12 +324,15 @@ def _md_cell(v) -> str:
 
 
 def write_report(dest: str | os.PathLike, rows: list[dict], meta: dict, profile: str,
-                 metrics: list[dict], notes: Iterable[str] = ()) -> tuple[pathlib.Path, pathlib.Path]:
+                 metrics: list[dict], notes: Iterable[str] = (),
+                 claims: list[dict] | None = None) -> tuple[pathlib.Path, pathlib.Path]:
     """Write ``dest/report.md`` and a self-contained ``dest/report.html``.
 
     ``rows``: one dict per notebook with ``notebook``, ``status``, ``seconds``, ``parameters``,
     ``error``, ``executed`` (path of the executed notebook or None) and ``links`` (``{label: href}``).
-    ``metrics``: rows from :func:`load_metrics`. ``notes``: lines shown under the header."""
+    ``metrics``: rows from :func:`load_metrics`. ``notes``: lines shown under the header. ``claims``:
+    the closing table of the papers' claims (rows of :func:`cadlib.claims.claims_table`; its columns
+    :data:`CLAIM_COLUMNS`), shown last."""
     import nbformat
 
     from .results import atomic_write_text
@@ -342,6 +365,10 @@ def write_report(dest: str | os.PathLike, rows: list[dict], meta: dict, profile:
         md += ["```", (summary_text(nb) if nb else "") or "(no summary output)", "```"]
         if nb:
             md.append(f"{len(key_figures(nb))} figure(s) in report.html.")
+    if claims is not None:
+        md += ["", "## Claims: paper vs ours", "", CLAIMS_INTRO, "",
+               "| " + " | ".join(CLAIM_COLUMNS) + " |", "|" + "---|" * len(CLAIM_COLUMNS)]
+        md += ["| " + " | ".join(_md_cell(c.get(k, "")) for k in CLAIM_COLUMNS) + " |" for c in claims]
     md_path = atomic_write_text(dest / "report.md", "\n".join(md) + "\n")
 
     esc = html.escape
@@ -372,6 +399,21 @@ def write_report(dest: str | os.PathLike, rows: list[dict], meta: dict, profile:
         anchor = _anchor(r["notebook"])
         for k, fig in enumerate(key_figures(nb) if nb else []):
             h.append(f"<div class='figure'>{figure_html(fig, f'{anchor}-fig{k}')}</div>")
+    if claims is not None:
+        cols = [k for k in CLAIM_COLUMNS if k != "source"]     # the source goes under the paper's figure
+        h += ["<h2 id='claims'>Claims: paper vs ours</h2>", f"<p>{esc(CLAIMS_INTRO)}</p>",
+              "<table class='claims'><colgroup>" + "".join(f"<col class='c-{k}'>" for k in cols),
+              "</colgroup><tr>" + "".join(f"<th>{esc(k)}</th>" for k in cols) + "</tr>"]
+        for c in claims:
+            v = str(c.get("verdict", ""))
+            cls = ("claim-ok" if v.startswith(("within", "matches", "holds")) else
+                   "claim-missing" if v.startswith(("not run", "not reproduced")) else "claim-off")
+            cid, _, sentence = str(c.get("claim", "")).partition(": ")
+            cells = {k: esc(str(c.get(k, ""))) for k in cols}
+            cells["claim"] = f"<b>{esc(cid)}</b><br>{esc(sentence)}"
+            cells["paper"] += f"<div class='src'>{esc(str(c.get('source', '')))}</div>"
+            h.append(f"<tr class='{cls}'>" + "".join(f"<td>{cells[k]}</td>" for k in cols) + "</tr>")
+        h.append("</table>")
     h.append("</body></html>")
     html_path = atomic_write_text(dest / "report.html", "\n".join(h) + "\n")
     return md_path, html_path

@@ -15,7 +15,9 @@ stops the run with a message naming the notebook, the parameter and what is vali
 Executed notebooks land in runs/<timestamp>-<profile>/ with their HTML (every plotly figure drawn;
 plotly.js loaded from plotly.min.js beside them), report.md, a self-contained report.html with each
 notebook's summary, key figures and the paper-vs-ours metrics that its cells recorded through
-``cadlib.report.record``, and report.json. Exit status 1 when any notebook failed.
+``cadlib.report.record``, ending with the table of every claim of the papers (``cadlib.claims``: a
+claim this profile did not run says so; end-to-end ones fall back to the committed results), and
+report.json. Exit status 1 when any notebook failed.
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ import tokenize
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from cadlib import report  # noqa: E402
+from cadlib import claims, report  # noqa: E402
 from cadlib.results import atomic_write_text, environment_info, new_run_dir  # noqa: E402
 
 # Parameter profiles: per-notebook overrides on top of each notebook's own defaults (the defaults are the
@@ -363,7 +365,9 @@ def publish(dest: pathlib.Path, rows: list[dict], meta: dict, profile: str, run_
     dest.mkdir(parents=True, exist_ok=True)
     pub_rows = [dict(r, links={"notebook": os.path.relpath(ROOT / "notebooks" / r["notebook"], dest)})
                 for r in rows]
-    report.write_report(dest, pub_rows, meta, profile, report.load_metrics(run_dir), notes)
+    recorded = report.load_metrics(run_dir)
+    report.write_report(dest, pub_rows, meta, profile, recorded, notes,
+                        claims=claims.claims_table(recorded, profile))
     metrics = run_dir / report.METRICS_FILE
     if metrics.exists():
         shutil.copyfile(metrics, dest / report.METRICS_FILE)
@@ -418,7 +422,9 @@ def main(argv=None) -> int:
                     print(f"  (html export of {out.name} failed: {type(e).__name__}: {e})")
         print(f"[reproduce]     {row['status']} in {row['seconds']:.1f}s", flush=True)
         rows.append(row)
-    report.write_report(run_dir, rows, meta, args.profile, report.load_metrics(run_dir), notes)
+    metrics = report.load_metrics(run_dir)             # the report ends with every claim, run here or not
+    report.write_report(run_dir, rows, meta, args.profile, metrics, notes,
+                        claims=claims.claims_table(metrics, args.profile))
     atomic_write_text(run_dir / "report.json", json.dumps({"meta": meta, "profile": args.profile,
                                                            "notebooks": rows}, indent=2) + "\n")
     print(f"[reproduce] report: {run_dir / 'report.html'} and report.md")
