@@ -122,7 +122,9 @@ def e2e_ours(results_dir: str | os.PathLike | None = None) -> list[dict]:
                    f"{int(cfg.get('tokens_per_rank', 0)) // 1024}K tokens/GPU, {dist}, "
                    f"{len(per_batch)} batches")
         name = pathlib.Path(path).name
-        label = f"{dist}_{int(cfg.get('tokens_per_rank', 0)) // 1024}k_{cfg.get('nproc')}gpu"
+        link = cfg.get("link", "nvlink")
+        setting += f", {link} link"
+        label = f"{dist}_{int(cfg.get('tokens_per_rank', 0)) // 1024}k_{cfg.get('nproc')}gpu_{link}"
         kind = f"measured on {device}"
 
         def add(cid, ours, how, reason=""):
@@ -137,6 +139,8 @@ def e2e_ours(results_dir: str | os.PathLike | None = None) -> list[dict]:
         if steps and cid in CLAIMS:
             best = [min(x for x in s[:2] if x) / s[2] for s in steps]
             ours = float(sum(best) / len(best))
+            if not any(s[1] for s in steps):
+                setting += " (WLB-ideal not run in this setting: colocated is the baseline)"
             pred = summ.get("mean_predicted_speedup")
             reason = _REASON_SPEEDUP + (f"; the calibrated straggler model predicted {pred:.3f}x over "
                                         "colocated for these batches" if pred is not None else "")
@@ -154,14 +158,18 @@ def e2e_ours(results_dir: str | os.PathLike | None = None) -> list[dict]:
     return rows
 
 
-def record_e2e(results_dir: str | os.PathLike | None = None):
-    """Record every row of :func:`e2e_ours` (a notebook cell's one call); returns them as a table."""
+def record_e2e(results_dir: str | os.PathLike | None = None, notebook: str | None = None):
+    """Record every row of :func:`e2e_ours` (a notebook cell's one call); returns them as a table.
+    With ``notebook`` (e.g. ``"03_pingpong/01_overlap.ipynb"``), only the claims the registry assigns
+    to that notebook, so that each claim is recorded once across the workbook."""
     import pandas as pd
 
     from . import report
     out = []
     for r in e2e_ours(results_dir):
         c = claim(r["claim"])
+        if notebook is not None and c.notebook != notebook:
+            continue
         paper = c.paper if not isinstance(c.paper, tuple) else list(c.paper)
         out.append(report.record(metric_id(c.id, r["setting"]), r["ours"], paper=paper, unit=c.unit,
                                  kind=r["kind"], how=r["how"],
