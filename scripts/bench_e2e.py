@@ -78,7 +78,8 @@ def main(argv=None) -> int:
     ap.add_argument("--attn-backend", default=None)
     ap.add_argument("--pg-backend", default="auto")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate (timing only needs sane values)")
+    ap.add_argument("--lr", type=float, default=1e-5,
+                    help="AdamW learning rate (timing only needs sane values)")
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--out", default=str(ROOT / "results"), help="folder for bench_e2e_*.json")
     args = ap.parse_args(argv)

@@ -409,7 +409,8 @@ def combine(paths: list[str], out: Path) -> list[dict]:
     res["meta"]["combined_on"] = res["meta"].get("device")
     for key in ("device", "torch", "cuda", "commit", "date"):
         vals = {json.dumps((m or {}).get(key)) for m in metas}
-        res["meta"][key] = (metas[0] or {}).get(key) if len(vals) == 1 else [(m or {}).get(key) for m in metas]
+        per_part = [(m or {}).get(key) for m in metas]
+        res["meta"][key] = per_part[0] if len(vals) == 1 else per_part
     atomic_write_json(path, res)
     return merged
 
