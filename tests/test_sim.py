@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 from cadlib.cost import (H200_MATMUL_TFLOPS, H200_NVLINK_ALL_TO_ALL_GBPS, IB_GBPS_PER_GPU, ModelSpec,
                          attention_tflops)
 from cadlib.plan import CATask, Layout, Plan, layout_to_tasks
-from cadlib.sim import (Hardware, StepTimes, attention_seconds, comm_seconds, idle_fraction_sweep,
-                        linear_seconds, one_f_one_b, simulate, simulate_cad, simulate_cp, simulate_dp,
-                        simulate_pp, zigzag_layout)
+from cadlib.idle import idle_fraction_sweep
+from cadlib.sim import (Hardware, StepTimes, attention_seconds, comm_seconds, linear_seconds, one_f_one_b,
+                        simulate, simulate_cad, simulate_cp, simulate_dp, simulate_pp, zigzag_layout)
 
 MODEL = ModelSpec.from_name("llama3-8b")
 HW = Hardware()
@@ -360,7 +360,7 @@ def test_simulate_cad_schedules_a_layout():
 # -- the 1F1B timeline table ----------------------------------------------------------------------------
 
 def test_pp_timeline_rows_match_the_schedule():
-    from cadlib.sim import pp_timeline
+    from cadlib.idle import pp_timeline
     rng = np.random.default_rng(0)
     f = rng.uniform(0.5, 2.0, (3, 5))
     b = 2 * f
@@ -388,7 +388,7 @@ def _whole_docs_once(layout):
 
 
 def test_varlen_chunking_hand_cases():
-    from cadlib.sim import varlen_chunking
+    from cadlib.idle import varlen_chunking
     # longest first to the least-loaded rank: 4 -> r0, 4 -> r1, 2 -> r0 (tie), 2 -> r1
     lay = varlen_chunking([4, 2, 4, 2], 2, cap=6, model=MODEL)
     assert _whole_docs_once(lay)
@@ -404,7 +404,7 @@ def test_varlen_chunking_hand_cases():
 
 
 def test_varlen_chunking_balances_time_not_tokens_and_keeps_the_longest_document_whole():
-    from cadlib.sim import varlen_chunking
+    from cadlib.idle import varlen_chunking
     lens = [65536] + [4096] * 48        # one long document and many short ones, 2 ranks
     seq_idle = simulate_dp(Layout([[(0, 0, 65536), (1, 0, 4096), (2, 0, 4096), (3, 0, 4096),
                                     (4, 0, 4096)], [(d, 0, 4096) for d in range(5, 49)]], lens),
@@ -420,7 +420,7 @@ def test_varlen_chunking_balances_time_not_tokens_and_keeps_the_longest_document
 
 
 def test_straggler_idle_frame_and_validation():
-    from cadlib.sim import straggler_idle
+    from cadlib.idle import straggler_idle
     # equal documents that fill every rank exactly: nobody waits under either packing
     df = straggler_idle("uniform", [2, 4], 8192, length=2048, seeds=(0, 1))
     assert set(df.columns) >= {"dp", "packing", "seed", "idle_fraction", "tokens_per_rank",
