@@ -33,6 +33,7 @@ import torch.distributed as dist
 from . import scheduler
 from .cad import AllToAll, cad_attention, prepare
 from .cost import MODELS, as_model
+from .e2e import overlap
 from .distributed import destroy, init_from_env, log, report_progress, write_result
 from .model import ChunkedCrossEntropy, Decoder, positions, synthetic_tokens
 from .packing import pack
@@ -145,28 +146,6 @@ def allreduce_grads(model, group) -> None:
 
 
 # --------------------------------------------------------------------------------------- metrics
-def _union(spans) -> list[tuple[float, float]]:
-    out: list[list[float]] = []
-    for a, b in sorted(spans):
-        if out and a <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], b)
-        else:
-            out.append([a, b])
-    return [(a, b) for a, b in out]
-
-
-def _length(iv) -> float:
-    return float(sum(b - a for a, b in iv))
-
-
-def _overlap(x, y) -> float:
-    total = 0.0
-    for a, b in x:
-        for c, d in y:
-            total += max(0.0, min(b, d) - max(a, c))
-    return total
-
-
 def step_metrics(rows: list[dict]) -> dict:
     """Milliseconds per category from one step's spans (see the module docstring)."""
     def spans(pred):
@@ -176,13 +155,12 @@ def step_metrics(rows: list[dict]) -> dict:
         return float(sum(b - a for a, b in spans(pred)))
 
     phase = {r["phase"]: r for r in rows if r["lane"] == "step"}
-    comm = _union(spans(lambda r: r["lane"] == "comm"))
-    compute = _union(spans(lambda r: r["lane"] == "compute"))
     fwd_bwd = phase["backward"]["end_ms"] - phase["forward"]["start_ms"]
     attn = total(lambda r: r["lane"] == "compute" and r["phase"].startswith("attn"))
     head = total(lambda r: r["lane"] == "compute" and r["phase"].startswith("head"))
-    comm_ms = _length(comm)
-    exposed = comm_ms - _overlap(comm, compute)
+    ov = overlap(rows)
+    comm_ms = ov["comm_ms"]
+    exposed = comm_ms - ov["overlapped_ms"]
     return {"step_ms": phase["optimizer"]["end_ms"] - phase["forward"]["start_ms"],
             "fwd_bwd_ms": fwd_bwd, "layers_ms": fwd_bwd - head, "attention_ms": attn, "head_ms": head,
             "comm_ms": comm_ms, "comm_exposed_ms": exposed,
