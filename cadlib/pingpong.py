@@ -115,7 +115,7 @@ class _SpanEnd(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.box["start"] = ctx.tl._mark()
+        ctx.box["start"] = ctx.tl.mark()
         return (None, None, *grads)
 
 
@@ -130,7 +130,7 @@ class _SpanStart(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         if "start" in ctx.box:
-            ctx.tl._spans.append((ctx.lane, ctx.phase, ctx.box.pop("start"), ctx.tl._mark()))
+            ctx.tl.add(ctx.lane, ctx.phase, ctx.box.pop("start"), ctx.tl.mark())
         return (None, None, None, None, *grads)
 
 

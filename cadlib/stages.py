@@ -74,7 +74,8 @@ class Timeline:
         self._spans: list = []
         self._origin = None
 
-    def _mark(self):
+    def mark(self):
+        """A point in time on the current stream (a recorded CUDA event; the wall clock on CPU)."""
         if self.cuda:
             ev = torch.cuda.Event(enable_timing=True)
             ev.record()
@@ -83,18 +84,22 @@ class Timeline:
 
     def origin(self) -> None:
         self._spans.clear()
-        self._origin = self._mark()
+        self._origin = self.mark()
+
+    def add(self, lane: str, phase: str, start, end) -> None:
+        """Record a span between two :meth:`mark` points."""
+        self._spans.append((lane, phase, start, end))
 
     @contextlib.contextmanager
     def span(self, lane: str, phase: str):
         if not self.enabled:
             yield
             return
-        start = self._mark()
+        start = self.mark()
         try:
             yield
         finally:
-            self._spans.append((lane, phase, start, self._mark()))
+            self.add(lane, phase, start, self.mark())
 
     def _ms(self, a, b) -> float:
         return a.elapsed_time(b) if self.cuda else (b - a) * 1e3
