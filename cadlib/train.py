@@ -35,7 +35,8 @@ from .cad import AllToAll, cad_attention, prepare
 from .cost import MODELS, as_model
 from .e2e import overlap
 from .distributed import destroy, init_from_env, log, report_progress, write_result
-from .model import ChunkedCrossEntropy, Decoder, positions, synthetic_tokens
+from .batches import positions, synthetic_tokens
+from .model import ChunkedCrossEntropy, Decoder
 from .packing import pack
 from .pingpong import _spanned, pingpong_layers, split_nano_batches
 from .stages import SignalOnly, Streams, Timeline, staged_attention

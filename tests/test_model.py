@@ -7,8 +7,8 @@ import torch.nn.functional as F
 
 from cadlib.cost import as_model
 from cadlib.kernels import attend
-from cadlib.model import (IGNORE_INDEX, ChunkedCrossEntropy, Decoder, apply_rope, document_attention,
-                          positions, synthetic_tokens)
+from cadlib.batches import document_attention, positions, synthetic_tokens
+from cadlib.model import IGNORE_INDEX, ChunkedCrossEntropy, Decoder, apply_rope
 from cadlib.plan import Chunk, Layout
 
 DOCS = [5, 9, 3, 7]
