@@ -6,7 +6,7 @@ server ``home % n_servers`` (``home`` itself when there are as many servers as r
 ``mean = total pairs / n_servers`` and the ceiling ``U = (1 + tolerance) * mean``, servers above ``U``
 are **donors**, servers below ``U`` **receivers**. Repeatedly, the most loaded donor ``s`` makes its
 best move: it sheds ``x = min(load_s - U, U - load_r)`` pairs (at least) to a receiver ``r``, as a
-whole task or as a query shard cut from its end or its start (``plan.cut_shards``), never filling
+whole task or as a query shard cut from its end or its start (``shards.cut_shards``), never filling
 ``r`` above ``U``. A donor with no valid move is skipped until a new receiver appears; the loop ends
 when no donor can move. Every move lowers ``sum(max(0, load - U))``, so it ends.
 
@@ -26,7 +26,8 @@ from typing import NamedTuple
 import numpy as np
 
 from .cost import MIN_SHARD_TOKENS, as_model, causal_pairs
-from .plan import Layout, Plan, cut_shards
+from .plan import Layout, Plan
+from .shards import cut_shards
 
 METHODS = ("cad", "equal_flops", "colocated")
 

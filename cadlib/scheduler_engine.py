@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .cost import causal_pairs, imbalance
-from .plan import _rows, cut_shards
+from .shards import _rows, cut_shards
 
 
 @dataclass

@@ -9,7 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cadlib.cost import ModelSpec, causal_pairs
-from cadlib.plan import Layout, cut_shards, layout_from_lists, tri_floor
+from cadlib.plan import Layout, layout_from_lists
+from cadlib.shards import cut_shards, tri_floor
 from cadlib.scheduler import colocated, equal_flops, place, reference_greedy, schedule
 from cadlib.scheduler_engine import Greedy
 

@@ -1,0 +1,80 @@
+"""Cutting a CA-task into query shards: the one cutter (the scheduler's shards, reference and engine,
+come from here).
+
+A causal task ``[a, b)`` of a document carries ``sum_{i=a}^{b-1} (i + 1)`` attention pairs. A shard
+cut from its end ``[b-k, b)`` or its start ``[a, a+k)`` carries ``k(2b + 1 - k) / 2`` or
+``k(2a + 1 + k) / 2`` pairs; finding the ``k`` that carries a given number of pairs solves a
+quadratic, done exactly in integers (:func:`tri_floor`, :func:`tri_ceil`).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+_TRI_EXACT = 2 ** 46
+
+
+def tri_floor(v) -> np.ndarray:
+    """Largest ``c >= 0`` with ``c(c+1) <= v`` (0 where ``v < 2``), exact for int64 ``v``:
+    ``floor((sqrt(4v + 1) - 1) / 2)``. In float64 this is exact below ``2**46``: ``4v + 1`` is exact,
+    at ``v = c(c+1)`` it is the square ``(2c+1)**2`` (correctly rounded sqrt is exact) and just below it
+    the root is ``>= 1/(2c+1)`` under ``c``, far more than the rounding error; larger ``v`` get one
+    integer correction step."""
+    v = np.maximum(np.asarray(v, dtype=np.int64), 0)
+    c = (np.sqrt(v + 0.25) - 0.5).astype(np.int64)    # sqrt(4v + 1) / 2: >= 0, truncation is floor
+    if not v.size or v.max() < _TRI_EXACT:
+        return c
+    w = c * (c + 1)                                    # float sqrt is within one of exact here
+    return c - (w > v) + (w + 2 * (c + 1) <= v)
+
+
+def tri_ceil(v) -> np.ndarray:
+    """Smallest ``c >= 0`` with ``c(c+1) >= v``: ``tri_floor(v - 1) + 1`` for ``v >= 1``, else 0."""
+    v = np.asarray(v, dtype=np.int64)
+    return tri_floor(v - 1) + (v >= 1)
+
+
+def shard_pairs(a, b, k, from_end: bool):
+    """Pairs of the end shard ``[b-k, b)`` (``k(2b + 1 - k) / 2``) or the start shard ``[a, a+k)``
+    (``k(2a + 1 + k) / 2``) of task ``[a, b)``."""
+    return (k * (2 * b + 1 - k)) // 2 if from_end else (k * (2 * a + 1 + k)) // 2
+
+
+def cut_shards(a, b, x, y, min_shard: int) -> tuple[np.ndarray, np.ndarray]:
+    """How many query tokens ``k`` to cut from tasks ``[a, b)`` so that the shard carries at least
+    ``x`` pairs and at most ``y`` (the receiver's room), for both sides at once: returns ``(k, pairs)``,
+    each ``[2, N]``, row 0 the **end** shard ``[b-k, b)``, row 1 the **start** shard ``[a, a+k)``.
+
+    A valid shard leaves both pieces ``>= min_shard`` tokens (``m <= k <= n - m``) or is the whole task
+    (``k = n``). ``k`` is the fewest valid tokens with ``pairs >= x``; if that exceeds ``y``, the most
+    valid tokens with ``pairs <= y`` instead; 0 if none. Causal pairs solve a quadratic: the end shard
+    ``[c, b)`` has ``(b(b+1) - c(c+1)) / 2`` pairs, so the fewest tokens with ``>= x`` pairs are
+    ``k = b - tri_floor(b(b+1) - 2x)``; the start shard ``[a, e)`` has ``(e(e+1) - a(a+1)) / 2``, so
+    ``k = tri_ceil(a(a+1) + 2x) - a``; and with ``y``: ``b - tri_ceil(b(b+1) - 2y)``,
+    ``tri_floor(a(a+1) + 2y) - a``."""
+    a, b = np.asarray(a, dtype=np.int64), np.asarray(b, dtype=np.int64)
+    x2, y2 = 2 * np.asarray(x, dtype=np.int64), 2 * np.asarray(y, dtype=np.int64)
+    m, n = int(min_shard), b - a
+    bb, aa = b * (b + 1), a * (a + 1)
+    # floor roots of b(b+1) - 2x, a(a+1) + 2y; ceiling roots (tri_ceil(v) = tri_floor(v - 1) + [v >= 1])
+    # of a(a+1) + 2x, b(b+1) - 2y: one pass
+    v = _rows(bb - x2, aa + y2, aa + x2 - 1, bb - y2 - 1)
+    r = tri_floor(v)
+    r[2:] += v[2:] >= 0
+    k = _rows(b - r[0], r[2] - a, b - r[3], r[1] - a)         # fewest (end, start), most (end, start)
+    up = np.maximum(k[:2], m)                          # fewest valid tokens >= fewest
+    np.copyto(up, n, where=up > n - m)
+    dn = np.minimum(k[2:], n - m)                      # most valid tokens <= most
+    dn *= dn >= m
+    np.copyto(dn, n, where=k[2:] >= n)
+    kk = np.concatenate((up, dn)).reshape(2, 2, -1)    # [up/down, end/start, N]
+    p = (kk * (_rows(2 * b + 1, 2 * a + 1) + _SIDE * kk)) >> 1   # end k(2b+1-k)/2, start k(2a+1+k)/2
+    ok = p[0] <= y
+    return np.where(ok, up, dn), np.where(ok, p[0], p[1])
+
+
+_SIDE = np.array([[-1], [1]])
+
+
+def _rows(*arrays) -> np.ndarray:
+    """``np.stack`` of equal-length 1-d arrays (faster for small arrays)."""
+    return np.concatenate(arrays).reshape(len(arrays), -1)
