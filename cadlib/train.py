@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 
 import torch
@@ -196,7 +197,8 @@ def parse_args(argv=None):
     p.add_argument("--colocated-impl", default="allgather", choices=("allgather", "all-to-all"),
                    help="per-document CP for colocated/wlb: all-gather (default) or CAD's all-to-all "
                         "with the colocated plan")
-    p.add_argument("--timeline", action="store_true", help="keep the spans of every recorded step")
+    p.add_argument("--timeline", action="store_true",
+                   help="keep the spans of every recorded step (else of the last one)")
     p.add_argument("--dump-grads", default=None, help="folder: rank 0 saves the first step's gradients")
     args = p.parse_args(argv)
     methods = args.methods.split(",")
@@ -254,7 +256,6 @@ def main(argv=None) -> int:
             with tl.span("step", "allreduce"):
                 allreduce_grads(model, env.group)
             if args.dump_grads and i == 0 and env.rank == 0:
-                import os
                 os.makedirs(args.dump_grads, exist_ok=True)
                 torch.save({n: p.grad.detach().float().cpu() for n, p in model.named_parameters()},
                            f"{args.dump_grads}/{method}.pt")
@@ -275,8 +276,10 @@ def main(argv=None) -> int:
                    **step_metrics(rows),
                    "peak_mem_gib": torch.cuda.max_memory_allocated(env.device) / 2**30 if cuda else None}
             records.append(rec)
-            if args.timeline or i == args.warmup + args.steps - 1:
-                timelines[method] = rows
+            if args.timeline:
+                timelines.setdefault(method, []).append(rows)      # every recorded step
+            elif i == args.warmup + args.steps - 1:
+                timelines[method] = rows                           # the last step only
             if env.rank == 0:
                 log(f"{method:>12} batch {b}: loss {rec['loss']:.5f} step {rec['step_ms']:.1f} ms "
                     f"(attn {rec['attention_ms']:.1f}, comm {rec['comm_ms']:.1f} exposed "
