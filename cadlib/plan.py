@@ -197,14 +197,15 @@ class Plan:
 
     @classmethod
     def from_arrays(cls, layout: Layout, doc, q_start, q_end, home, server, n_servers: int | None = None,
-                    meta: dict | None = None, chunks: np.ndarray | None = None) -> "Plan":
+                    meta: dict | None = None, chunks: np.ndarray | None = None, check: bool = True) -> "Plan":
         """A plan from parallel task arrays, without the coverage check (call :meth:`validate`).
-        ``chunks`` (``layout.chunk_array()``) may be passed when already at hand."""
+        ``chunks`` (``layout.chunk_array()``) may be passed when already at hand. ``check=False`` skips
+        the range checks too (for arrays the scheduler built from the layout's own chunks)."""
         self = cls.__new__(cls)
-        self._init(layout, [doc, q_start, q_end, home, server], n_servers, meta, chunks)
+        self._init(layout, [doc, q_start, q_end, home, server], n_servers, meta, chunks, check)
         return self
 
-    def _init(self, layout, cols, n_servers, meta, chunks) -> None:
+    def _init(self, layout, cols, n_servers, meta, chunks, check: bool = True) -> None:
         if not isinstance(layout, Layout):
             raise ValueError(f"layout must be a cadlib.plan.Layout, got {type(layout).__name__}")
         self.layout = layout
@@ -217,6 +218,8 @@ class Plan:
         n = {c.size for c in (self.doc, self.q_start, self.q_end, self.home, self.server)}
         if len(n) != 1:
             raise ValueError(f"task arrays must have one length, got lengths {sorted(n)}")
+        if not check:
+            return
         lens = np.asarray(layout.doc_lens, dtype=np.int64)
         bad = ~((self.doc >= 0) & (self.doc < layout.n_docs))
         bad |= ~((0 <= self.q_start) & (self.q_start < self.q_end))

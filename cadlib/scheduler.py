@@ -238,7 +238,7 @@ def place(layout: Layout, method: str = "cad", n_servers: int | None = None, mod
             "moved_bytes": g.moved_bytes, "guard": False}
     if method == "cad" and guard and g.n_moves:                # no move: equal_flops makes none either
         e = Greedy(ch, layout.n_docs, S, tol, m, qb, kvb, "flops")
-        e.prepare_from(g)
+        e.prepare(g.ix)
         e_reached = e.run()
         if reached != e_reached:
             better = e_reached
@@ -254,7 +254,7 @@ def place(layout: Layout, method: str = "cad", n_servers: int | None = None, mod
     meta["loop_seconds"] = t2 - t1
     meta["seconds"] = time.perf_counter() - t0
     return Plan.from_arrays(layout, cols.doc, cols.q_start, cols.q_end, cols.home, cols.server,
-                            n_servers=S, meta=meta, chunks=ch)
+                            n_servers=S, meta=meta, chunks=ch, check=False)
 
 
 def schedule(layout: Layout, n_servers: int | None = None, model=None, tolerance: float = 0.1,

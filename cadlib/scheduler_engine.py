@@ -3,9 +3,15 @@
 
 State: the chunks of the layout are the original tasks (arrays ``a``, ``b``, ``server`` change as
 tasks shrink or move); shards cut off are appended to ``shards`` (they sit on receivers, which never
-give work away, so they never move again). Per (server, doc) ``need`` is the end of the KV prefix the
-server fetches (``max q_end`` of its tasks of the doc). ``owned(g, d, e)`` (tokens of ``[0, e)`` of
-``d`` that rank ``g`` holds) is a binary search in the chunks sorted by ``(rank, doc, start)``.
+give work away, so they never move again). What never changes (the chunks of each document, what each
+rank holds, the colocated prefix ends) is in :class:`cadlib.scheduler_index.ChunkIndex`; per (server,
+doc) the prefix end ``need`` the server fetches (``max q_end`` of its tasks of the doc) is the index's
+colocated value, overridden (``over_key``, ``over_end``) once a move changes it (bytes mode only).
+
+A donor's tasks change only when it moves, so what the candidates of its tasks need from them (a
+:class:`DonorView`) is built for every donor at once when the greedy starts and again for a donor after
+it has moved. ``mode="flops"`` (``equal_flops``) does not price moves: its forward bytes are those of
+its final tasks less the colocated ones, on the documents it touched, counted once at the end.
 """
 from __future__ import annotations
 
@@ -13,8 +19,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .cost import causal_pairs, imbalance
-from .shards import _rows, cut_shards
+from .cost import imbalance
+from .scheduler_index import ChunkIndex, other_ends
+from .shards import cut_shards
 
 
 @dataclass
@@ -29,39 +36,33 @@ class TaskArrays:
 
 
 @dataclass
-class Candidates:
-    """One donor's candidate moves, one entry per (task, receiver): task index ``task``, its ``doc``,
-    query range ``[a, b)`` and ``home``, the ``receiver`` and, for the KV accounting, the receiver's
-    prefix end ``need_r`` and the donor's prefix end without this task ``other_s``."""
-
-    task: np.ndarray
-    doc: np.ndarray
-    a: np.ndarray
-    b: np.ndarray
-    home: np.ndarray
-    receiver: np.ndarray
-    need_r: np.ndarray
-    other_s: np.ndarray
-    avail: np.ndarray | None = None
-
-
-@dataclass
 class DonorView:
-    """A donor's live tasks (plan indices ``tasks`` and their fields), the donor's prefix end for the
-    task's document without the task (``other``), the pairs of the task's smallest valid move
-    (``min_pairs``), and the chunks of the task's document (``rep``: which task, ``chunk``, its
-    ``holder`` rank or -1 when that rank is not a server)."""
+    """A donor's live tasks (plan indices ``tasks`` and their fields) and the pairs of each task's
+    smallest valid move (``min_pairs``); bytes mode also: the donor's prefix end for the task's document
+    without the task (``other``), the KV tokens the donor fetches for that document now (``kv_now``),
+    and the chunks of the task's document (``rep``: which task, ``chunk``, its ``holder`` rank or -1
+    when that rank is not a server; ``holder_s``: those that are other servers), with ``task3``,
+    ``mp3``: the task and its ``min_pairs`` of each (task, receiver) row of a move's candidates (a
+    chunk's server, its holder, the emptiest receiver)."""
 
     tasks: np.ndarray
     doc: np.ndarray
     a: np.ndarray
     b: np.ndarray
     home: np.ndarray
-    other: np.ndarray | None
     min_pairs: np.ndarray
+    other: np.ndarray | None = None
+    kv_now: np.ndarray | None = None
     rep: np.ndarray | None = None
     chunk: np.ndarray | None = None
     holder: np.ndarray | None = None
+    holder_s: np.ndarray | None = None
+    task3: np.ndarray | None = None
+    mp3: np.ndarray | None = None
+
+
+_PER_TASK = {"flops": ("tasks", "doc", "a", "b", "home", "min_pairs"),
+             "bytes": ("tasks", "doc", "a", "b", "home", "min_pairs", "other", "kv_now")}
 
 
 @dataclass
@@ -72,6 +73,7 @@ class Move:
     pairs: int
     from_end: bool
     bytes: int
+    at: int = -1                  # the task's place in the donor's view
 
 
 class Greedy:
@@ -81,269 +83,212 @@ class Greedy:
                  q_bytes: int, kv_bytes: int, mode: str):
         S = self.S = int(n_servers)
         self.n_docs, self.m, self.qb, self.kvb, self.mode = n_docs, int(min_shard), q_bytes, kv_bytes, mode
-        self.chunks = chunks
-        self.doc, self.a, self.b, self.home = (chunks[:, i].copy() for i in range(4))
-        self.server = self.home % S
-        self.load = np.bincount(self.server, weights=causal_pairs(self.a, self.b),
-                                minlength=S).astype(np.int64)
-        self.U = (1.0 + tolerance) * self.load.sum() / S
+        self.chunks = chunks = np.asarray(chunks, dtype=np.int64)
+        # few large temporaries (each is fresh memory, page faults, at 10^5 chunks): doc and home are
+        # views of the chunks, server too until the first move (prepare copies it)
+        self.doc, self.home = chunks[:, 0], chunks[:, 3]
+        self.a, self.b = chunks[:, 1].copy(), chunks[:, 2].copy()      # change as tasks shrink
+        self.server = self.home % S if self.home.size and int(self.home.max()) >= S else self.home
+        self.pairs = pairs = self.b + 1
+        pairs *= self.b
+        aa = self.a + 1
+        aa *= self.a
+        pairs -= aa
+        pairs //= 2
+        srv = self.server
+        if not srv.size or bool((srv[1:] >= srv[:-1]).all()):   # rank-major chunks: servers in order
+            self.by_srv, cum = None, np.cumsum(pairs)
+            self.srv_ptr = srv.searchsorted(np.arange(S + 1))
+        else:
+            self.by_srv = np.argsort(srv, kind="stable")
+            self.srv_ptr = srv[self.by_srv].searchsorted(np.arange(S + 1))
+            cum = np.cumsum(pairs[self.by_srv])
+        at = np.where(self.srv_ptr > 0, cum[self.srv_ptr - 1] if cum.size else 0, 0)
+        self.load = at[1:] - at[:-1]
+        self.U = (1.0 + tolerance) * int(at[-1]) / S
         self.imbalance_before = self.imbalance()
-        self.prepared = False
+        self.ix: ChunkIndex | None = None
         self.shards: list[tuple[int, int, int, int, int]] = []
         self.shard_servers: dict[int, set[int]] = {}          # doc -> servers given shards of it
         self.has_shard = np.zeros(n_docs, dtype=bool)
-        by_srv = np.argsort(self.server, kind="stable")
-        ptr = np.searchsorted(self.server[by_srv], np.arange(S + 1))
-        self.live = {s: by_srv[ptr[s]:ptr[s + 1]] for s in np.flatnonzero(self.load > self.U).tolist()}
+        self.live: dict[int, np.ndarray] = {}
         self.stuck: set[int] = set()
         self.views: dict[int, DonorView] = {}
+        self.touched: set[int] = set()                         # documents the moves changed
         self.n_moves = self.n_splits = 0
         self.moved_bytes = 0                                   # forward bytes added by the moves (exact)
 
-    def prepare_from(self, other: "Greedy") -> None:
-        """Take ``other``'s chunk index (same chunks and servers, not yet moved: its initial state)."""
-        for name in ("by_doc", "doc_ptr", "holder_of", "big", "own_key", "own_grp", "own_a", "own_b",
-                     "own_cum"):
-            setattr(self, name, getattr(other, name))
-        self.need_key, self.need_end = other.need_key, other.need_end
-        self.need_over, self.doc_over = {}, np.zeros(self.n_docs, dtype=bool)
-        self.prepared = True
-
-    def prepare(self) -> None:
-        """Index the chunks (only once there is a donor): per document its chunks (``by_doc`` order:
-        their servers may change, their holders do not); for ``owned`` the chunks sorted by
-        ``(rank, doc, start)`` with cumulative lengths; the prefix end ``need`` per (server, doc)."""
-        self.prepared = True
-        S, n_docs = self.S, self.n_docs
-        self.by_doc = np.argsort(self.doc, kind="stable")
-        self.doc_ptr = np.searchsorted(self.doc[self.by_doc], np.arange(n_docs + 1))
-        holder = self.home[self.by_doc]
-        self.holder_of = np.where(holder < S, holder, -1)
-        # owned(g, d, e): chunks sorted by (rank, doc, start), cumulative lengths
-        self.big = int(self.b.max(initial=0)) + 1
-        o = np.lexsort((self.a, self.doc, self.home))
-        self.own_key = (self.home[o] * n_docs + self.doc[o]) * self.big + self.a[o]
-        self.own_grp = self.home[o] * n_docs + self.doc[o]
-        self.own_a, self.own_b = self.a[o], self.b[o]
-        self.own_cum = np.r_[0, np.cumsum(self.own_b - self.own_a)]
-        # need at the start: sorted keys server * n_docs + doc and their max q_end; changes go to the
-        # dict need_over (doc_over flags their documents)
-        key = self.server * n_docs + self.doc
-        o = np.argsort(key, kind="stable")
-        k = key[o]
-        first = np.flatnonzero(np.concatenate(([True], k[1:] != k[:-1]))) if k.size else k
-        self.need_key = k[first]
-        self.need_end = np.maximum.reduceat(self.b[o], first) if k.size else k
-        self.need_over: dict[int, int] = {}
-        self.doc_over = np.zeros(n_docs, dtype=bool)
+    def prepare(self, index: ChunkIndex | None = None) -> None:
+        """Index the chunks (only once there is a donor; ``index``: another greedy's, built on the same
+        chunks and servers) and build every donor's view."""
+        if self.server.base is not None:
+            self.server = self.server.copy()                   # servers change from now on
+        self.ix = index or ChunkIndex(self.doc, self.a, self.b, self.home, self.server, self.n_docs, self.S)
+        self.over_key = self.over_end = np.zeros(0, dtype=np.int64)    # changed prefix ends (bytes mode)
+        donors = np.flatnonzero(self.load > self.U).tolist()
+        p = self.srv_ptr
+        self.live = {s: (np.arange(p[s], p[s + 1]) if self.by_srv is None else self.by_srv[p[s]:p[s + 1]])
+                     for s in donors}
+        self.build_views(donors)
 
     def need(self, g: np.ndarray, d: np.ndarray) -> np.ndarray:
         """The prefix end server ``g`` fetches of document ``d`` (0 if it serves none), elementwise."""
         key = g * self.n_docs + d
-        if not self.need_key.size:
-            return np.zeros_like(key)
-        i = np.minimum(np.searchsorted(self.need_key, key), self.need_key.size - 1)
-        out = np.where(self.need_key[i] == key, self.need_end[i], 0)
-        if self.need_over:
-            get = self.need_over.get
-            for j in np.flatnonzero(self.doc_over[d]).tolist():
-                out[j] = get(int(key[j]), out[j])
+        out = np.zeros_like(key)
+        for k, end in ((self.ix.need_key, self.ix.need_end), (self.over_key, self.over_end)):
+            if k.size:                                         # the colocated value, then the changed one
+                i = np.minimum(k.searchsorted(key), k.size - 1)
+                out = np.where(k[i] == key, end[i], out)
         return out
 
-    # -- helpers ----------------------------------------------------------------------------------
+    def need1(self, g: int, d: int) -> int:
+        """``need`` of one server and document."""
+        key = g * self.n_docs + d
+        for k, end in ((self.over_key, self.over_end), (self.ix.need_key, self.ix.need_end)):
+            i = int(k.searchsorted(key))
+            if i < k.size and k[i] == key:
+                return int(end[i])
+        return 0
+
+    def set_need(self, g: int, d: int, end: int) -> None:
+        key = g * self.n_docs + d
+        i = int(self.over_key.searchsorted(key))
+        if i < self.over_key.size and self.over_key[i] == key:
+            self.over_end[i] = end
+        else:
+            self.over_key = np.concatenate((self.over_key[:i], [key], self.over_key[i:]))
+            self.over_end = np.concatenate((self.over_end[:i], [end], self.over_end[i:]))
+
     def imbalance(self) -> float:
         return imbalance(self.load)
 
     def reached(self) -> bool:
-        return bool(np.all(self.load <= self.U))
+        return bool(self.load.max(initial=0) <= self.U)
 
-    def owned(self, g: np.ndarray, d: np.ndarray, e: np.ndarray) -> np.ndarray:
-        """Tokens of ``[0, e)`` of documents ``d`` held by ranks ``g`` (elementwise)."""
-        grp = g * self.n_docs + d
-        lo = np.searchsorted(self.own_grp, grp, side="left")
-        j = np.searchsorted(self.own_key, grp * self.big + e, side="left") - 1   # last chunk starting < e
-        ok = j >= lo
-        j = np.maximum(j, 0)
-        part = np.minimum(e, self.own_b[j]) - self.own_a[j]
-        return np.where(ok, self.own_cum[j] - self.own_cum[lo] + part, 0)
-
-    def kv(self, g, d, e):
-        """KV tokens server ``g`` fetches to serve ``d`` up to ``e``: ``e - owned(g, d, e)``."""
-        return e - self.owned(g, d, e)
+    # -- donor views ------------------------------------------------------------------------------
+    def build_views(self, servers: list[int]) -> None:
+        """The :class:`DonorView` of each of ``servers`` (donors), from one numpy pass over their
+        tasks."""
+        idx = [self.live[s][self.server[self.live[s]] == s] for s in servers]
+        for s, i in zip(servers, idx):
+            self.live[s] = i
+        cnt = np.array([i.size for i in idx], dtype=np.int64)
+        idx = np.concatenate(idx) if idx else np.zeros(0, dtype=np.int64)
+        d, a, b = self.doc[idx], self.a[idx], self.b[idx]
+        e = np.where(b - a >= 2 * self.m, a + self.m, b)             # smallest valid move: m start tokens
+        mp = (e * (e + 1) - a * (a + 1)) // 2
+        cols = {"tasks": idx, "doc": d, "a": a, "b": b, "home": self.home[idx], "min_pairs": mp}
+        ends = np.cumsum(cnt)
+        if self.mode == "bytes":
+            srv = np.repeat(np.asarray(servers, dtype=np.int64), cnt)
+            other = other_ends(srv * self.n_docs + d, b)
+            cols["other"] = other
+            cols["kv_now"] = self.ix.kv(srv, d, np.maximum(other, b))
+            lo, n_ch = self.ix.doc_ptr[d], self.ix.doc_ptr[d + 1] - self.ix.doc_ptr[d]
+            rep = np.repeat(np.arange(idx.size), n_ch)
+            pos = np.repeat(lo - np.cumsum(n_ch) + n_ch, n_ch) + np.arange(rep.size)
+            chunk, holder = self.ix.by_doc[pos], self.ix.holder_of[pos]
+            rep_at = np.r_[0, np.cumsum(n_ch)][np.r_[0, ends]].tolist()
+        ends = np.r_[0, ends].tolist()
+        for j, s in enumerate(servers):
+            lo, hi = ends[j], ends[j + 1]
+            v = DonorView(**{k: c[lo:hi] for k, c in cols.items()})
+            if self.mode == "bytes":
+                r0, r1 = rep_at[j], rep_at[j + 1]
+                v.rep, v.chunk, v.holder = rep[r0:r1] - lo, chunk[r0:r1], holder[r0:r1]
+                self.candidate_rows(s, v)
+            self.views[s] = v
 
     # -- one move ---------------------------------------------------------------------------------
-    @staticmethod
-    def other_ends(d: np.ndarray, b: np.ndarray) -> np.ndarray:
-        """Per task of one server (documents ``d``, ends ``b``), the server's prefix end for the document
-        without this task: the largest ``b`` of its other tasks of that document (0 if none)."""
-        o = np.lexsort((b, d))
-        ds, bs = d[o], b[o]
-        new_doc = np.concatenate(([True], ds[1:] != ds[:-1]))
-        last = np.concatenate((ds[1:] != ds[:-1], [True]))
-        top = np.repeat(bs[last], np.diff(np.concatenate(([0], np.flatnonzero(last) + 1))))
-        second = np.where(new_doc, 0, np.concatenate(([0], bs[:-1])))
-        other = np.empty_like(bs)
-        other[o] = np.where(last, second, top)
-        return other
-
-    def donor_view(self, s: int) -> DonorView | None:
-        """Donor ``s``'s tasks and what about them stays fixed until ``s`` itself moves (kept until
-        then): per task its document, the donor's prefix end without it, the fewest pairs any valid
-        move of it carries, and (bytes mode) the chunks of its document."""
-        v = self.views.get(s)
-        if v is not None:
-            return v
-        idx = self.live[s] = self.live[s][self.server[self.live[s]] == s]
-        if not idx.size:
-            return None
-        d, a, b = self.doc[idx], self.a[idx], self.b[idx]
-        other = self.other_ends(d, b) if self.mode == "bytes" else None
-        e = np.where(b - a >= 2 * self.m, a + self.m, b)             # smallest valid move: m start tokens
-        v = DonorView(tasks=idx, doc=d, a=a, b=b, home=self.home[idx], other=other,
-                      min_pairs=(e * (e + 1) - a * (a + 1)) // 2)
-        if self.mode == "bytes":
-            lo, cnt = self.doc_ptr[d], self.doc_ptr[d + 1] - self.doc_ptr[d]
-            v.rep = np.repeat(np.arange(idx.size), cnt)
-            pos = lo[v.rep] + np.arange(v.rep.size) - np.repeat(np.cumsum(cnt) - cnt, cnt)
-            v.chunk, v.holder = self.by_doc[pos], self.holder_of[pos]
-        self.views[s] = v
-        return v
-
-    def candidates(self, s: int, g: int) -> Candidates | None:
-        """Donor ``s``'s (task, receiver) pairs: receivers serving or holding part of the task's
-        document, and the emptiest receiver ``g``; only receivers below ``U`` with room for the task's
-        smallest valid move."""
-        v = self.donor_view(s)
-        if v is None:
-            return None
-        room = np.floor(self.U - self.load)
-        if self.mode == "flops":
-            task = np.flatnonzero(v.min_pairs <= room[g])
-            recv = np.full(task.size, g)
-            avail = None
-        else:
-            n = v.tasks.size
-            extra_t, extra_r = [], []
-            if self.shard_servers:
-                for i in np.flatnonzero(self.has_shard[v.doc]).tolist():
-                    for r in self.shard_servers[int(v.doc[i])]:
-                        extra_t.append(i)
-                        extra_r.append(r)
-            srv = self.server[v.chunk]
-            task = np.concatenate((v.rep, v.rep, np.arange(n), np.array(extra_t, dtype=np.int64)))
-            recv = np.concatenate((srv, v.holder, np.full(n, g), np.array(extra_r, dtype=np.int64)))
-            keep = (recv >= 0) & (recv != s)
-            keep &= v.min_pairs[task] <= room[recv]                  # room for the smallest valid move
-            mark = np.zeros((n, self.S), dtype=bool)                 # each (task, receiver) once, sorted
-            mark[task[keep], recv[keep]] = True
-            task, recv = np.nonzero(mark)
-            # pairs of each task's document that donors could shed: sum over its chunks on donors of
-            # min(pairs, the donor's excess)
-            ca, cb = self.a[v.chunk], self.b[v.chunk]
-            ex = np.maximum(self.load[srv] - self.U, 0)
-            avail = np.bincount(v.rep, weights=np.minimum(ex, (cb * (cb + 1) - ca * (ca + 1)) // 2),
-                                minlength=n)[task]
-        if not task.size:
-            return None
-        dd = v.doc[task]
-        need_r = self.need(recv, dd)
-        return Candidates(task=v.tasks[task], doc=dd, a=v.a[task], b=v.b[task], home=v.home[task],
-                          receiver=recv, need_r=need_r, other_s=v.other[task], avail=avail)
-
     def best_move(self, s: int) -> Move | None:
-        """Donor ``s``'s lowest-priority move (``reference_greedy``'s formula, vectorised)."""
-        recv = self.load < self.U
-        if not recv.any():
+        """Donor ``s``'s lowest-priority move (``reference_greedy``'s formula, vectorised), to one of:
+        receivers serving or holding part of the task's document, and the emptiest receiver ``g``; only
+        receivers below ``U`` with room for the task's smallest valid move."""
+        load, U = self.load, self.U
+        g = int(load.argmin())                                  # the emptiest receiver (first on ties)
+        if load[g] >= U:
             return None
-        g = int(np.argmax(np.where(recv, self.U - self.load, -np.inf)))
+        if s not in self.views:
+            self.build_views([s])
+        v = self.views[s]
+        if not v.tasks.size:
+            return None
         if self.mode == "flops":
-            return self.largest_move(s, g)
-        c = self.candidates(s, g)
-        if c is None:
+            return self.largest_move(s, g, v)
+        n = v.tasks.size
+        room = np.floor(U - load)
+        srv = self.server[v.chunk]
+        task, recv, mp = v.task3, np.concatenate((srv, v.holder_s, np.full(n, g))), v.mp3
+        if self.shard_servers:
+            extra = [(i, r) for i in np.flatnonzero(self.has_shard[v.doc]).tolist()
+                     for r in self.shard_servers[int(v.doc[i])]]
+            if extra:
+                et, er = np.array(extra, dtype=np.int64).T
+                task, recv, mp = (np.concatenate(z) for z in ((task, et), (recv, er), (mp, v.min_pairs[et])))
+        keep = (recv != s) & (mp <= room[recv])                   # room for the smallest valid move
+        mark = np.zeros(n * self.S, dtype=bool)                   # each (task, receiver) once, sorted
+        mark[task[keep] * self.S + recv[keep]] = True
+        col, recv = np.divmod(mark.nonzero()[0], self.S)
+        if not col.size:
             return None
-        room = self.U - self.load[c.receiver]
-        x = np.maximum(np.ceil(np.minimum(self.load[s] - self.U, room)), 1).astype(np.int64)
+        # pairs of each task's document that donors could shed: sum over its chunks on donors of
+        # min(pairs, the donor's excess)
+        avail = np.bincount(v.rep, weights=np.minimum(np.maximum(load[srv] - U, 0), self.pairs[v.chunk]),
+                            minlength=n)
+        d, a, b, h = v.doc[col], v.a[col], v.b[col], v.home[col]
+        need_r = self.need(recv, d)
+        room = U - load[recv]
+        excess = load[s] - U
+        x = np.maximum(np.ceil(np.minimum(excess, room)), 1).astype(np.int64)
         y = np.floor(room).astype(np.int64)
-        k, p = cut_shards(c.a, c.b, x, y, self.m)                 # [2, N]: end row, start row
+        k, p = cut_shards(a, b, x, y, self.m)                     # [2, N]: end row, start row
         valid = (k > 0) & (p <= y)
-        whole = k == c.b - c.a
-        if self.mode == "flops":
-            valid[1] = False                                      # end shards only, largest first
-            byt = np.zeros_like(k)
-            prio = -p.astype(np.float64)
-        else:
-            e = _rows(c.b, c.a + k[1])                            # the shard's KV prefix end
-            left = _rows(c.b - k[0], c.b)                         # end of what s keeps of the task
-            left *= ~whole
-            # one batched kv(): receiver after (2 sides), before; donor after (2 sides), before
-            N = c.task.size
-            g = np.concatenate((c.receiver, c.receiver, c.receiver, np.full(3 * N, s)))
-            ends = np.concatenate((np.maximum(c.need_r, e).ravel(), c.need_r,
-                                   np.maximum(c.other_s, left).ravel(), np.maximum(c.other_s, c.b)))
-            kvs = self.kv(g, np.concatenate((c.doc,) * 6), ends)
-            r_after, r_before = kvs[:2 * N].reshape(2, N), kvs[2 * N:3 * N]
-            s_after, s_before = kvs[3 * N:5 * N].reshape(2, N), kvs[5 * N:]
-            kv_r = r_after - r_before                             # [end, start] x N
-            kv_s = s_after - s_before
-            q = (c.home != c.receiver).astype(np.int64) - (c.home != s)
-            byt = self.qb * k * q + self.kvb * (kv_r + kv_s)
-            bundle = np.maximum(np.minimum(room, c.avail), p)
-            cost = np.maximum(byt - self.kvb * kv_r + self.kvb * kv_r * p / bundle, np.minimum(byt, 0))
-            prio = cost / np.maximum(p, 1)
-            excess = self.load[s] - self.U
-            clears = valid & (p >= excess)
-            if clears.any():                                      # a partial move: + the cheapest clearing
-                prio = np.where(clears, prio, (cost + cost[clears].min()) / excess)
+        # KV of the receiver after (its prefix end grows to the shard's, b or a + k) and before; of the
+        # donor after (its prefix end is the other tasks' or what it keeps, b - k or b; 0 if whole)
+        N = col.size
+        e = np.concatenate((b, a + k[1])).reshape(2, N)
+        left = np.concatenate((b - k[0], b)).reshape(2, N) * (k != b - a)
+        kvs = self.ix.kv(np.concatenate((recv, recv, recv, np.full(2 * N, s))), np.concatenate((d,) * 5),
+                         np.concatenate((np.maximum(need_r, e).ravel(), need_r,
+                                         np.maximum(v.other[col], left).ravel()))).reshape(5, N)
+        kv_r = kvs[:2] - kvs[2]                                   # [end, start] x N
+        kv_s = kvs[3:] - v.kv_now[col]
+        byt = self.qb * k * ((h != recv).astype(np.int64) - (h != s)) + self.kvb * (kv_r + kv_s)
+        bundle = np.maximum(np.minimum(room, avail[col]), p)
+        kvb_r = self.kvb * kv_r
+        cost = np.maximum(byt - kvb_r + kvb_r * p / bundle, np.minimum(byt, 0))
+        prio = cost / np.maximum(p, 1)
+        clears = valid & (p >= excess)
+        if clears.any():                                          # a partial move: + the cheapest clearing
+            prio = np.where(clears, prio, (cost + cost[clears].min()) / excess)
         prio = np.where(valid, prio, np.inf).ravel()
         best = np.flatnonzero(prio == prio.min())
         if not np.isfinite(prio[best[0]]):
             return None
         if best.size > 1:                                         # ties: larger P, task, receiver, end
-            N = c.task.size
-            side, col = np.divmod(best, N)
-            best = best[np.lexsort((side, c.receiver[col], c.task[col], -p.ravel()[best]))]
-        sd, col = divmod(int(best[0]), c.task.size)
-        return Move(task=int(c.task[col]), receiver=int(c.receiver[col]), k=int(k[sd, col]),
-                    pairs=int(p[sd, col]), from_end=sd == 0, bytes=int(byt[sd, col]))
+            side, c = np.divmod(best, N)
+            best = best[np.lexsort((side, recv[c], v.tasks[col[c]], -p.ravel()[best]))]
+        sd, c = divmod(int(best[0]), N)
+        return Move(task=int(v.tasks[col[c]]), receiver=int(recv[c]), k=int(k[sd, c]),
+                    pairs=int(p[sd, c]), from_end=sd == 0, bytes=int(byt[sd, c]), at=int(col[c]))
 
-    def move_bytes(self, s: int, mv: Move) -> int:
-        """The forward bytes a move adds (``reference_greedy``'s ``bytes``), for one move."""
-        t, r, k = mv.task, mv.receiver, mv.k
-        d, a, b, h = int(self.doc[t]), int(self.a[t]), int(self.b[t]), int(self.home[t])
-        live = self.live[s]
-        mine = live[(self.doc[live] == d) & (self.server[live] == s) & (live != t)]
-        other = int(self.b[mine].max()) if mine.size else 0
-        need_r = int(self.need(np.array([r]), np.array([d]))[0])
-        e = b if mv.from_end else a + k
-        left = 0 if k == b - a else (b - k if mv.from_end else b)
-        kv = self.kv(np.array([r, r, s, s]), np.full(4, d),
-                     np.array([max(need_r, e), need_r, max(other, left), max(other, b)])).tolist()
-        return self.qb * k * (int(h != r) - int(h != s)) + self.kvb * (kv[0] - kv[1] + kv[2] - kv[3])
-
-    def largest_move(self, s: int, g: int) -> Move | None:
+    def largest_move(self, s: int, g: int, v: DonorView) -> Move | None:
         """``equal_flops``: donor ``s``'s largest valid end shard to the emptiest receiver ``g`` (ties:
         the first task)."""
-        v = self.donor_view(s)
-        if v is None:
-            return None
         room = self.U - self.load[g]
         y = int(np.floor(room))
-        ok = np.flatnonzero(v.min_pairs <= y)
-        if not ok.size:
-            return None
         x = max(int(np.ceil(min(self.load[s] - self.U, room))), 1)
-        k, p = cut_shards(v.a[ok], v.b[ok], x, y, self.m)
-        pe = np.where((k[0] > 0) & (p[0] <= y), p[0], -1)
-        i = int(np.argmax(pe))
+        k, p = cut_shards(v.a, v.b, x, y, self.m, sides=1)
+        k, p = k[0], p[0]
+        pe = np.where((k > 0) & (p <= y) & (v.min_pairs <= y), p, -1)
+        i = int(pe.argmax())
         if pe[i] < 0:
             return None
-        return Move(task=int(v.tasks[ok[i]]), receiver=g, k=int(k[0, i]), pairs=int(p[0, i]), from_end=True,
-                    bytes=0)
+        return Move(int(v.tasks[i]), g, int(k[i]), int(p[i]), True, 0, i)
 
     def apply(self, s: int, mv: Move) -> None:
         t, r, k = mv.task, mv.receiver, mv.k
         d, a, b, h = int(self.doc[t]), int(self.a[t]), int(self.b[t]), int(self.home[t])
-        self.moved_bytes += mv.bytes if self.mode == "bytes" else self.move_bytes(s, mv)
         if k == b - a:
             self.server[t] = r
             e = b
@@ -352,45 +297,101 @@ class Greedy:
             self.shards.append((d, lo, hi, h, r))
             self.shard_servers.setdefault(d, set()).add(r)
             self.has_shard[d] = True
+            self.pairs[t] -= mv.pairs
             if mv.from_end:
                 self.b[t] = b - k
             else:
                 self.a[t] = a + k
             e = hi
             self.n_splits += 1
-        rk, sk = r * self.n_docs + d, s * self.n_docs + d
-        self.need_over[rk] = max(int(self.need(np.array([r]), np.array([d]))[0]), e)
-        self.doc_over[d] = True
-        mine = self.live[s][(self.doc[self.live[s]] == d) & (self.server[self.live[s]] == s)]
-        if mine.size:
-            self.need_over[sk] = int(self.b[mine].max())
-        else:
-            self.need_over[sk] = 0
-        self.views.pop(s, None)                                # its tasks changed
+        self.touched.add(d)
         self.load[s] -= mv.pairs
         self.load[r] += mv.pairs
         self.n_moves += 1
+        v = self.views.pop(s)
+        if self.mode == "bytes":
+            self.moved_bytes += mv.bytes
+            mine = v.tasks[v.doc == d]
+            self.set_need(r, d, max(self.need1(r, d), e))
+            self.set_need(s, d, int(self.b[mine[self.server[mine] == s]].max(initial=0)))
+        if self.load[s] > self.U:                              # still a donor: its view, updated
+            self.views[s] = self.shrink_view(s, v, mv.at, k == b - a, d)
         if self.load[s] < self.U:
             self.stuck.clear()                                 # a new receiver: retry stuck donors
 
+    def shrink_view(self, s: int, v: DonorView, i: int, whole: bool, d: int) -> DonorView:
+        """Donor ``s``'s view ``v`` after its ``i``-th task (of document ``d``) moved (``whole``) or
+        shrank."""
+        if whole:
+            keep = np.arange(v.tasks.size) != i
+            w = DonorView(**{f: getattr(v, f)[keep] for f in _PER_TASK[self.mode]})
+            if self.mode == "bytes":
+                kc = v.rep != i
+                w.rep, w.chunk, w.holder = v.rep[kc], v.chunk[kc], v.holder[kc]
+                w.rep -= w.rep > i
+            v = w
+        else:
+            t = int(v.tasks[i])
+            a, b = int(self.a[t]), int(self.b[t])
+            v.a[i], v.b[i] = a, b
+            e = a + self.m if b - a >= 2 * self.m else b
+            v.min_pairs[i] = (e * (e + 1) - a * (a + 1)) // 2
+        if self.mode == "bytes":
+            sel = np.flatnonzero(v.doc == d)                   # its tasks of d: the others' prefix ends
+            bs = v.b[sel].tolist()
+            top = max(bs, default=0)
+            second = max((x for x in bs if x != top), default=0) if bs.count(top) == 1 else top
+            for j, bj in zip(sel.tolist(), bs):
+                v.other[j] = second if bj == top else top
+            v.kv_now[sel] = top - self.ix.owned1(s, d, top)
+            self.candidate_rows(s, v)
+        return v
+
+    @staticmethod
+    def candidate_rows(s: int, v: DonorView) -> None:
+        """The task and its ``min_pairs`` of each row of donor ``s``'s candidates but the shard
+        servers': its document's chunks' servers, their holders (other servers), the emptiest receiver."""
+        h = (v.holder >= 0) & (v.holder != s)
+        v.holder_s = v.holder[h]
+        v.task3 = np.concatenate((v.rep, v.rep[h], np.arange(v.tasks.size)))
+        v.mp3 = v.min_pairs[v.task3]
+
     def run(self) -> bool:
         """Move until no donor can: the most loaded donor first. Returns ``reached``."""
-        if not self.prepared and np.any(self.load > self.U):
+        if self.ix is None and np.any(self.load > self.U):
             self.prepare()
+        load, U = self.load, self.U
         while True:
-            donors = np.flatnonzero(self.load > self.U)
-            if self.stuck:
-                donors = donors[~np.isin(donors, list(self.stuck))]
-            if not donors.size:
-                return self.reached()
-            s = int(donors[np.argmax(self.load[donors])])
+            live = load
+            if self.stuck:                                     # stuck donors wait for a new receiver
+                live = load.copy()
+                live[list(self.stuck)] = -1
+            s = int(live.argmax())                             # the most loaded donor (first on ties)
+            if not live[s] > U:
+                break
             mv = self.best_move(s)
             if mv is None:
                 self.stuck.add(s)
             else:
                 self.apply(s, mv)
+        if self.mode == "flops" and self.touched:
+            self.moved_bytes = self.touched_bytes()
+        return self.reached()
 
-    # -- result -----------------------------------------------------------------------------------
+    def touched_bytes(self) -> int:
+        """The forward bytes the moves added (flops mode): on the documents they touched, the final
+        tasks' less the colocated chunks'."""
+        docs = np.fromiter(self.touched, dtype=np.int64, count=len(self.touched))
+        c = self.ix.doc_chunks(docs)
+        ch = self.chunks[c]
+        q0, kv0 = self.ix.forward_tokens(ch[:, 0], ch[:, 1], ch[:, 2], ch[:, 3], self.home[c] % self.S)
+        cols = [x[c] for x in (self.doc, self.a, self.b, self.home, self.server)]
+        if self.shards:
+            extra = np.array(self.shards, dtype=np.int64)
+            cols = [np.r_[x, extra[:, i]] for i, x in enumerate(cols)]
+        q1, kv1 = self.ix.forward_tokens(*cols)
+        return self.qb * (q1 - q0) + self.kvb * (kv1 - kv0)
+
     def task_arrays(self) -> TaskArrays:
         cols = [self.doc, self.a, self.b, self.home, self.server]
         if self.shards:

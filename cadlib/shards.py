@@ -39,7 +39,7 @@ def shard_pairs(a, b, k, from_end: bool):
     return (k * (2 * b + 1 - k)) // 2 if from_end else (k * (2 * a + 1 + k)) // 2
 
 
-def cut_shards(a, b, x, y, min_shard: int) -> tuple[np.ndarray, np.ndarray]:
+def cut_shards(a, b, x, y, min_shard: int, sides: int = 2) -> tuple[np.ndarray, np.ndarray]:
     """How many query tokens ``k`` to cut from tasks ``[a, b)`` so that the shard carries at least
     ``x`` pairs and at most ``y`` (the receiver's room), for both sides at once: returns ``(k, pairs)``,
     each ``[2, N]``, row 0 the **end** shard ``[b-k, b)``, row 1 the **start** shard ``[a, a+k)``.
@@ -50,29 +50,37 @@ def cut_shards(a, b, x, y, min_shard: int) -> tuple[np.ndarray, np.ndarray]:
     ``[c, b)`` has ``(b(b+1) - c(c+1)) / 2`` pairs, so the fewest tokens with ``>= x`` pairs are
     ``k = b - tri_floor(b(b+1) - 2x)``; the start shard ``[a, e)`` has ``(e(e+1) - a(a+1)) / 2``, so
     ``k = tri_ceil(a(a+1) + 2x) - a``; and with ``y``: ``b - tri_ceil(b(b+1) - 2y)``,
-    ``tri_floor(a(a+1) + 2y) - a``."""
+    ``tri_floor(a(a+1) + 2y) - a``. ``sides=1``: the end shard only (row 0)."""
     a, b = np.asarray(a, dtype=np.int64), np.asarray(b, dtype=np.int64)
-    x2, y2 = 2 * np.asarray(x, dtype=np.int64), 2 * np.asarray(y, dtype=np.int64)
     m, n = int(min_shard), b - a
-    bb, aa = b * (b + 1), a * (a + 1)
+    h = sides
+    ab = np.concatenate((b, a, b, a) if h == 2 else (b, b)).reshape(2 * h, -1)
+    sign, ceil = _SIGN[h], _CEIL[h]
+    xy = np.empty_like(ab)
+    xy[:h], xy[h:] = x, y
     # floor roots of b(b+1) - 2x, a(a+1) + 2y; ceiling roots (tri_ceil(v) = tri_floor(v - 1) + [v >= 1])
     # of a(a+1) + 2x, b(b+1) - 2y: one pass
-    v = _rows(bb - x2, aa + y2, aa + x2 - 1, bb - y2 - 1)
-    r = tri_floor(v)
-    r[2:] += v[2:] >= 0
-    k = _rows(b - r[0], r[2] - a, b - r[3], r[1] - a)         # fewest (end, start), most (end, start)
-    up = np.maximum(k[:2], m)                          # fewest valid tokens >= fewest
+    v = ab * (ab + 1) + _SIGN2[h] * xy - ceil
+    r = (np.sqrt(np.maximum(v, 0) + 0.25) - 0.5).astype(np.int64)   # tri_floor(v), float path
+    if v.size and v.max() >= _TRI_EXACT:
+        r = tri_floor(v)
+    r += ceil & (v >= 0)
+    k = (r - ab) * sign                                # fewest (end, start), most (end, start)
+    up = np.maximum(k[:h], m)                          # fewest valid tokens >= fewest
     np.copyto(up, n, where=up > n - m)
-    dn = np.minimum(k[2:], n - m)                      # most valid tokens <= most
+    dn = np.minimum(k[h:], n - m)                      # most valid tokens <= most
     dn *= dn >= m
-    np.copyto(dn, n, where=k[2:] >= n)
-    kk = np.concatenate((up, dn)).reshape(2, 2, -1)    # [up/down, end/start, N]
-    p = (kk * (_rows(2 * b + 1, 2 * a + 1) + _SIDE * kk)) >> 1   # end k(2b+1-k)/2, start k(2a+1+k)/2
-    ok = p[0] <= y
-    return np.where(ok, up, dn), np.where(ok, p[0], p[1])
+    np.copyto(dn, n, where=k[h:] >= n)
+    kk = np.concatenate((up, dn))                      # [up end, up start, down end, down start]
+    p = (kk * (2 * ab + 1 + sign * kk)) >> 1           # end k(2b+1-k)/2, start k(2a+1+k)/2
+    ok = p[:h] <= y
+    return np.where(ok, up, dn), np.where(ok, p[:h], p[h:])
 
 
-_SIDE = np.array([[-1], [1]])
+# rows fewest (end, start), most (end, start): the end shard counts down from b, the start one up from a
+_SIGN = {2: np.array([[-1], [1], [-1], [1]]), 1: np.array([[-1], [-1]])}
+_SIGN2 = {h: 2 * s for h, s in _SIGN.items()}
+_CEIL = {2: np.array([[0], [1], [1], [0]]), 1: np.array([[0], [1]])}
 
 
 def _rows(*arrays) -> np.ndarray:
