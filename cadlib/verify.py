@@ -263,7 +263,7 @@ def parse_args(argv=None):
     p.add_argument("--max-doc-len", type=int, default=None, help="clip sampled document lengths")
     p.add_argument("--timing-iters", type=int, default=0, help="extra timed fwd+bwd passes per case")
     p.add_argument("--kv-share", default="merged", choices=("merged", "copy"),
-                   help="the attention server's KV layout (cadlib.server): merged shards or one copy per task")
+                   help="the attention server's KV layout (cadlib.server): merged shards or a copy per task")
     args = p.parse_args(argv)
     from .cost import MODELS
     from .workload import DISTRIBUTIONS

@@ -66,7 +66,8 @@ def main(argv=None):
                     rows.append(row)
                     print(f"{dist:>8} {lay:>10} S={S:<3} seed {seed}: tasks {st['n_tasks']:>5} "
                           f"segments {st['n_segments']:>5} shared pairs "
-                          f"{st['server_doc_pairs_with_several_tasks']:>4} split docs {st['split_docs']:>4} | "
+                          f"{st['server_doc_pairs_with_several_tasks']:>4} split docs "
+                          f"{st['split_docs']:>4} | "
                           f"KV read / unique: copy {st['kv_read_copy_over_unique']:.2f} merged "
                           f"{st['kv_read_merged_over_unique']:.2f}", flush=True)
     path = Path(args.out) if args.out else RESULTS_DIR / "kvshare_stats.json"

@@ -122,8 +122,9 @@ def main(argv=None):
                    **measure(backend, q, k, n, g["heads"], dtype, device, g["warmup"], g["iters"], gen)}
             rec["wall_s"] = time.perf_counter() - t0
             rows.append(rec)
-            print(f"{backend:>11} {kind:>5} q {q:>6} kv {k:>6} x{n:<3} fwd {rec.get('fwd_ms', float('nan')):9.3f} ms"
-                  f"  fwd+bwd {rec.get('fwd_bwd_ms', float('nan')):9.3f} ms", flush=True)
+            fwd, fb = rec.get("fwd_ms", float("nan")), rec.get("fwd_bwd_ms", float("nan"))
+            print(f"{backend:>11} {kind:>5} q {q:>6} kv {k:>6} x{n:<3} fwd {fwd:9.3f} ms "
+                  f"fwd+bwd {fb:9.3f} ms", flush=True)
     hq, hkv, d = g["heads"]
     cfg = {"device": str(device), "backends": backends, "dtype": str(dtype).replace("torch.", ""),
            "n_heads": hq, "n_kv_heads": hkv, "head_dim": d, "quick": args.quick, "grid": g,
