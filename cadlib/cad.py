@@ -16,9 +16,9 @@ order), q ``[n_local, Hq, D]`` and k, v ``[n_local, Hkv, D]``, and gets back its
       home   [q, o, dO, lse][q_send_index] --all_to_all-->            server row buffers
       owner  [k, v][kv_send_index]         --all_to_all(KV, dedup)--> server kv_buf
       server dq, dk, dv = attend_backward(...)                         (ONE call)
-             dk_buf.index_add_(kv_rows, dk)  (fp32: tasks sharing a prefix add up)
+             dk_buf = dK summed per KV row (fp32 only where rows are shared: cadlib.kvshare)
       server dq[ret_rows]                  --all_to_all-->            home dq[q_send_index]
-      server [dk, dv]_buf[n_local:]        --all_to_all-->            owner dk.index_add_(kv_send_index)
+      server [dk, dv]_buf[n_local:]        --all_to_all-->            owner dk[kv_send_index] += (fp32 rows)
 
 Several tensors with one row per query token travel as one byte-packed all-to-all, so a forward is
 3 collectives and a backward 4; an exchange that moves nothing on any rank (known from the global
@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from .dispatch import DeviceDispatch, Dispatch, build_dispatch
+from .kvshare import add_rows, check_mode
 from .server import serve_backward, serve_forward
 from .plan import Plan
 
@@ -124,17 +125,17 @@ class CADAttention(torch.autograd.Function):
     Backward: resend q, k, v, o, dO, lse; serve; return dQ and summed dK, dV to their owners."""
 
     @staticmethod
-    def forward(ctx, q, k, v, dd: DeviceDispatch, comm, attn_backend):
+    def forward(ctx, q, k, v, dd: DeviceDispatch, comm, attn_backend, kv_share="merged"):
         m = dd.meta
         wait_q = _exchange(comm, [q], dd.q_send_index, m.q_send_splits, m.q_recv_splits, m.q_traffic)
         wait_kv = _exchange(comm, [k, v], dd.kv_send_index, m.kv_send_splits, m.kv_recv_splits,
                             m.kv_traffic)
         (q_recv,) = wait_q()
         k_buf, v_buf = _kv_buffers(wait_kv(), k, v)
-        out_s, lse_s = serve_forward(torch.cat([q, q_recv]), k_buf, v_buf, dd, attn_backend)
+        out_s, lse_s = serve_forward(torch.cat([q, q_recv]), k_buf, v_buf, dd, attn_backend, kv_share)
         o, lse = _return_rows(comm, [out_s, lse_s], dd, m.n_local)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.dd, ctx.comm, ctx.attn_backend = dd, comm, attn_backend
+        ctx.dd, ctx.comm, ctx.attn_backend, ctx.kv_share = dd, comm, attn_backend, kv_share
         ctx.mark_non_differentiable(lse)
         return o, lse
 
@@ -151,16 +152,17 @@ class CADAttention(torch.autograd.Function):
         k_buf, v_buf = _kv_buffers(wait_kv(), k, v)
         dq_s, dk_buf, dv_buf = serve_backward(torch.cat([q, q_r]), k_buf, v_buf, torch.cat([o, o_r]),
                                               torch.cat([dout, do_r]), torch.cat([lse, lse_r]), dd,
-                                              ctx.attn_backend)
+                                              ctx.attn_backend, ctx.kv_share)
         # dK/dV of received KV rows go back to their owners (reversed KV exchange, input dtype)
         wait_dkv = _exchange(comm, [dk_buf[m.n_local:].to(k.dtype), dv_buf[m.n_local:].to(v.dtype)],
                              None, m.kv_recv_splits, m.kv_send_splits, m.kv_traffic)
         (dq,) = _return_rows(comm, [dq_s], dd, m.n_local)
-        dk, dv = dk_buf[:m.n_local], dv_buf[:m.n_local]
+        dk, dv = dk_buf[:m.n_local].to(k.dtype), dv_buf[:m.n_local].to(v.dtype)
         rk, rv = wait_dkv()
-        dk.index_add_(0, dd.kv_send_index, rk.float())
-        dv.index_add_(0, dd.kv_send_index, rv.float())
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        # a token sent to several servers gets several dK/dV back: summed in fp32, its rows only
+        add_rows(dk, dd.kv_send_index, dd.kv_send_uniq, dd.kv_send_slot, rk)
+        add_rows(dv, dd.kv_send_index, dd.kv_send_uniq, dd.kv_send_slot, rv)
+        return dq.to(q.dtype), dk, dv, None, None, None, None
 
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -234,16 +236,19 @@ def prepare(plan: Plan | Dispatch, group, device) -> DeviceDispatch:
 
 
 def cad_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan | Dispatch, group,
-                  attn_backend: str | None = None, comm=None, return_lse: bool = False):
+                  attn_backend: str | None = None, comm=None, return_lse: bool = False,
+                  kv_share: str | None = None):
     """Causal core attention of the local packed tokens, computed on the plan's attention servers.
 
     ``o_i = sum_{j <= i, same doc} softmax_j(q_i . k_j / sqrt(D)) v_j`` for every local token ``i``.
     ``group`` is the process group whose ranks are the plan's ranks (``None`` = the default group,
     only when you pass it). ``comm`` replaces the all-to-all (an object with
     ``start(send, send_splits, recv_splits).wait() -> recv``; default :class:`AllToAll` on ``group``).
+    ``kv_share``: the server's KV layout, ``"merged"`` (default) or ``"copy"`` (:mod:`cadlib.server`).
     Returns ``o`` (and the float32 ``lse [n_local, Hq]`` with ``return_lse``)."""
+    kv_share = check_mode(kv_share)
     dd = prepare(plan, group, q.device)
     attn_backend = check_inputs(q, k, v, dd.meta.n_local, attn_backend, group)
     o, lse = CADAttention.apply(q, k, v, dd, comm if comm is not None else AllToAll(group),
-                              attn_backend)
+                              attn_backend, kv_share)
     return (o, lse) if return_lse else o

@@ -214,3 +214,12 @@ def imbalance(values) -> float:
         raise ValueError("imbalance needs at least one value")
     mean = v.mean()
     return float(v.max() / mean) if mean > 0 else 1.0
+
+
+def load_measured(path, backend: str | None = None):
+    """A kernel latency table (``scripts/profile_kernels.py``'s JSON) as a
+    :class:`cadlib.measured.MeasuredCost` — the measured alternative to the pair-count model above,
+    which the scheduler (``cost_model=``) and the simulator (``cost=``) take when given."""
+    from .measured import MeasuredCost
+
+    return MeasuredCost.load(path, backend)

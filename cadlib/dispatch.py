@@ -65,6 +65,10 @@ class Dispatch:
     # whether any rank sends anything (the same on every rank: skip collectives that move nothing)
     q_traffic: bool = True
     kv_traffic: bool = True
+    # the served tasks' documents and query ranges, in call order (for the merged call)
+    task_doc: np.ndarray | None = None
+    task_start: np.ndarray | None = None
+    task_end: np.ndarray | None = None
     _device_cache: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -79,6 +83,20 @@ class Dispatch:
     def n_tasks(self) -> int:
         return len(self.tasks)
 
+    def shared(self):
+        """The merged fused call (:class:`cadlib.kvshare.SharedKV`), built from the current fields on
+        first use and cached."""
+        from .kvshare import build_shared
+
+        if "shared" not in self._device_cache:
+            if self.task_doc is None:
+                raise ValueError("this Dispatch has no task_doc/task_start/task_end; build it with "
+                                 "build_dispatch to use the merged (kv_share='merged') server call")
+            self._device_cache["shared"] = build_shared(
+                self.task_doc, self.task_start, self.task_end, self.cu_q, self.cu_k, self.kv_rows,
+                self.n_local + self.n_recv_kv)
+        return self._device_cache["shared"]
+
     def to(self, device) -> "DeviceDispatch":
         """Index arrays as device tensors, copied once per device and cached. On CUDA all of them go
         in one pinned host buffer and one ``non_blocking`` copy on the current stream, so the host
@@ -89,8 +107,11 @@ class Dispatch:
         key = str(device)
         if key not in self._device_cache:
             names = ("q_send_index", "kv_send_index", "q_rows", "kv_rows", "cu_q", "cu_k", "ret_rows",
-                     "self_rows", "self_local")
-            arrays = [np.asarray(getattr(self, n), dtype=np.int64).reshape(-1) for n in names]
+                     "self_rows", "self_local", "kv_send_uniq", "kv_send_slot")
+            uniq, slot = np.unique(np.asarray(self.kv_send_index, dtype=np.int64), return_inverse=True)
+            extra = {"kv_send_uniq": uniq, "kv_send_slot": slot}
+            arrays = [np.asarray(extra[n] if n in extra else getattr(self, n), dtype=np.int64).reshape(-1)
+                      for n in names]
             host = torch.from_numpy(np.concatenate(arrays))
             dev = torch.device(device)
             if dev.type == "cuda":
@@ -101,6 +122,10 @@ class Dispatch:
             parts["cu_q"], parts["cu_k"] = parts["cu_q"].to(torch.int32), parts["cu_k"].to(torch.int32)
             self._device_cache[key] = DeviceDispatch(meta=self, **parts)
         return self._device_cache[key]
+
+    def shared_on(self, device):
+        """:meth:`shared` on ``device`` (copied once per device)."""
+        return self.shared().to(device)
 
 
 @dataclass
@@ -117,6 +142,13 @@ class DeviceDispatch:
     ret_rows: object
     self_rows: object
     self_local: object
+    kv_send_uniq: object      # distinct rows of kv_send_index and each entry's slot among them: the
+    kv_send_slot: object      # owner sums several servers' dK/dV of one token (kvshare.add_rows)
+
+    @property
+    def shared(self):
+        """The merged call's device metadata (:class:`cadlib.kvshare.DeviceSharedKV`)."""
+        return self.meta.shared_on(self.kv_rows.device)
 
 
 def local_index_map(layout: Layout) -> list[np.ndarray]:
@@ -247,14 +279,16 @@ def build_dispatch(plan: Plan, rank: int) -> Dispatch:
     # -- Q exchange, server side: where each served task's query rows land ----------------------
     # Receive positions follow the homes' send order (plan order); the fused call then lists the
     # tasks longest KV prefix first (LPT): varlen kernels hand out tiles segment by segment, so the
-    # longest tiles must not come last and leave SMs idle at the tail.
+    # longest tiles must not come last and leave SMs idle at the tail. Tasks of one document with
+    # contiguous query ranges stay adjacent and ascending, so the merged call (cadlib.kvshare) takes
+    # them as one segment; groups go longest prefix first.
     served = np.flatnonzero(server == rank)
     remote = served[home[served] != rank]
     by_home = remote[np.argsort(home[remote], kind="stable")]
     q_recv_splits = np.bincount(home[remote], weights=n_q[remote], minlength=R).astype(np.int64)
     recv_start = np.zeros(len(plan.doc), dtype=np.int64)
     recv_start[by_home] = n_local + np.cumsum(n_q[by_home]) - n_q[by_home]
-    served = served[np.argsort(-b[served], kind="stable")]
+    served = _call_order(served, doc, a, b)
     is_self = home[served] == rank
     grp, j, lo, hi = C.pieces(doc[served], a[served], b[served])
     own_piece = is_self[grp]                                   # self-served tasks: their local rows
@@ -317,7 +351,22 @@ def build_dispatch(plan: Plan, rank: int) -> Dispatch:
         kv_recv_splits=kv_recv_splits.tolist(), tasks=served.tolist(), q_rows=q_rows, kv_rows=kv_rows,
         cu_q=_cu(nq), cu_k=_cu(nk), max_q=int(nq.max(initial=0)), max_k=int(nk.max(initial=0)),
         ret_rows=ret_rows, self_rows=self_rows, self_local=self_local,
-        q_traffic=cache["q_traffic"], kv_traffic=cache["kv_traffic"])
+        q_traffic=cache["q_traffic"], kv_traffic=cache["kv_traffic"],
+        task_doc=doc[served], task_start=a[served], task_end=b[served])
+
+
+def _call_order(served: np.ndarray, doc, a, b) -> np.ndarray:
+    """The served tasks in call order: merge groups (runs of contiguous query ranges of one document,
+    :func:`cadlib.kvshare.merge_groups`) longest KV prefix first, tasks ascending inside a group."""
+    from .kvshare import merge_groups
+
+    s = served[np.lexsort((a[served], doc[served]))]
+    g = merge_groups(doc[s], a[s], b[s])
+    if not s.size:
+        return s
+    last = np.r_[np.flatnonzero(np.diff(g)), g.size - 1]
+    end = b[s][last][g]
+    return s[np.lexsort((a[s], g, -end))]
 
 
 def build_all(plan: Plan) -> list[Dispatch]:

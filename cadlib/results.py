@@ -194,8 +194,11 @@ def server_overhead_summary(rows):
 def composability(results_dir: str | os.PathLike | None = None,
                   pattern: str = "bench_attention_server_composability_1gpu_lpt_*.json"):
     """The composability benchmark (a document cut into query shards, each with its KV prefix, in
-    one fused call) as one row per (backend, document, shard, mode): ``tflops`` and ``ratio`` (TF/s
-    over the unsplit document), ``mode`` ``fwd`` or ``fwd_bwd``, and ``device``."""
+    one fused call) as one row per (backend, document, shard, kv_share, pattern, mode): ``tflops`` and
+    ``ratio`` (TF/s over the unsplit document), ``mode`` ``fwd`` or ``fwd_bwd``, and ``device``.
+    ``kv_share`` is ``kernel`` (per-shard KV copies, kernel alone: files written before the server
+    merged shards carry no such field), ``copy`` or ``merged`` (the server path); ``pattern`` ``all``
+    or ``alternate`` (every other shard on the server)."""
     import pandas as pd
     rows = []
     for path in find_results(pattern, results_dir):
@@ -205,6 +208,8 @@ def composability(results_dir: str | os.PathLike | None = None,
             for mode in ("fwd", "fwd_bwd"):
                 if r.get(f"{mode}_vs_unsplit") is not None:
                     rows.append({"backend": r["backend"], "doc": r["doc_len"], "shard": r["shard"],
+                                 "kv_share": r.get("kv_share", "kernel"), "pattern": r.get("pattern", "all"),
                                  "mode": mode, "tflops": r[f"{mode}_tflops"],
                                  "ratio": r[f"{mode}_vs_unsplit"], "device": device})
-    return pd.DataFrame(rows, columns=["backend", "doc", "shard", "mode", "tflops", "ratio", "device"])
+    return pd.DataFrame(rows, columns=["backend", "doc", "shard", "kv_share", "pattern", "mode", "tflops",
+                                       "ratio", "device"])

@@ -205,8 +205,8 @@ def _check(layout: Layout, n_servers, tolerance, min_shard, dtype: str = "bf16")
 
 
 def place(layout: Layout, method: str = "cad", n_servers: int | None = None, model=None,
-          tolerance: float = 0.1, min_shard: int = MIN_SHARD_TOKENS, dtype: str = "bf16",
-          chunks: np.ndarray | None = None, guard: bool = True) -> Plan:
+          tolerance: float = 0.1, min_shard: int | None = None, dtype: str = "bf16",
+          chunks: np.ndarray | None = None, guard: bool = True, cost_model=None) -> Plan:
     """Run ``method`` (``cad``, ``equal_flops`` or ``colocated``) and return its :class:`Plan`, built
     from arrays in O(chunks + tasks) (call ``plan.validate()`` to check coverage). ``chunks`` (from
     ``Layout.chunk_array``) may be passed to skip the layout conversion. ``meta['seconds']`` is the
@@ -217,11 +217,21 @@ def place(layout: Layout, method: str = "cad", n_servers: int | None = None, mod
     instead (``meta['guard']`` records it). The greedy is built to need this rarely; the benchmark
     reports how often.
     ``meta['moved_bytes']``: the forward bytes the moves added to the colocated placement's, exact
-    (tracked move by move; ``plan.forward_bytes(model)`` gives the total)."""
+    (tracked move by move; ``plan.forward_bytes(model)`` gives the total).
+
+    ``min_shard`` None: ``MIN_SHARD_TOKENS``, or with ``cost_model`` (a
+    :class:`cadlib.measured.MeasuredCost`) its :meth:`~cadlib.measured.MeasuredCost.min_shard`; the
+    plan then records ``meta['measured_imbalance']``, the max/mean of its servers' modelled times (the
+    greedy itself still balances pairs)."""
     from .scheduler_engine import Greedy
 
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose one of: {', '.join(METHODS)}")
+    if cost_model is not None and not hasattr(cost_model, "min_shard"):
+        raise ValueError(f"cost_model must be a cadlib.measured.MeasuredCost (or None), got "
+                         f"{type(cost_model).__name__}")
+    if min_shard is None:
+        min_shard = cost_model.min_shard() if cost_model is not None else MIN_SHARD_TOKENS
     S, tol, m = _check(layout, n_servers, tolerance, min_shard)
     spec = as_model(model)
     qb, kvb = spec.q_bytes(dtype), spec.kv_bytes(dtype)
@@ -253,20 +263,25 @@ def place(layout: Layout, method: str = "cad", n_servers: int | None = None, mod
     cols = g.task_arrays()
     meta["loop_seconds"] = t2 - t1
     meta["seconds"] = time.perf_counter() - t0
-    return Plan.from_arrays(layout, cols.doc, cols.q_start, cols.q_end, cols.home, cols.server,
+    plan = Plan.from_arrays(layout, cols.doc, cols.q_start, cols.q_end, cols.home, cols.server,
                             n_servers=S, meta=meta, chunks=ch, check=False)
+    if cost_model is not None:
+        from .cost import imbalance
+        plan.meta["measured_imbalance"] = imbalance(cost_model.server_seconds(plan, model=spec))
+    return plan
 
 
 def schedule(layout: Layout, n_servers: int | None = None, model=None, tolerance: float = 0.1,
-             min_shard: int = MIN_SHARD_TOKENS, dtype: str = "bf16") -> Plan:
+             min_shard: int | None = None, dtype: str = "bf16", cost_model=None) -> Plan:
     """DistCA's communication-aware greedy (see :func:`reference_greedy` for the priority of a move).
     ``plan.meta`` records ``n_moves, n_splits, seconds, tolerance, reached`` (all servers
     ``<= (1 + tolerance) * mean``). End vs start shard: an end shard has the most pairs per query token
     (token ``i`` carries ``i+1``), so it sends the fewest queries but needs the full prefix ``[0, b)``; a
     start shard sends more queries but only ``[0, a+k)``. For a receiver holding nothing of ``d`` and a
     small amount the start shard wins; for one that already holds the prefix (a neighbouring rank
-    under sequential packing) the end shard wins. Both are scored, per candidate."""
-    return place(layout, "cad", n_servers, model, tolerance, min_shard, dtype)
+    under sequential packing) the end shard wins. Both are scored, per candidate. ``cost_model``: see
+    :func:`place`."""
+    return place(layout, "cad", n_servers, model, tolerance, min_shard, dtype, cost_model=cost_model)
 
 
 def equal_flops(layout: Layout, n_servers: int | None = None, tolerance: float = 0.1,

@@ -4,12 +4,21 @@ A server is stateless (DistCA): forward takes Q rows and KV rows, returns O and 
 Q, K, V, O, dO, LSE again and returns dQ, dK, dV. It reads its inputs from two buffers laid out by
 :mod:`cadlib.dispatch`: the per-query buffer ``cat([local, received Q])`` and the KV buffer
 ``cat([local, received KV])``. For task ``t`` (``[a, b)`` of document ``d``) the call sees the query
-rows ``q_rows[cu_q[t]:cu_q[t+1]]`` and the contiguous KV segment ``kv_rows[cu_k[t]:cu_k[t+1]]`` =
-tokens ``[0, b)`` of ``d``, so the kernel's segment semantics (queries are the suffix of the KV block)
-give exactly causal attention ``o_i = sum_{j<=i} softmax_j(q_i . k_j / sqrt(D)) v_j``.
+rows ``q_rows[cu_q[t]:cu_q[t+1]]`` and the KV prefix ``[0, b)`` of ``d``; the kernel's segment
+semantics (queries are the suffix of the KV block) give exactly causal attention
+``o_i = sum_{j<=i} softmax_j(q_i . k_j / sqrt(D)) v_j``.
 
-Because several tasks may read one KV token (a shared prefix, received once), backward sums their
-contributions: ``dK_buf[r] = sum_{t, j : kv_rows[j] = r} dK_seg[j]`` (``index_add_`` in fp32).
+Two ways to lay out the call (``kv_share``):
+
+* ``"merged"`` (default, :mod:`cadlib.kvshare`): tasks of one document with contiguous query ranges
+  are one segment over one copy of their prefix; the KV rows of the call are gathered once (not at
+  all when they are the buffer itself). Backward: dK/dV of rows read once are written in the KV dtype;
+  rows that several segments read (non-contiguous shards of one document) are summed in fp32.
+* ``"copy"`` (the reference): one segment per task, each gathering its own prefix copy
+  ``kv_rows[cu_k[t]:cu_k[t+1]]``; backward sums every copy's dK/dV with ``index_add_`` in fp32.
+
+Either way the output rows are in task-row order (``q_rows``), and the dK/dV buffers are aligned with
+the KV buffer, every task's contribution summed, in the KV buffer's dtype.
 """
 from __future__ import annotations
 
@@ -17,49 +26,73 @@ import torch
 
 from .dispatch import DeviceDispatch
 from .kernels import attend, attend_backward
+from .kvshare import check_mode, scatter_kv_grad
 
 
 def _gather(buf: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return buf.index_select(0, rows)
 
 
+def _call(dd: DeviceDispatch, k_buf, v_buf, mode: str):
+    """The call's KV tensors and segment metadata: ``(k, v, cu_q, cu_k, max_q, max_k)``."""
+    if mode == "copy":
+        m = dd.meta
+        return (_gather(k_buf, dd.kv_rows), _gather(v_buf, dd.kv_rows), dd.cu_q, dd.cu_k, m.max_q, m.max_k)
+    sh = dd.shared
+    s = sh.meta
+    if s.kv_identity:
+        k, v = k_buf, v_buf
+    else:
+        k, v = _gather(k_buf, sh.kv_rows), _gather(v_buf, sh.kv_rows)
+    return k, v, sh.cu_q, sh.cu_k, s.max_q, s.max_k
+
+
 def serve_forward(q_buf: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, dd: DeviceDispatch,
-                  attn_backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  attn_backend: str | None = None, kv_share: str | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run this server's tasks in one ``attend`` call; returns ``(out, lse)`` in task-row order
     (``[n_rows, Hq, D]`` and float32 ``[n_rows, Hq]``)."""
+    mode = check_mode(kv_share)
     m = dd.meta
     if m.n_tasks == 0:
         return (q_buf.new_empty((0, *q_buf.shape[1:])),
                 torch.empty((0, q_buf.shape[1]), dtype=torch.float32, device=q_buf.device))
-    return attend(_gather(q_buf, dd.q_rows), _gather(k_buf, dd.kv_rows), _gather(v_buf, dd.kv_rows),
-                  dd.cu_q, dd.cu_k, m.max_q, m.max_k, causal=True, backend=attn_backend)
+    k, v, cu_q, cu_k, mq, mk = _call(dd, k_buf, v_buf, mode)
+    return attend(_gather(q_buf, dd.q_rows), k, v, cu_q, cu_k, mq, mk, causal=True, backend=attn_backend)
 
 
 def serve_backward(q_buf: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, o_buf: torch.Tensor,
                    do_buf: torch.Tensor, lse_buf: torch.Tensor, dd: DeviceDispatch,
-                   attn_backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   attn_backend: str | None = None, kv_share: str | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One ``attend_backward`` call over this server's tasks; ``o_buf``, ``do_buf``, ``lse_buf`` are
     per-query buffers laid out like ``q_buf``.
 
-    Returns ``dq`` in task-row order (``[n_rows, Hq, D]``) and ``dk``, ``dv`` as float32 buffers
-    aligned with the KV buffer (``[len(k_buf), Hkv, D]``), every task's contribution summed."""
+    Returns ``dq`` in task-row order (``[n_rows, Hq, D]``) and ``dk``, ``dv`` aligned with the KV
+    buffer (``[len(k_buf), Hkv, D]``, its dtype), every task's contribution summed."""
     rows = dd.q_rows
     return serve_backward_tasks(q_buf, k_buf, v_buf, _gather(o_buf, rows), _gather(do_buf, rows),
-                                _gather(lse_buf, rows), dd, attn_backend)
+                                _gather(lse_buf, rows), dd, attn_backend, kv_share)
 
 
 def serve_backward_tasks(q_buf, k_buf, v_buf, o_t, do_t, lse_t, dd: DeviceDispatch,
-                         attn_backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                         attn_backend: str | None = None, kv_share: str | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`serve_backward` with ``o``, ``dO`` and ``lse`` already in task-row order (what
     :func:`serve_forward` returned): the form a server that kept its forward outputs uses."""
+    mode = check_mode(kv_share)
     m = dd.meta
+    if m.n_tasks == 0:
+        return (q_buf.new_empty((0, *q_buf.shape[1:])), torch.zeros_like(k_buf), torch.zeros_like(v_buf))
+    k, v, cu_q, cu_k, mq, mk = _call(dd, k_buf, v_buf, mode)
+    dq, dk_seg, dv_seg = attend_backward(do_t, _gather(q_buf, dd.q_rows), k, v, o_t, lse_t, cu_q, cu_k,
+                                         mq, mk, causal=True, backend=attn_backend)
+    if mode == "merged":
+        n = k_buf.shape[0]
+        return (dq, scatter_kv_grad(dk_seg, dd.shared, n, k_buf.dtype),
+                scatter_kv_grad(dv_seg, dd.shared, n, v_buf.dtype))
     dk = torch.zeros(k_buf.shape, dtype=torch.float32, device=k_buf.device)
     dv = torch.zeros(v_buf.shape, dtype=torch.float32, device=v_buf.device)
-    if m.n_tasks == 0:
-        return q_buf.new_empty((0, *q_buf.shape[1:])), dk, dv
-    dq, dk_seg, dv_seg = attend_backward(
-        do_t, _gather(q_buf, dd.q_rows), _gather(k_buf, dd.kv_rows), _gather(v_buf, dd.kv_rows), o_t, lse_t,
-        dd.cu_q, dd.cu_k, m.max_q, m.max_k, causal=True, backend=attn_backend)
     dk.index_add_(0, dd.kv_rows, dk_seg.float())
     dv.index_add_(0, dd.kv_rows, dv_seg.float())
-    return dq, dk, dv
+    return dq, dk.to(k_buf.dtype), dv.to(v_buf.dtype)

@@ -317,11 +317,14 @@ def _phased(method: str, lin: dict, attn: dict, comm: dict, overlap: bool, meta:
     return StepTimes(method, busy, step, tot, {"overlap": overlap, **meta})
 
 
-def simulate_cad(plan: Plan, model, hw: Hardware | None = None, overlap: bool = True) -> StepTimes:
+def simulate_cad(plan: Plan, model, hw: Hardware | None = None, overlap: bool = True,
+                 cost=None) -> StepTimes:
     """CAD: linear layers on the home ranks (the plan's layout), each CA-task on its server at the
     rate of its query length, all-to-all bytes from ``Plan.bytes_matrix`` (forward, and the backward
     resend) times ``n_layers``. Servers are the ranks themselves (in place, ``n_servers == n_ranks``).
-    See the module docstring for the per-layer barrier and the ping-pong ``overlap``."""
+    See the module docstring for the per-layer barrier and the ping-pong ``overlap``. ``cost`` (a
+    :class:`cadlib.measured.MeasuredCost`): each server's fused call priced by the measured kernel
+    table instead (contiguous shards merged, as the server runs them), times ``n_layers``."""
     plan, model, hw = _need(plan, Plan, "plan"), as_model(model), hw or Hardware()
     G = plan.layout.n_ranks
     if plan.n_servers != G:
@@ -332,7 +335,8 @@ def simulate_cad(plan: Plan, model, hw: Hardware | None = None, overlap: bool = 
     for t in plan.tasks:
         per_server[t.server].append((t.q_start, t.q_end))
     lin = {p: linear_seconds(tokens, model, hw, p) for p in ("fwd", "bwd")}
-    attn = {p: _per_gpu_attention(per_server, model, hw, p) for p in ("fwd", "bwd")}
+    attn = {p: _per_gpu_attention(per_server, model, hw, p) if cost is None
+            else cost.server_seconds(plan, p, model) * model.n_layers for p in ("fwd", "bwd")}
     fwd = plan.bytes_matrix(model, hw.dtype, backward=False) * model.n_layers
     both = plan.bytes_matrix(model, hw.dtype, backward=True) * model.n_layers
     comm = {"fwd": comm_seconds(fwd, hw), "bwd": comm_seconds(both - fwd, hw)}
@@ -384,7 +388,7 @@ def simulate(method: str, source, model, hw: Hardware | None = None, **options) 
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose one of: {', '.join(METHODS)}")
     allowed = {"dp": set(), "pp": {"pp_stages", "n_microbatches"}, "cp": {"overlap"},
-               "cad": {"overlap", "n_servers", "tolerance"}}[method]
+               "cad": {"overlap", "n_servers", "tolerance", "cost"}}[method]
     extra = sorted(set(options) - allowed)
     if extra:
         raise ValueError(f"method {method!r} takes no option(s) {extra}; valid: {sorted(allowed) or 'none'}")
@@ -400,7 +404,7 @@ def simulate(method: str, source, model, hw: Hardware | None = None, **options) 
     if isinstance(source, Layout):
         from .scheduler import schedule
         source = schedule(source, options.pop("n_servers", source.n_ranks), model,
-                          options.pop("tolerance", 0.1))
+                          options.pop("tolerance", 0.1), cost_model=options.get("cost"))
     elif {"n_servers", "tolerance"} & set(options):
         raise ValueError("n_servers and tolerance apply only when 'cad' is given a Layout to schedule")
     return simulate_cad(source, model, hw, **options)

@@ -33,6 +33,7 @@ import torch
 
 from .cad import AllToAll, _exchange, check_inputs, prepare
 from .dispatch import DeviceDispatch
+from .kvshare import add_rows
 from .server import serve_backward_tasks, serve_forward
 
 
@@ -164,9 +165,9 @@ class _Send(torch.autograd.Function):
             (rq,) = wait_q()
             rk, rv = wait_kv()
             dq = dq_buf[:n].clone().index_add_(0, dd.q_send_index, rq)
-            dk = dk_buf[:n].float().index_add_(0, dd.kv_send_index, rk.float())
-            dv = dv_buf[:n].float().index_add_(0, dd.kv_send_index, rv.float())
-            grads = (dq, dk.to(dk_buf.dtype), dv.to(dv_buf.dtype))
+            dk = add_rows(dk_buf[:n].clone(), dd.kv_send_index, dd.kv_send_uniq, dd.kv_send_slot, rk)
+            dv = add_rows(dv_buf[:n].clone(), dd.kv_send_index, dd.kv_send_uniq, dd.kv_send_slot, rv)
+            grads = (dq, dk, dv)
         streams.keep(grads, streams.compute)
         return (*grads, None, None, None, None, None)
 

@@ -193,7 +193,7 @@ def reference(q, k, v, dout, doc_lens, docs) -> tuple[torch.Tensor, ...]:
 
 
 def check_case(layout: Layout, plan: Plan, model: ModelSpec, dtype: torch.dtype, device, group, seed: int,
-               attn_backend: str | None, timing_iters: int = 0) -> dict:
+               attn_backend: str | None, timing_iters: int = 0, kv_share: str | None = None) -> dict:
     """Run CAD forward+backward on this rank's rows and compare with the reference; with
     ``timing_iters``, also the median wall time of that many more forward+backward passes."""
     rank = dist.get_rank(group)
@@ -205,7 +205,7 @@ def check_case(layout: Layout, plan: Plan, model: ModelSpec, dtype: torch.dtype,
     q, k, v, dout = (t.index_select(0, rows) for t in full)
     q, k, v = (t.requires_grad_(True) for t in (q, k, v))
     t0 = time.perf_counter()
-    o = cad_attention(q, k, v, plan, group, attn_backend=attn_backend)
+    o = cad_attention(q, k, v, plan, group, attn_backend=attn_backend, kv_share=kv_share)
     o.backward(dout)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -226,7 +226,7 @@ def check_case(layout: Layout, plan: Plan, model: ModelSpec, dtype: torch.dtype,
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t1 = time.perf_counter()
-        cad_attention(q, k, v, plan, group, attn_backend=attn_backend).backward(dout)
+        cad_attention(q, k, v, plan, group, attn_backend=attn_backend, kv_share=kv_share).backward(dout)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t1)
@@ -262,6 +262,8 @@ def parse_args(argv=None):
     p.add_argument("--doc-len", type=int, default=None, help="uniform length / lognormal median")
     p.add_argument("--max-doc-len", type=int, default=None, help="clip sampled document lengths")
     p.add_argument("--timing-iters", type=int, default=0, help="extra timed fwd+bwd passes per case")
+    p.add_argument("--kv-share", default="merged", choices=("merged", "copy"),
+                   help="the attention server's KV layout (cadlib.server): merged shards or a copy per task")
     args = p.parse_args(argv)
     from .cost import MODELS
     from .workload import DISTRIBUTIONS
@@ -298,6 +300,7 @@ def main(argv=None) -> int:
     results, ok = [], True
     for step, (dist_name, case, seed) in enumerate(combos):
         base = {"dist": dist_name, "case": case, "seed": seed, "world": env.world, "dtype": args.dtype,
+                "kv_share": args.kv_share,
                 "plan": args.plan, "tokens_per_rank": args.tokens_per_rank, "model": model.name}
         layout = make_layout(case, dist_name, env.world, args.tokens_per_rank, seed, args)
         if layout is None:
@@ -305,7 +308,7 @@ def main(argv=None) -> int:
             continue
         plan = make_plan(layout, args.plan, model, seed, args)
         res = {**base, **check_case(layout, plan, model, dtype, env.device, env.group, seed,
-                                    args.attn_backend, args.timing_iters)}
+                                    args.attn_backend, args.timing_iters, args.kv_share)}
         res["passed"] = max(res["rel_err"].values()) <= rtol
         ok &= res["passed"]
         results.append(res)

@@ -1,12 +1,12 @@
 """Attention-server benchmark: (1) kernel composability and (2) the CAD server's overhead.
 
-(1) **composability**: a causal document of L tokens is cut into query shards of s tokens; shard
-    ``[a, b)`` carries its own copy of the KV prefix ``[0, b)`` and all shards run in ONE fused
-    ``cadlib.kernels.attend`` call. FLOPs are those of the document (``ModelSpec.attention_flops`` of
-    ``causal_pairs(0, L)``, one layer; backward 2.5x), so TF/s compare directly with the unsplit
-    document (s = L). A case whose estimated memory (KV copies ``sum_i b_i * 2 * Hkv * D * bytes``,
-    plus gradients and the backward's accumulators) exceeds ``--mem-budget-gb`` is skipped, with
-    the reason recorded.
+(1) **composability** (``scripts/server_composability.py``): a causal document of L tokens is cut
+    into query shards of s tokens served by ONE server in one fused call, ``--kv-share`` ``merged``
+    (contiguous shards as one segment over one KV copy, :mod:`cadlib.kvshare`), ``copy`` (the server's
+    reference path: one KV prefix copy per shard) or ``kernel`` (the kernel alone on per-shard copies,
+    as the committed ``..._lpt_*.json`` files); ``--patterns all`` (every shard on the server) or
+    ``alternate`` (every other shard: they cannot merge). TF/s are compared with the unsplit document.
+    A case whose estimated memory exceeds ``--mem-budget-gb`` is skipped, with the reason recorded.
 (2) **overhead**: the whole CAD attention step (``cadlib.cad.cad_attention``: plan -> metadata ->
     all-to-all -> one fused kernel per server -> return) against the raw fused kernel on the tasks
     this server received, for ``pretrain`` and ``prolong`` batches of 64K and 128K tokens per GPU;
@@ -16,6 +16,8 @@
 Run::
 
     python scripts/bench_attention_server.py --part composability          # 1 GPU
+    python scripts/bench_attention_server.py --part composability --doc-lens 16384,65536 \
+        --shards 128,512,1024,2048 --kv-share merged,copy --backends fa4   # issue 10's comparison
     python scripts/bench_attention_server.py --part overhead               # 1 GPU
     torchrun --nproc-per-node=2 scripts/bench_attention_server.py --part overhead   # 2 GPUs
     python scripts/bench_attention_server.py --smoke                        # CPU, sdpa_ref, tiny
@@ -29,7 +31,6 @@ shards >= 512 tokens; fa4 on the server >= 60% of ``cost.H200_MATMUL_TFLOPS`` in
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import statistics
 import sys
 import time
@@ -40,14 +41,21 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from benchutil import backend_versions, peak_gb as _peak_gb, rand, reset_peak as _reset_peak  # noqa: E402
+from benchutil import sync as _sync, tflops, time_fn  # noqa: E402
 from cadlib import kernels  # noqa: E402
 from cadlib.cost import H200_MATMUL_TFLOPS, MIN_SHARD_TOKENS, ModelSpec, causal_pairs  # noqa: E402
 from cadlib.distributed import init_from_env  # noqa: E402
 from cadlib.results import RESULTS_DIR, save_result  # noqa: E402
+from server_composability import run_composability  # noqa: E402
 
 GPU_BACKENDS = ("fa4", "torch_flash", "flash_attn")
-GB = 1e9
+
+
+def _rand(gen, n, h, spec, device, dtype):
+    return rand(gen, n, h, spec.head_dim, device, dtype)
 
 
 @dataclass
@@ -66,181 +74,15 @@ class Config:
     tolerance: float = 0.1
     seed: int = 0
     backends: list = field(default_factory=list)
+    kv_share: list = field(default_factory=lambda: ["merged", "copy"])   # composability server modes
+    patterns: list = field(default_factory=lambda: ["all"])              # composability shard patterns
     smoke: bool = False
 
     @classmethod
     def smoke_config(cls) -> "Config":
         return cls(model="tiny", doc_lens=[256, 1024], shards=[16, 32, 64, 128, 256],
                    tokens_per_gpu=[512, 1024], warmup=1, iters=2, mem_budget_gb=0.01, min_shard=32,
-                   smoke=True)
-
-
-# ---------------------------------------------------------------------------------------------------
-# Timing and memory
-# ---------------------------------------------------------------------------------------------------
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_fn(fn, device, warmup: int, iters: int, group=None) -> dict:
-    """Median (and min) milliseconds of ``fn()``: CUDA events on a GPU, perf_counter on the CPU.
-    With ``group``, every rank passes a barrier before each timed call."""
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    times = []
-    for _ in range(iters):
-        if group is not None:
-            dist.barrier(group=group)
-        _sync(device)
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return {"median_ms": statistics.median(times), "min_ms": min(times), "iters": iters}
-
-
-def _reset_peak(device):
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-
-
-def _peak_gb(device):
-    return torch.cuda.max_memory_allocated(device) / GB if device.type == "cuda" else None
-
-
-def _rand(gen, n, h, spec, device, dtype):
-    """Standard-normal ``[n, h, head_dim]`` made on ``device`` (``gen`` is a generator there)."""
-    return torch.randn(n, h, spec.head_dim, generator=gen, device=device).to(dtype)
-
-
-def tflops(flops: float, ms: float) -> float:
-    return flops / (ms * 1e-3) / 1e12 if ms > 0 else float("nan")
-
-
-def backend_versions() -> dict:
-    out = {"torch": torch.__version__}
-    for pkg in ("flash-attn-4", "flash-attn", "nvidia-cutlass-dsl"):
-        try:
-            out[pkg] = importlib.metadata.version(pkg)
-        except importlib.metadata.PackageNotFoundError:
-            out[pkg] = None
-    return out
-
-
-# ---------------------------------------------------------------------------------------------------
-# (1) Kernel composability
-# ---------------------------------------------------------------------------------------------------
-
-def shard_bounds(doc_len: int, shard: int) -> list[tuple[int, int]]:
-    """Query shards ``[a, b)`` of ``shard`` tokens (the last may be shorter) covering the document."""
-    return [(a, min(a + shard, doc_len)) for a in range(0, doc_len, shard)]
-
-
-def estimate_bytes(doc_len: int, bounds, spec: ModelSpec, elt: int, backward: bool) -> float:
-    """Memory of one fused case: the document's q, k, v, out, lse; the KV copies
-    ``sum_i b_i * 2 * Hkv * D * elt`` and their gather index; with ``backward`` also dout, dq, the
-    dK/dV copies and the kernels' fp32/expanded-head accumulators (``max(2, Hq/Hkv)`` x the KV copies,
-    e.g. FA2's GQA dK/dV expansion), plus an fp32 dQ accumulator."""
-    kv_tok = sum(b for _, b in bounds)
-    hq, hkv, d = spec.n_heads, spec.n_kv_heads, spec.head_dim
-    kv = kv_tok * 2 * hkv * d * elt
-    base = doc_len * (2 * hq + 2 * hkv) * d * elt + doc_len * hq * 4 + kv + kv_tok * 8
-    if not backward:
-        return float(base)
-    grads = 2 * doc_len * hq * d * elt + doc_len * hq * d * 4 + kv + max(2, hq // hkv) * kv
-    return float(base + grads)
-
-
-def composability_case(doc_len, shard, spec, dtype, device, backend, cfg, gen) -> dict:
-    bounds = shard_bounds(doc_len, shard)
-    elt = torch.finfo(dtype).bits // 8
-    budget = cfg.mem_budget_gb * GB
-    rec = {"backend": backend, "doc_len": doc_len, "shard": shard, "n_shards": len(bounds),
-           "kv_tokens": sum(b for _, b in bounds)}
-    flops_fwd = spec.attention_flops(causal_pairs(0, doc_len), layers=1)
-    flops_fb = spec.attention_flops(causal_pairs(0, doc_len), backward=True, layers=1)
-    for mode, backward, flops in (("fwd", False, flops_fwd), ("fwd_bwd", True, flops_fb)):
-        est = estimate_bytes(doc_len, bounds, spec, elt, backward)
-        rec[f"{mode}_est_gb"] = est / GB
-        if est > budget:
-            rec[f"{mode}_skipped"] = f"estimated {est / GB:.1f} GB > budget {cfg.mem_budget_gb} GB"
-            continue
-        _reset_peak(device)
-        try:
-            q = _rand(gen, doc_len, spec.n_heads, spec, device, dtype)
-            k, v = (_rand(gen, doc_len, spec.n_kv_heads, spec, device, dtype) for _ in range(2))
-            # the server's call order: longest KV prefix first (LPT), unless --order doc
-            call = sorted(bounds, key=lambda ab: -ab[1]) if cfg.order == "lpt" else bounds
-            if call is not bounds:
-                q = q.index_select(0, torch.cat([torch.arange(a, b) for a, b in call]).to(device))
-            idx = torch.cat([torch.arange(b) for _, b in call]).to(device)
-            kk, vv = k.index_select(0, idx), v.index_select(0, idx)
-            del idx
-            cu_q = torch.tensor([0] + [b - a for a, b in call], dtype=torch.int64).cumsum(0).to(
-                device=device, dtype=torch.int32)
-            cu_k = torch.tensor([0] + [b for _, b in call], dtype=torch.int64).cumsum(0).to(
-                device=device, dtype=torch.int32)
-            mq, mk = max(b - a for a, b in bounds), max(b for _, b in bounds)
-            if backward:
-                dout = torch.randn_like(q)
-
-                def fn():
-                    o, lse = kernels.attend(q, kk, vv, cu_q, cu_k, mq, mk, backend=backend)
-                    kernels.attend_backward(dout, q, kk, vv, o, lse, cu_q, cu_k, mq, mk, backend=backend)
-            else:
-                def fn():
-                    kernels.attend(q, kk, vv, cu_q, cu_k, mq, mk, backend=backend)
-            t = time_fn(fn, device, cfg.warmup, cfg.iters)
-            rec[f"{mode}_ms"] = t["median_ms"]
-            rec[f"{mode}_tflops"] = tflops(flops, t["median_ms"])
-            rec[f"{mode}_peak_gb"] = _peak_gb(device)
-        except torch.cuda.OutOfMemoryError as e:
-            rec[f"{mode}_skipped"] = f"out of memory: {str(e).splitlines()[0]}"
-        except Exception as e:  # a backend that cannot run this case: record it, keep going
-            rec[f"{mode}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        finally:
-            q = k = v = kk = vv = dout = fn = None  # noqa: F841  (free before the next case)
-    return rec
-
-
-def run_composability(cfg: Config, device, backends) -> list[dict]:
-    spec = ModelSpec.from_name(cfg.model)
-    dtype = getattr(torch, cfg.dtype)
-    gen = torch.Generator(device=device).manual_seed(cfg.seed)
-    rows = []
-    for backend in backends:
-        for doc_len in cfg.doc_lens:
-            sizes = sorted({s for s in cfg.shards if s < doc_len} | {doc_len})
-            cases = [composability_case(doc_len, s, spec, dtype, device, backend, cfg, gen) for s in sizes]
-            whole = cases[-1]
-            for c in cases:
-                for mode in ("fwd", "fwd_bwd"):
-                    if f"{mode}_tflops" in c and f"{mode}_tflops" in whole:
-                        c[f"{mode}_vs_unsplit"] = c[f"{mode}_tflops"] / whole[f"{mode}_tflops"]
-            rows += cases
-            for c in cases:
-                print(_fmt_comp(c), flush=True)
-    return rows
-
-
-def _fmt_comp(c: dict) -> str:
-    def cell(mode):
-        if f"{mode}_tflops" in c:
-            return f"{c[f'{mode}_tflops']:8.3g} ({c.get(f'{mode}_vs_unsplit', float('nan')):.2f})"
-        return f"{'skip' if f'{mode}_skipped' in c else 'error':>15}"
-    return (f"{c['backend']:>11} doc {c['doc_len']:>6} shard {c['shard']:>6} x{c['n_shards']:<5} "
-            f"fwd TF/s {cell('fwd')}  fwd+bwd TF/s {cell('fwd_bwd')}")
+                   kv_share=["merged", "copy", "kernel"], patterns=["all", "alternate"], smoke=True)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -326,18 +168,21 @@ def _time_steps(rec, plan, spec, dtype, rt, backend, cfg, gen, flops) -> None:
 
 
 def _time_raw(rec, dd, spec, dtype, rt, backend, cfg, gen, flops) -> None:
-    """The raw fused kernel on this server's received tasks (same segments, cu_q/cu_k, shapes)."""
-    m = dd.meta
+    """The raw fused kernel on this server's received tasks, laid out as the server's default
+    (merged) call lays them out: same segments, cu_q/cu_k and shapes."""
+    m, sh = dd.meta, dd.shared
     q = _rand(gen, len(m.q_rows), spec.n_heads, spec, rt.device, dtype)
-    k, v = (_rand(gen, len(m.kv_rows), spec.n_kv_heads, spec, rt.device, dtype) for _ in range(2))
+    k, v = (_rand(gen, sh.meta.kv_rows.size, spec.n_kv_heads, spec, rt.device, dtype) for _ in range(2))
     dout = torch.randn_like(q)
+    rec["raw_segments"], rec["raw_kv_tokens"] = sh.meta.n_segments, int(sh.meta.kv_rows.size)
 
     def raw_fwd():
-        return kernels.attend(q, k, v, dd.cu_q, dd.cu_k, m.max_q, m.max_k, backend=backend)
+        return kernels.attend(q, k, v, sh.cu_q, sh.cu_k, sh.meta.max_q, sh.meta.max_k, backend=backend)
 
     def raw_fb():
         o, lse = raw_fwd()
-        kernels.attend_backward(dout, q, k, v, o, lse, dd.cu_q, dd.cu_k, m.max_q, m.max_k, backend=backend)
+        kernels.attend_backward(dout, q, k, v, o, lse, sh.cu_q, sh.cu_k, sh.meta.max_q, sh.meta.max_k,
+                                backend=backend)
 
     for mode, fn in (("fwd", raw_fwd), ("fwd_bwd", raw_fb)):
         t = time_fn(fn, rt.device, cfg.warmup, cfg.iters)
@@ -453,7 +298,14 @@ def main(argv=None):
     ap.add_argument("--doc-lens", default=None, help="comma-separated composability document lengths")
     ap.add_argument("--tokens-per-gpu", default=None, help="comma-separated overhead batch sizes")
     ap.add_argument("--order", choices=["lpt", "doc"], default=None,
-                    help="composability shard order in the fused call (default lpt, as the server)")
+                    help="composability shard order of the 'kernel' mode (default lpt, as the server)")
+    ap.add_argument("--shards", default=None, help="comma-separated composability shard sizes")
+    ap.add_argument("--kv-share", default=None,
+                    help="comma-separated composability modes: merged, copy (server paths), kernel "
+                         "(the kernel alone on per-shard KV copies); default merged,copy")
+    ap.add_argument("--patterns", default=None,
+                    help="comma-separated composability patterns: all (every shard on the server), "
+                         "alternate (every other shard: cannot merge); default all")
     ap.add_argument("--out", default=None, help="result file (default results/bench_attention_server_...)")
     args = ap.parse_args(argv)
 
@@ -465,6 +317,12 @@ def main(argv=None):
         cfg.doc_lens = [int(x) for x in args.doc_lens.split(",")]
     if args.tokens_per_gpu:
         cfg.tokens_per_gpu = [int(x) for x in args.tokens_per_gpu.split(",")]
+    if args.shards:
+        cfg.shards = [int(x) for x in args.shards.split(",")]
+    if args.kv_share:
+        cfg.kv_share = args.kv_share.split(",")
+    if args.patterns:
+        cfg.patterns = args.patterns.split(",")
     rt = init_from_env("gloo" if args.smoke else None)
     if args.smoke:
         avail = ["sdpa_ref"]

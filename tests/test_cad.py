@@ -31,11 +31,11 @@ def one_rank_problem(seed=0):
     return layout, plan, full
 
 
-def run_one_rank(plan, full, dispatch=None):
+def run_one_rank(plan, full, dispatch=None, kv_share=None):
     rows = torch.as_tensor(global_rows(plan.layout, 0))
     q, k, v, dout = (t.index_select(0, rows).clone() for t in full)
     q, k, v = (t.requires_grad_(True) for t in (q, k, v))
-    o, lse = cad_attention(q, k, v, dispatch or plan, None, return_lse=True)
+    o, lse = cad_attention(q, k, v, dispatch or plan, None, return_lse=True, kv_share=kv_share)
     o.backward(dout)
     ref = reference(*full, plan.layout.doc_lens, range(plan.layout.n_docs))
     got = (o.detach(), q.grad, k.grad, v.grad)
@@ -43,23 +43,29 @@ def run_one_rank(plan, full, dispatch=None):
     return errs, lse
 
 
-def test_one_rank_shared_prefixes_match_reference():
+@pytest.mark.parametrize("kv_share", ["merged", "copy"])
+def test_one_rank_shared_prefixes_match_reference(kv_share):
     layout, plan, full = one_rank_problem()
-    errs, lse = run_one_rank(plan, full)
+    errs, lse = run_one_rank(plan, full, kv_share=kv_share)
     assert max(errs) <= FP32_RTOL, errs
     assert lse.dtype == torch.float32 and lse.shape == (layout.total_tokens, TINY.n_heads)
     assert torch.isfinite(lse).all()
     assert prepare(plan, None, "cpu") is prepare(plan, None, "cpu")     # built once per plan
 
 
-def test_wrong_dispatch_is_detected():
+@pytest.mark.parametrize("kv_share", ["merged", "copy"])
+def test_wrong_dispatch_is_detected(kv_share):
+    from cadlib.kvshare import merge_groups
     layout, plan, full = one_rank_problem(1)
     d = build_dispatch(plan, 0)
     d.kv_rows = d.kv_rows.copy()
     j = next(j for j, i in enumerate(d.tasks) if plan.tasks[i].q_start == 0 and plan.tasks[i].q_end > 5)
-    k0 = int(d.cu_k[j])                            # a task whose queries see KV tokens 3 and 4 apart
+    if kv_share == "merged":                       # the merged segment reads its group's last KV copy
+        g = merge_groups(d.task_doc, d.task_start, d.task_end)
+        j = int(np.flatnonzero(g == g[j])[-1])
+    k0 = int(d.cu_k[j])                            # a segment whose queries see KV tokens 3 and 4 apart
     d.kv_rows[[k0 + 3, k0 + 4]] = d.kv_rows[[k0 + 4, k0 + 3]]
-    errs, _ = run_one_rank(plan, full, d)
+    errs, _ = run_one_rank(plan, full, d, kv_share)
     assert max(errs) > 1e-3, errs
 
 
@@ -214,3 +220,12 @@ def test_verify_fails_when_it_checked_nothing():
 def test_cad_bf16_within_tolerance():
     _, cases = launch(2, ["--dtype", "bf16", "--dist", "pretrain", "--case", "random,spanning"], rtol=2e-2)
     assert all(max(c["rel_err"].values()) > 0 for c in cases)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("kv_share", ["copy", "merged"])
+def test_cad_kv_share_modes_match_reference_random_plans(kv_share):
+    # the plain copy path stays the reference beside the merged one: both on the same random plans
+    _, cases = launch(2, ["--plan", "random", "--case", "random,spanning", "--dist", "pretrain,uniform",
+                          "--repeats", "2", "--kv-share", kv_share])
+    assert len(cases) == 2 * 2 * 2 and all(c["kv_share"] == kv_share for c in cases)

@@ -1,0 +1,140 @@
+"""Profile the attention server's fused kernel: latency over (query length, KV length) and fused-call
+shapes, forward and forward+backward, for :class:`cadlib.measured.MeasuredCost`.
+
+* ``task`` rows: one fused call of ``n_seg`` identical causal segments, ``q_len`` queries the suffix
+  of ``kv_len`` KV tokens each; ``n_seg`` makes the call big enough to time (about ``--target-pairs``
+  causal pairs, at most ``--max-seg``), so a row is a segment's cost inside a fused call.
+* ``fused`` rows: one shape at ``n_seg`` = 1, 4, 16, 64: the call's fixed cost (intercept).
+
+CUDA events after warm-up (perf_counter on the CPU); points run cheapest first within
+``--time-budget-s`` (per backend, shared equally), the ones not reached are listed in
+``not_reached``. Writes ``{"meta", "config", "results"}`` with :func:`cadlib.results.save_result`.
+
+    python scripts/profile_kernels.py --backends fa4,torch_flash --time-budget-s 170 \\
+        --out results/kernel_profile_h200.json                              # 1x H200, llama3-8b heads
+    python scripts/profile_kernels.py --device cpu --quick --out /tmp/kp.json  # CPU, tiny, sdpa_ref
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from benchutil import backend_versions, rand, time_fn  # noqa: E402
+from cadlib import kernels  # noqa: E402
+from cadlib.measured import segment_pairs  # noqa: E402
+from cadlib.results import RESULTS_DIR, save_result  # noqa: E402
+
+FULL = {"q": [128, 256, 512, 1024, 2048, 8192], "kv": [128, 512, 2048, 8192, 32768, 65536],
+        "fused": (512, 8192), "heads": (32, 8, 128), "target_pairs": 1 << 28, "max_seg": 64,
+        "warmup": 2, "iters": 5}
+QUICK = {"q": [16, 32, 64], "kv": [16, 64, 256], "fused": (32, 64), "heads": (4, 2, 16),
+         "target_pairs": 1 << 14, "max_seg": 8, "warmup": 1, "iters": 2}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def grid(g: dict) -> list[tuple[str, int, int, int]]:
+    """``(kind, q_len, kv_len, n_seg)`` points, cheapest (total pairs) first."""
+    pts = []
+    for q in g["q"]:
+        for k in g["kv"]:
+            if k >= q:
+                n = int(min(g["max_seg"], max(1, g["target_pairs"] // segment_pairs(q, k))))
+                pts.append(("task", q, k, n))
+    q, k = g["fused"]
+    pts += [("fused", q, k, n) for n in (1, 4, 16, 64) if n <= max(g["max_seg"], 4)]
+    return sorted(pts, key=lambda p: segment_pairs(p[1], p[2]) * p[3])
+
+
+def measure(backend, q_len, kv_len, n_seg, heads, dtype, device, warmup, iters, gen) -> dict:
+    hq, hkv, d = heads
+    q = rand(gen, n_seg * q_len, hq, d, device, dtype)
+    k, v = (rand(gen, n_seg * kv_len, hkv, d, device, dtype) for _ in range(2))
+    cu_q = (torch.arange(n_seg + 1, device=device) * q_len).to(torch.int32)
+    cu_k = (torch.arange(n_seg + 1, device=device) * kv_len).to(torch.int32)
+    dout = torch.randn_like(q)
+    rec = {}
+
+    def fwd():
+        return kernels.attend(q, k, v, cu_q, cu_k, q_len, kv_len, backend=backend)
+
+    def fwd_bwd():
+        o, lse = fwd()
+        kernels.attend_backward(dout, q, k, v, o, lse, cu_q, cu_k, q_len, kv_len, backend=backend)
+
+    for name, fn in (("fwd", fwd), ("fwd_bwd", fwd_bwd)):
+        try:
+            t = time_fn(fn, device, warmup, iters)
+            rec[f"{name}_ms"], rec[f"{name}_min_ms"] = t["median_ms"], t["min_ms"]
+        except torch.cuda.OutOfMemoryError as e:
+            rec[f"{name}_skipped"] = f"out of memory: {str(e).splitlines()[0]}"
+        except Exception as e:  # record and go on
+            rec[f"{name}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return rec
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default=None, help="cuda (default when present) or cpu")
+    ap.add_argument("--backends", default=None, help="comma-separated; default fa4,torch_flash on CUDA, "
+                    "sdpa_ref on the CPU")
+    ap.add_argument("--dtype", default=None, choices=tuple(DTYPES), help="default bf16 (fp32 on the CPU)")
+    ap.add_argument("--quick", action="store_true", help="tiny grid and heads (a CPU smoke run)")
+    ap.add_argument("--time-budget-s", type=float, default=170.0, help="wall-clock budget for all points")
+    ap.add_argument("--out", default=None, help="JSON path (default results/kernel_profile_<device>.json)")
+    args = ap.parse_args(argv)
+    if not args.time_budget_s > 0:
+        ap.error(f"--time-budget-s must be > 0, got {args.time_budget_s}")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda but CUDA is not available; use --device cpu --quick")
+    g = QUICK if args.quick else FULL
+    dtype = DTYPES[args.dtype or ("fp32" if device.type == "cpu" else "bf16")]
+    avail = kernels.available_backends(device)
+    wanted = args.backends.split(",") if args.backends else (
+        [b for b in ("fa4", "torch_flash") if b in avail] or ["sdpa_ref"])
+    backends = []
+    for b in wanted:
+        try:
+            backends.append(kernels.resolve_backend(b, device, dtype))
+        except ValueError as e:
+            print(f"skipping backend {b}: {e}", flush=True)
+    if not backends:
+        ap.error(f"none of --backends {wanted} is usable here (available: {avail})")
+    pts = grid(g)
+    gen = torch.Generator(device=device).manual_seed(0)
+    rows, not_reached = [], []
+    t_all = time.perf_counter()
+    for bi, backend in enumerate(backends):
+        deadline = t_all + args.time_budget_s * (bi + 1) / len(backends)
+        for kind, q, k, n in pts:
+            if time.perf_counter() > deadline:
+                not_reached.append({"backend": backend, "kind": kind, "q_len": q, "kv_len": k, "n_seg": n})
+                continue
+            t0 = time.perf_counter()
+            rec = {"backend": backend, "kind": kind, "q_len": q, "kv_len": k, "n_seg": n,
+                   **measure(backend, q, k, n, g["heads"], dtype, device, g["warmup"], g["iters"], gen)}
+            rec["wall_s"] = time.perf_counter() - t0
+            rows.append(rec)
+            fwd, fb = rec.get("fwd_ms", float("nan")), rec.get("fwd_bwd_ms", float("nan"))
+            print(f"{backend:>11} {kind:>5} q {q:>6} kv {k:>6} x{n:<3} fwd {fwd:9.3f} ms "
+                  f"fwd+bwd {fb:9.3f} ms", flush=True)
+    hq, hkv, d = g["heads"]
+    cfg = {"device": str(device), "backends": backends, "dtype": str(dtype).replace("torch.", ""),
+           "n_heads": hq, "n_kv_heads": hkv, "head_dim": d, "quick": args.quick, "grid": g,
+           "time_budget_s": args.time_budget_s, "causal": True}
+    tag = "cpu_quick" if args.quick else device.type
+    path = Path(args.out) if args.out else RESULTS_DIR / f"kernel_profile_{tag}.json"
+    save_result(path, cfg, rows, not_reached=not_reached, backend_versions=backend_versions(),
+                wall_s=time.perf_counter() - t_all)
+    print(f"wrote {path} ({len(rows)} points, {len(not_reached)} not reached)", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+"""The measured kernel cost model (cadlib.measured) on a small synthetic table, and its hooks in the
+scheduler and the simulator; the profiling script's CPU mode writes a table it can load."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cadlib.cost import load_measured
+from cadlib.measured import MeasuredCost, compare_models, model_imbalance, segment_pairs
+from cadlib.packing import pack
+from cadlib.plan import CATask, Layout, Plan
+from cadlib.scheduler import schedule
+from cadlib.sim import simulate, simulate_cad
+from cadlib.workload import sample_docs
+
+ROOT = Path(__file__).resolve().parents[1]
+QS, KS = [128, 512, 2048, 8192], [128, 512, 2048, 8192, 32768]
+
+
+def true_rate(q, k, phase):
+    """Pairs per second: small query shards are slow, more so with backward."""
+    q0 = 400.0 if phase == "fwd_bwd" else 60.0
+    peak = 1.5e11 if phase == "fwd" else 0.45e11
+    return peak * q / (q + q0) * k / (k + 256.0)
+
+
+def synthetic_table(overhead_ms=0.02):
+    rows = []
+    for q in QS:
+        for k in KS:
+            if k >= q:
+                n = 4
+                p = segment_pairs(q, k) * n
+                rows.append({"backend": "fa4", "kind": "task", "q_len": q, "kv_len": k, "n_seg": n,
+                             **{f"{ph}_ms": 1e3 * p / true_rate(q, k, ph) for ph in ("fwd", "fwd_bwd")}})
+    for n in (1, 4, 16, 64):
+        p = segment_pairs(512, 8192) * n
+        rows.append({"backend": "fa4", "kind": "fused", "q_len": 512, "kv_len": 8192, "n_seg": n,
+                     **{f"{ph}_ms": overhead_ms + 1e3 * p / true_rate(512, 8192, ph)
+                        for ph in ("fwd", "fwd_bwd")}})
+    rows.append({"backend": "torch_flash", "kind": "task", "q_len": 128, "kv_len": 128, "n_seg": 1,
+                 "fwd_ms": 0.01, "fwd_bwd_ms": 0.03})
+    return {"meta": {"device": "synthetic"}, "results": rows,
+            "config": {"n_heads": 32, "n_kv_heads": 8, "head_dim": 128, "dtype": "bfloat16"}}
+
+
+@pytest.fixture(scope="module")
+def cost():
+    return MeasuredCost.from_table(synthetic_table())
+
+
+def test_interpolation_reproduces_grid_points_and_fits_overhead(cost):
+    for q in QS:
+        for k in KS:
+            if k >= q:
+                for ph in ("fwd", "fwd_bwd"):
+                    want = segment_pairs(q, k) / true_rate(q, k, ph)
+                    assert np.isclose(cost.task_seconds(q, k, ph), want, rtol=1e-9)
+    assert np.isclose(cost.overhead["fwd"], 0.02e-3, rtol=1e-6)
+    assert np.isclose(cost.task_seconds(512, 2048, "bwd"),
+                      cost.task_seconds(512, 2048, "fwd_bwd") - cost.task_seconds(512, 2048, "fwd"))
+    # between grid points: the rate lies between its neighbours'
+    r = segment_pairs(1024, 4096) / cost.task_seconds(1024, 4096)
+    lo, hi = sorted(true_rate(q, k, "fwd_bwd") for q, k in ((512, 2048), (2048, 8192)))
+    assert lo <= r <= hi
+
+
+def test_latency_is_monotone_in_query_and_kv_length(cost):
+    ks = np.geomspace(130, 60000, 40)
+    for q in (100, 128, 300, 1000, 5000):
+        t = cost.task_seconds(np.full(ks[ks >= q].size, q), ks[ks >= q])
+        assert np.all(np.diff(t) > 0)
+    qs = np.geomspace(16, 30000, 40)
+    t = cost.task_seconds(qs, np.full(qs.size, 32768.0))
+    assert np.all(np.diff(t) > 0)
+    assert cost.fused_seconds([512] * 3, [8192] * 3) > cost.fused_seconds([512] * 2, [8192] * 2)
+
+
+def test_min_shard_comes_from_the_table(cost):
+    eff = [cost.efficiency(q) for q in QS]
+    assert eff == sorted(eff)                      # larger shards are more efficient here
+    assert cost.min_shard(0.5) <= cost.min_shard(0.1) <= cost.min_shard(0.01)
+    assert cost.min_shard(0.1) in QS
+    assert cost.min_shard(0.9) == 128
+    with pytest.raises(ValueError, match="within must be in"):
+        cost.min_shard(1.5)
+
+
+def test_bad_tables_and_arguments_raise():
+    with pytest.raises(ValueError, match="'config' and 'results'"):
+        MeasuredCost.from_table({"results": []})
+    with pytest.raises(ValueError, match="no 'task' rows"):
+        MeasuredCost.from_table({"config": {}, "results": []})
+    with pytest.raises(ValueError, match="backend 'fa9' is not in the table; it has: fa4, torch_flash"):
+        MeasuredCost.from_table(synthetic_table(), "fa9")
+    c = MeasuredCost.from_table(synthetic_table(), "torch_flash")   # a one-point table: held constant
+    assert c.overhead == {"fwd": 0.0, "fwd_bwd": 0.0}
+    assert np.isclose(c.task_seconds(256, 1024) / c.task_seconds(128, 128),
+                      segment_pairs(256, 1024) / segment_pairs(128, 128))
+    with pytest.raises(ValueError, match="phase must be one of"):
+        c.task_seconds(1, 1, "backward")
+    with pytest.raises(ValueError, match="q_len <= kv_len"):
+        c.task_seconds(10, 5)
+
+
+def test_server_seconds_merge_contiguous_shards(cost):
+    layout = Layout([[(0, 0, 4096)], []], [4096])
+    tasks = [CATask(0, a, a + 512, 0, 0) for a in range(0, 4096, 512)]
+    split = Plan(layout, tasks)
+    t_merged = cost.server_seconds(split)
+    t_copy = cost.server_seconds(split, merge=False)
+    assert t_merged[1] == 0 and np.isclose(t_merged[0], cost.fused_seconds([4096], [4096]))
+    assert t_copy[0] > t_merged[0]
+
+
+def test_scheduler_and_simulator_accept_the_table(cost):
+    layout = pack(sample_docs("prolong", 8 * 16384, seed=0), 8, 16384)
+    plan = schedule(layout, cost_model=cost)
+    assert plan.meta["min_shard"] == cost.min_shard() and plan.meta["measured_imbalance"] >= 1.0
+    assert schedule(layout).meta["min_shard"] == 512 and "measured_imbalance" not in schedule(layout).meta
+    with pytest.raises(ValueError, match="cost_model must be a cadlib.measured.MeasuredCost"):
+        schedule(layout, cost_model="h200.json")
+    base = simulate_cad(plan, "llama3-8b")
+    meas = simulate_cad(plan, "llama3-8b", cost=cost)
+    assert meas.step > 0 and not np.allclose(meas.breakdown["attention"], base.breakdown["attention"])
+    via = simulate("cad", layout, "llama3-8b", cost=cost)
+    assert np.isclose(via.step, meas.step)
+    row = model_imbalance(plan, cost, "llama3-8b")
+    assert row["pairs"] >= 1.0 and row["measured"] >= 1.0 and row["pair_rate_model"] >= 1.0
+
+
+def test_compare_models_rows(cost):
+    rows = compare_models(cost, dists=("pretrain",), n_servers=(4,), tokens_per_rank=8192)
+    assert len(rows) == 1 and {"pairs", "measured", "min_shard"} <= set(rows[0])
+
+
+def test_profile_script_cpu_quick_writes_a_loadable_table(tmp_path):
+    out = tmp_path / "kp.json"
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "profile_kernels.py"), "--device", "cpu",
+                    "--quick", "--time-budget-s", "60", "--out", str(out)], check=True, cwd=ROOT,
+                   capture_output=True, timeout=300)
+    table = json.loads(out.read_text())
+    assert {"meta", "config", "results"} <= set(table) and table["meta"]["commit"]
+    assert {r["kind"] for r in table["results"]} == {"task", "fused"}
+    c = load_measured(out)
+    assert c.backend == "sdpa_ref" and c.task_seconds(32, 64) > 0 and c.min_shard() in (16, 32, 64)
