@@ -392,7 +392,8 @@ def parse_args(argv=None):
 
 
 def combine(paths: list[str], out: Path) -> list[dict]:
-    """Merge result files of separate runs (e.g. one per GPU) into one; later files win on equal cells."""
+    """Merge result files of separate runs (e.g. one per GPU) into one; later files win on equal cells,
+    except that a cell a later run did not reach (``-``) keeps an earlier run's result."""
     rows: dict = {}
     metas, configs = [], []
     for path in paths:
@@ -400,7 +401,9 @@ def combine(paths: list[str], out: Path) -> list[dict]:
         metas.append(res.get("meta"))
         configs.append(res.get("config"))
         for r in res.get("results", []):
-            rows[(r["backend"], r["mask"], r["seqlen"], r["direction"])] = r
+            key = (r["backend"], r["mask"], r["seqlen"], r["direction"])
+            if r.get("status") != "-" or key not in rows:
+                rows[key] = r
     merged = list(rows.values())
     path = save_result(out, {"combined_from": [str(p) for p in paths], "configs": configs}, merged,
                        parts_meta=metas)

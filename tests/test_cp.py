@@ -180,3 +180,26 @@ def test_cp_mechanisms_match_reference(world):
     assert all(c["undispatch_ok"] for c in proto if "skipped" not in c)
     assert any(0 in c["tokens_per_rank"] for c in proto if "skipped" not in c) or world == 2
     assert any(c["min_doc"] < world for c in proto)
+
+
+def test_errors_of_an_exactly_zero_reference_stay_finite(tmp_path):
+    """A one-token document has dq = dk = 0 exactly; bf16 rounding on a GPU gives ~5e-7 there. The
+    check's relative error must compare that with the other gradients' scale, not divide by zero
+    (it reported 5e23 on 2 H200s before)."""
+    import torch.distributed as dist
+
+    from cadlib.cp.check import ZERO_REF_FLOOR, _errors
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        rows = torch.arange(1)
+        ref = [torch.full((1, 2, 4), 0.5, dtype=torch.float64), torch.zeros(1, 2, 4, dtype=torch.float64),
+               torch.zeros(1, 1, 4, dtype=torch.float64), torch.full((1, 1, 4), 2.0, dtype=torch.float64)]
+        got = [ref[0].float(), torch.full((1, 2, 4), 5e-7), torch.full((1, 1, 4), -5e-7), ref[3].float()]
+        rel = _errors(got, ref, rows, None, torch.device("cpu"))["rel_err"]
+        assert rel["dq"] == pytest.approx(5e-7 / (2.0 * ZERO_REF_FLOOR)) and rel["dq"] < 1e-3
+        assert rel["o"] == 0 and rel["dv"] == 0
+        got[1] = torch.full((1, 2, 4), 0.1)          # a real error on a zero reference still fails
+        assert _errors(got, ref, rows, None, torch.device("cpu"))["rel_err"]["dq"] > 1
+    finally:
+        dist.destroy_process_group()

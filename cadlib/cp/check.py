@@ -107,8 +107,17 @@ def _inputs(total: int, hq: int, hkv: int, dim: int, seed: int, dtype, device):
             for h in (hq, hkv, hkv, hq)]
 
 
+ZERO_REF_FLOOR = 1e-3
+"""See :func:`_errors`."""
+
+
 def _errors(got, ref, rows, group, device) -> dict:
-    """All-reduced ``max |got - ref| / max |ref|`` of o, dq, dk, dv, and whether any is NaN."""
+    """All-reduced ``max |got - ref| / max |ref|`` of o, dq, dk, dv, and whether any is NaN.
+
+    A reference that is exactly zero (a one-token document: softmax over a single key has no
+    gradient with respect to its score, so dq = dk = 0) would turn any rounding into an infinite
+    relative error; each denominator is therefore at least ``ZERO_REF_FLOOR`` times the largest of the
+    four reference scales (the inputs are unit normal, so the four are of one order)."""
     errs = torch.zeros(5, dtype=torch.float64, device=device)
     scale = torch.zeros(4, dtype=torch.float64, device=device)
     for i, (g, r) in enumerate(zip(got, ref)):
@@ -119,7 +128,8 @@ def _errors(got, ref, rows, group, device) -> dict:
         errs[4] += float(torch.isnan(g).any())
     dist.all_reduce(errs, op=dist.ReduceOp.MAX, group=group)
     dist.all_reduce(scale, op=dist.ReduceOp.MAX, group=group)
-    rel = (errs[:4] / scale.clamp_min(1e-30)).tolist()
+    floor = (scale.max() * ZERO_REF_FLOOR).clamp_min(1e-30)
+    rel = (errs[:4] / torch.maximum(scale, floor)).tolist()
     return {"rel_err": dict(zip(("o", "dq", "dk", "dv"), rel)), "nan": bool(errs[4] > 0)}
 
 
