@@ -236,7 +236,7 @@ def main(argv=None) -> int:
         from ..results import save_result
 
         save_result(args.out, {**vars(args), "world": env.world, "device": str(env.device)}, results,
-                    passed=ok, rtol=rtol)
+                    passed=ok, rtol=rtol, zero_ref_floor=ZERO_REF_FLOOR)
     destroy()
     return 0 if ok else 1
 
