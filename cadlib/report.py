@@ -316,7 +316,11 @@ _CSS = ("body{font-family:system-ui,sans-serif;max-width:72em;margin:2em auto;pa
         "margin-top:.3em}col.c-claim{width:22%}col.c-paper{width:22%}col.c-ours{width:10%}col.c-kind{width:13%}"
         "col.c-verdict{width:23%}col.c-notebook{width:10%}"
         "tr.claim-ok td:nth-child(5){color:#070}tr.claim-off td:nth-child(5){color:#a40}"
-        "tr.claim-missing td{color:#777}")
+        "tr.claim-missing td{color:#777}"
+        # the metrics table: fixed widths in METRIC_COLUMNS order, long text wrapped inside the page
+        "table.metrics{table-layout:fixed;width:100%}table.metrics td{font-size:.85em;overflow-wrap:anywhere}"
+        + "".join(f"table.metrics th:nth-child({i + 1}){{width:{w}%}}"
+                  for i, w in enumerate((16, 6, 7, 5, 11, 12, 19, 16, 8))))
 
 
 def _md_cell(v) -> str:

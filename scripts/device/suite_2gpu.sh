@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Every 2-GPU measurement of results/, in one go, in priority order (how the committed 2x H200 files
+# were made). Run from a repository root, ideally a snapshot that nothing edits while it runs:
+#
+#   OUT=/tmp/res bash scripts/device/suite_2gpu.sh                  # every stage
+#   STAGES="cpcheck report" OUT=/tmp/res bash scripts/device/suite_2gpu.sh
+#   SMOKE=1 OUT=/tmp/res bash scripts/device/suite_2gpu.sh          # CPU/gloo, tiny sizes: a typo check
+#
+# Stages: e2e (bench_e2e, NVLink, pretrain/prolong/uniform x 64K/128K tokens per GPU, ~16 min on
+# 2x H200), cp (bench_cp, ~2.5 min), cpcheck (bf16 CP check, ~20 s), report (reproduce.py --profile
+# h200x2, ~4.5 min; needs papermill, ipykernel, nbconvert, plotly), uniform128 (the last e2e setting),
+# kernels (bench_kernels on one GPU each: SDPA flash/cuDNN/torch FA2, and FlexAttention, ~2 min).
+# Each stage has its own timeout, copies what it wrote to $OUT and logs a line to $OUT/stages.log;
+# $OUT/ALLDONE marks the end. Benchmarks write into this tree's results/, so the report stage (which
+# reads the committed results) sees the new end-to-end files.
+set -u
+OUT=${OUT:-out}; SMOKE=${SMOKE:-0}
+STAGES=${STAGES:-"e2e cp cpcheck report uniform128 kernels"}
+mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+export CADLIB_COMMIT=${CADLIB_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+PY=${PYTHON:-python3}
+stage() { echo "$(date +%T) $*" | tee -a "$OUT/stages.log"; }
+want() { [[ " $STAGES " == *" $1 "* ]]; }
+e2e() {  # dist tokens limit_s
+  local name="bench_e2e_2x_$1_$(( $2 / 1024 ))k_nvlink.json" args
+  if [ "$SMOKE" = 1 ]; then args="--smoke --dists $1"; name="bench_e2e_smoke_2x_pretrain_0k_nvlink.json"
+  else args="--nproc 2 --tokens $2 --dists $1 --link nvlink --timeout $(( $3 - 20 ))"; fi
+  stage "e2e $1 $2 start"
+  timeout -k 15 "$3" $PY scripts/bench_e2e.py $args --quiet --out results >> "$OUT/e2e.log" 2>&1
+  local rc=$?; cp "results/$name" "$OUT/" 2>/dev/null; stage "e2e $1 $2 rc=$rc"
+}
+if want e2e; then
+  e2e pretrain 65536 240; e2e prolong 65536 240; e2e pretrain 131072 330; e2e prolong 131072 330
+  e2e uniform 65536 240
+fi
+if want cp; then
+  stage "bench_cp start"
+  if [ "$SMOKE" = 1 ]; then CP="--smoke"; CPOUT=results/bench_cp_smoke.json
+  else CP="--time-budget-s 160"; CPOUT=results/bench_cp.json; fi
+  timeout -k 10 230 torchrun --standalone --nproc-per-node 2 scripts/bench_cp.py $CP --out $CPOUT > "$OUT/cp.log" 2>&1
+  stage "bench_cp rc=$?"; cp $CPOUT "$OUT/" 2>/dev/null
+fi
+if want cpcheck; then
+  stage "cp.check start"
+  if [ "$SMOKE" = 1 ]; then CK="--dtype fp32 --tokens 61 --pg-backend gloo"; else CK="--dtype bf16 --tokens 8192 --heads 16,8,128"; fi
+  timeout -k 10 200 torchrun --standalone --nproc-per-node 2 -m cadlib.cp.check --suite layout,protocol $CK \
+    --out results/cp_check_2gpu_bf16.json > "$OUT/cpcheck.log" 2>&1
+  stage "cp.check rc=$?"; cp results/cp_check_2gpu_bf16.json "$OUT/" 2>/dev/null
+fi
+if want report; then
+  if [ "$SMOKE" = 1 ]; then PROF=cpu; else PROF=h200x2; fi
+  stage "reproduce $PROF start"
+  timeout -k 10 520 $PY scripts/reproduce.py --profile $PROF --publish results/reports/$PROF > "$OUT/reproduce.log" 2>&1
+  stage "reproduce rc=$?"
+  tar czf "$OUT/report_$PROF.tgz" results/reports/$PROF $(ls -dt runs/*-$PROF 2>/dev/null | head -1) 2>/dev/null
+fi
+want uniform128 && e2e uniform 131072 330
+if want kernels; then
+  stage "kernels start"
+  if [ "$SMOKE" = 1 ]; then KB="--smoke"; KF="--smoke"; else
+    KB="--backends sdpa_flash,sdpa_cudnn,torch_flash --time-budget-s 110"
+    KF="--backends flex --seqlens 4096,16384,32768 --time-budget-s 110 --masks full,causal_document,full_document,share_question,causal_blockwise,prefix_lm_causal,prefix_lm_document,sliding_window,sliding_window_causal,global_sliding_window,block_causal_document"
+  fi
+  CUDA_VISIBLE_DEVICES=0 timeout -k 10 170 $PY scripts/bench_kernels.py $KB --out "$OUT/bench_kernels_sdpa.json" > "$OUT/kernels_sdpa.log" 2>&1 &
+  CUDA_VISIBLE_DEVICES=1 timeout -k 10 170 $PY scripts/bench_kernels.py $KF --out "$OUT/bench_kernels_flex.json" > "$OUT/kernels_flex.log" 2>&1 &
+  wait; stage "kernels done (combine with: python scripts/bench_kernels.py --combine results/bench_kernels.json $OUT/bench_kernels_*.json --out results/bench_kernels.json)"
+fi
+touch "$OUT/ALLDONE"
