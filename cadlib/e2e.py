@@ -148,10 +148,17 @@ def kernel_only_spans(res: dict, config: dict) -> bool:
     return any(r["phase"] == "cp" for r in rows)
 
 
+DEFAULT_TOLERANCE = 0.05
+"""The end-to-end runs' scheduler tolerance (scripts/bench_e2e.py's default)."""
+
+
 def setting_label(config: dict) -> str:
-    """``pretrain 64K nvlink x2``: what a committed result file measured."""
+    """``pretrain 64K nvlink x2`` (``... eps 0.02`` when the scheduler's tolerance is not
+    ``DEFAULT_TOLERANCE``): what a committed result file measured."""
     link = f" {config['link']}" if config.get("link") else ""
-    return f"{config['dist']} {config['tokens_per_rank'] // 1024}K{link} x{config.get('nproc', '?')}"
+    tol = config.get("tolerance", DEFAULT_TOLERANCE)
+    eps = f" eps {tol:g}" if tol != DEFAULT_TOLERANCE else ""
+    return f"{config['dist']} {config['tokens_per_rank'] // 1024}K{link} x{config.get('nproc', '?')}{eps}"
 
 
 def load_committed(pattern: str = "bench_e2e_*.json", results_dir=None) -> list[dict]:

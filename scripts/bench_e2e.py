@@ -72,7 +72,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--dtype", default="bf16")
-    ap.add_argument("--tolerance", type=float, default=0.05)
+    ap.add_argument("--tolerance", type=float, default=e2e.DEFAULT_TOLERANCE)
     ap.add_argument("--min-shard", type=int, default=512)
     ap.add_argument("--mlp-recompute", action="store_true", default=True)
     ap.add_argument("--attn-backend", default=None)
@@ -82,11 +82,15 @@ def main(argv=None) -> int:
                     help="AdamW learning rate (timing only needs sane values)")
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--out", default=str(ROOT / "results"), help="folder for bench_e2e_*.json")
+    ap.add_argument("--tag", default="", help="appended to each file name (e.g. _eps0.02 for a tolerance "
+                                              "other than the default); letters, digits, '.', '_', '-'")
     args = ap.parse_args(argv)
     if args.smoke:
         args.model, args.layers, args.tokens, args.dtype = "tiny", 2, "512", "fp32"
         args.dists, args.steps, args.warmup, args.min_shard = "pretrain", 2, 1, 32
         args.max_doc_len, args.pg_backend, args.mlp_recompute = 700, "gloo", False
+    if not all(ch.isalnum() or ch in "._-" for ch in args.tag):
+        ap.error(f"--tag {args.tag!r}: use letters, digits, '.', '_' and '-' only")
     for link in args.link.split(","):
         if link not in LINKS:
             ap.error(f"unknown --link {link!r}; choose from: {', '.join(LINKS)}")
@@ -95,7 +99,7 @@ def main(argv=None) -> int:
         for dist in args.dists.split(","):
             for tokens in (int(t) for t in args.tokens.split(",")):
                 tag = "smoke_" if args.smoke else ""
-                name = f"bench_e2e_{tag}{args.nproc}x_{dist}_{tokens // 1024}k_{link}"
+                name = f"bench_e2e_{tag}{args.nproc}x_{dist}_{tokens // 1024}k_{link}{args.tag}"
                 try:
                     res = run_setting(args, tokens, dist, link)
                 except Exception as e:      # one failing setting must not lose the others
