@@ -71,11 +71,13 @@ KNOWN_LOSSES = {
     # they fill the receiver, and the donor's large tasks no longer fit
     "tol0-bundle-fills-with-small-tasks": ([[(0, 0, 48), (1, 0, 9), (1, 9, 33), (1, 33, 67), (1, 67, 73)]],
                                            [48, 73], 2, 0.0, 32),
-    "tol0-fine-granules-spent-first": ([[(0, 0, 12), (0, 12, 36), (0, 36, 41), (0, 41, 45)]], [45], 7, 0.0, 1),
+    "tol0-fine-granules-spent-first": ([[(0, 0, 12), (0, 12, 36), (0, 36, 41), (0, 41, 45)]],
+                                       [45], 7, 0.0, 1),
 }
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="known: the greedy alone loses to equal_flops here (docs/design.md)")
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="known: the greedy alone loses to equal_flops here (docs/design.md)")
 @pytest.mark.parametrize("cause", list(KNOWN_LOSSES))
 def test_greedy_alone_known_losses(cause):
     ranks, lens, S, tol, m = KNOWN_LOSSES[cause]
