@@ -268,6 +268,22 @@ def _reference_error(mask, q, k, v, out) -> float:
     return float((got.float() - ref).abs().max() / ref.abs().max())
 
 
+def statically_unsupported(backend: str, mask: Mask) -> str | None:
+    """Why ``backend`` cannot run ``mask`` at all, decided without running it (None: it can, or only a
+    run can tell): the SDPA flash/cuDNN backends take only the one-slice full/causal masks, the varlen
+    backends only masks with a varlen form (FA4 also the two sliding windows)."""
+    if backend in ("sdpa_flash", "sdpa_cudnn") and _plain(mask) is None:
+        return "only the one-slice full/causal masks"
+    if backend in ("torch_flash", "flash_attn", "fa4", "sdpa_ref"):
+        if backend == "fa4" and mask.name in ("sliding_window_causal", "sliding_window"):
+            return None
+        try:
+            mask.to_varlen()
+        except ValueError:
+            return "no varlen form"
+    return None
+
+
 def run_cell(backend, mask, heads, dim, dtype, device, timer, args, check: bool) -> list[dict]:
     """fwd and bwd records of one (backend, mask, seqlen)."""
     T = mask.total
@@ -391,17 +407,29 @@ def parse_args(argv=None):
     return args
 
 
+def _mask_of(rec: dict, cache: dict) -> Mask:
+    """The mask of a result record (its type and size, the benchmark's default parameters)."""
+    key = (rec["mask"], rec["seqlen"])
+    if key not in cache:
+        cache[key] = make_mask(rec["mask"], rec["seqlen"], 0)
+    return cache[key]
+
+
 def combine(paths: list[str], out: Path) -> list[dict]:
     """Merge result files of separate runs (e.g. one per GPU) into one; later files win on equal cells,
     except that a cell a later run did not reach (``-``) keeps an earlier run's result."""
     rows: dict = {}
-    metas, configs = [], []
+    metas, configs, masks = [], [], {}
     for path in paths:
         res = json.loads(Path(path).read_text())
         metas.append(res.get("meta"))
         configs.append(res.get("config"))
         for r in res.get("results", []):
             key = (r["backend"], r["mask"], r["seqlen"], r["direction"])
+            if r.get("status") == "-":
+                static = statically_unsupported(r["backend"], _mask_of(r, masks))
+                if static is not None:
+                    r = {**r, "status": "X", "error": f"unsupported ({static}; decided without running)"}
             if r.get("status") != "-" or key not in rows:
                 rows[key] = r
     merged = list(rows.values())
@@ -453,7 +481,13 @@ def main(argv=None) -> int:
                         "sparsity": mask.sparsity()}
                 over = args.time_budget_s is not None and time.monotonic() - t_start > args.time_budget_s
                 if why is not None or too_slow is not None or over:
-                    status, err = ("X", why) if why is not None else ("-", too_slow or "time budget")
+                    static = None if why is not None else statically_unsupported(backend, mask)
+                    if why is not None:
+                        status, err = "X", why
+                    elif static is not None:           # not run, but it could not have run anyway
+                        status, err = "X", f"unsupported ({static}; decided without running)"
+                    else:
+                        status, err = "-", too_slow or "time budget"
                     recs = [{**base, "direction": d, "status": status, "error": err} for d in ("fwd", "bwd")]
                 else:
                     recs = run_cell(backend, mask, heads, args.head_dim, dtype, device, timer, args,
