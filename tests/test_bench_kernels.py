@@ -31,7 +31,8 @@ def test_static_support(bk, backend, mask, unsupported):
 def test_combine_keeps_measured_cells_and_marks_unreachable_ones(bk, tmp_path):
     def rec(backend, mask, status, **kw):
         return {"backend": backend, "mask": mask, "seqlen": 4096, "direction": "fwd", "status": status, **kw}
-    first = {"meta": {"device": "gpu"}, "config": {}, "results": [rec("torch_flash", "causal", "ok", tflops=1.0)]}
+    first = {"meta": {"device": "gpu"}, "config": {},
+             "results": [rec("torch_flash", "causal", "ok", tflops=1.0)]}
     later = {"meta": {"device": "gpu"}, "config": {}, "results": [
         rec("torch_flash", "causal", "-"),              # not reached later: the measured cell stays
         rec("torch_flash", "share_question", "-"),      # not reached, and no varlen form: X
