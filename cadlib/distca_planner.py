@@ -20,9 +20,9 @@ docs do not describe the planner.) What that code does:
   estimated elements sent per pair, as if the shard sent ``F/(n+1)`` query tokens and the *whole*
   document's KV, whatever the receiver already holds. The lowest priority wins (first on ties).
 * **Moves.** If ``F`` covers the item it moves whole. Otherwise ``m = floor(F / (n+1))`` token
-  *pairs* move: the last ``m`` tokens of the head and the first ``m`` of the tail (each pair carries
-  ``n+1`` pairs), i.e. middle-out, as a new head/tail item on the receiver; ``m = 0`` ends the
-  receiver's turn. There is no minimum shard size, and the code supports even lengths only.
+  *pairs* move: the last ``m`` tokens of the head and the first ``m`` of the tail (a token pair
+  carries ``n+1`` attention pairs), i.e. middle-out, as a new head/tail item on the receiver;
+  ``m = 0`` ends the receiver's turn. There is no minimum shard size; only even lengths are supported.
 
 How this port differs, where cadlib's input or the code leaves a choice:
 
@@ -34,7 +34,11 @@ How this port differs, where cadlib's input or the code leaves a choice:
   start; ``n + 1`` for DistCA's mirrored pieces of even documents), so odd lengths work; the priority
   keeps DistCA's estimate with ``n`` the document length.
 * ``min_shard``: a partial move of fewer than ``min_shard`` query tokens (``2m``) is raised to
-  ``min_shard`` tokens where the item has them (``min_shard=1`` is DistCA's behaviour).
+  ``min_shard`` tokens where the item has them, overshooting the need by less than ``min_shard/2``
+  token pairs (``min_shard=1`` is DistCA's behaviour).
+* the priority is in bytes (the model's ``q_bytes``, ``kv_bytes``); DistCA counts elements, which
+  ranks candidates the same. One fixed ``tolerance``: DistCA's retry with larger tolerance factors
+  until its buffer fits is not modelled (no buffer limit here).
 * ``n_servers`` below the rank count starts each chunk on server ``home % n_servers``, as cadlib does.
 * ``meta['reached']`` is cadlib's criterion (max ``<= (1 + tolerance) * mean``);
   ``meta['receivers_met']`` DistCA's own (every receiver within ``tolerance * mean`` of the mean).
@@ -49,7 +53,7 @@ from .cost import as_model, causal_pairs, imbalance
 from .plan import Layout, Plan, transfer_tokens
 
 
-def _items(ch: np.ndarray, S: int):
+def _items(ch: np.ndarray):
     """Items from ``Layout.chunk_array`` rows: ``doc, home, head [ha, hb), tail [ta, tb)``."""
     o = np.lexsort((ch[:, 1], ch[:, 0], ch[:, 3]))              # by rank, doc, start
     c = ch[o]
@@ -83,7 +87,7 @@ def distca_plan(layout: Layout, n_servers: int | None = None, model=None, tolera
     qb, kvb = float(spec.q_bytes(dtype)), float(spec.kv_bytes(dtype))
     t0 = time.perf_counter()
     ch = layout.chunk_array() if chunks is None else chunks
-    doc, home, ha, hb, ta, tb = _items(ch, S)
+    doc, home, ha, hb, ta, tb = _items(ch)
     server = home % S
     n = np.asarray(layout.doc_lens, dtype=np.int64)[doc].astype(np.float64) + 1.0   # DistCA's n + 1
     pairs = causal_pairs(ha, hb) + causal_pairs(ta, tb)
