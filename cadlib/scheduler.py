@@ -29,7 +29,7 @@ from .cost import MIN_SHARD_TOKENS, as_model, causal_pairs
 from .plan import Layout, Plan
 from .shards import cut_shards
 
-METHODS = ("cad", "equal_flops", "colocated")
+METHODS = ("cad", "equal_flops", "colocated", "distca")
 
 
 def reference_greedy(chunks: np.ndarray, n_servers: int, tolerance: float, min_shard: int,
@@ -207,7 +207,8 @@ def _check(layout: Layout, n_servers, tolerance, min_shard, dtype: str = "bf16")
 def place(layout: Layout, method: str = "cad", n_servers: int | None = None, model=None,
           tolerance: float = 0.1, min_shard: int | None = None, dtype: str = "bf16",
           chunks: np.ndarray | None = None, guard: bool = True, cost_model=None) -> Plan:
-    """Run ``method`` (``cad``, ``equal_flops`` or ``colocated``) and return its :class:`Plan`, built
+    """Run ``method`` (``cad``, ``equal_flops``, ``colocated`` or ``distca``: DistCA's released planner,
+    :func:`cadlib.distca_planner.distca_plan`) and return its :class:`Plan`, built
     from arrays in O(chunks + tasks) (call ``plan.validate()`` to check coverage). ``chunks`` (from
     ``Layout.chunk_array``) may be passed to skip the layout conversion. ``meta['seconds']`` is the
     planning time including that conversion; ``meta['loop_seconds']`` the greedy alone.
@@ -233,6 +234,9 @@ def place(layout: Layout, method: str = "cad", n_servers: int | None = None, mod
     if min_shard is None:
         min_shard = cost_model.min_shard() if cost_model is not None else MIN_SHARD_TOKENS
     S, tol, m = _check(layout, n_servers, tolerance, min_shard)
+    if method == "distca":
+        from .distca_planner import distca_plan
+        return distca_plan(layout, S, model, tol, m, dtype, chunks)
     spec = as_model(model)
     qb, kvb = spec.q_bytes(dtype), spec.kv_bytes(dtype)
     t0 = time.perf_counter()

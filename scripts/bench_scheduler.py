@@ -11,14 +11,19 @@ water-filling, in three parts:
   ``noguard`` is the greedy alone.
 * **grid** (``--grid``): greedy (no guard) and equal-FLOPs bytes on DistCA-pretrain and ProLong,
   8/16/32 ranks x 32K/64K/128K tokens, sequential and balanced packing, tolerance 0.02/0.05/0.1,
-  seeds 0-3, min_shard 512: the ratio greedy / equal_flops per case and its summary.
+  seeds 0-3, min_shard 512: the ratio greedy / equal_flops per case and its summary. Also per case
+  the scheduler with its guard (``cadg``) against DistCA's released planner (``distca``,
+  :mod:`cadlib.distca_planner`, same tolerance and min_shard; ``distca1`` without a minimum shard, as
+  released): bytes, imbalance, and ``cadm``, the scheduler at DistCA's reached imbalance where that is
+  tighter than the tolerance (matched balance).
+  ``results/bench_scheduler_grid_distca.json`` is this part alone (``--grid --out ...``).
 * **host path** (``--host-path``, written to ``results/bench_host_path.json``): one training step's
   host work per rank at 64 x 512K: the layout (``Layout`` from per-rank chunk lists, validated) ->
   plan (``place``, with the guard) -> ``build_dispatch`` for its rank. ``kv_rows_max`` is the largest
   per-rank KV gather index (the dispatch's output: one entry per KV token a served task reads).
 
     python scripts/bench_scheduler.py                 # scale
-    python scripts/bench_scheduler.py --grid          # the bytes grid
+    python scripts/bench_scheduler.py --grid --out results/bench_scheduler_grid_distca.json   # the grid
     python scripts/bench_scheduler.py --host-path     # per-step host time
     python scripts/bench_scheduler.py --all           # all three
     python scripts/bench_scheduler.py --quick         # scale at 8, 64 servers x 128K, 1 run
@@ -118,22 +123,87 @@ def run_grid(args, model):
                         for tol in (0.02, 0.05, 0.1):
                             eq = place(layout, "equal_flops", n, model, tol, 512, chunks=ch)
                             cad = place(layout, "cad", n, model, tol, 512, chunks=ch, guard=False)
+                            cadg = place(layout, "cad", n, model, tol, 512, chunks=ch)
+                            dca = place(layout, "distca", n, model, tol, 512, chunks=ch)
+                            dca1 = place(layout, "distca", n, model, tol, 1, chunks=ch)   # no min shard
+                            tol_m = min(tol, max(dca.imbalance() - 1.0, 0.0))   # DistCA's balance if tighter
+                            cadm = cadg if tol_m == tol else place(layout, "cad", n, model, tol_m, 512,
+                                                                   chunks=ch)
                             be, bc = eq.forward_bytes(model), cad.forward_bytes(model)
+                            bg, bd, bm = (p.forward_bytes(model) for p in (cadg, dca, cadm))
                             rows.append({"dist": dist, "ranks": n, "tokens_per_rank": tpr, "pack": pk,
                                          "seed": seed, "tolerance": tol, "eq_gb": be / 1e9,
                                          "cad_gb": bc / 1e9,
-                                         "ratio": bc / be if be else (1.0 if bc == 0 else float("inf")),
+                                         "ratio": _ratio(bc, be),
                                          "eq_reached": eq.meta["reached"], "cad_reached": cad.meta["reached"],
-                                         "eq_moves": eq.meta["n_moves"], "cad_moves": cad.meta["n_moves"]})
+                                         "eq_moves": eq.meta["n_moves"], "cad_moves": cad.meta["n_moves"],
+                                         "imbalance_before": eq.meta["imbalance_before"],
+                                         "eq_imbalance": eq.imbalance(), "cadg_imbalance": cadg.imbalance(),
+                                         "cadg_gb": bg / 1e9, "cadg_reached": cadg.meta["reached"],
+                                         "cadg_guard": cadg.meta["guard"],
+                                         "distca_gb": bd / 1e9, "distca_imbalance": dca.imbalance(),
+                                         "distca_reached": dca.meta["reached"],
+                                         "distca_receivers_met": dca.meta["receivers_met"],
+                                         "distca_moves": dca.meta["n_moves"],
+                                         "distca1_gb": dca1.forward_bytes(model) / 1e9,
+                                         "distca1_imbalance": dca1.imbalance(),
+                                         "distca1_reached": dca1.meta["reached"],
+                                         "ratio_distca": bg / bd if bd else None,
+                                         "cadm_tolerance": tol_m, "cadm_gb": bm / 1e9,
+                                         "cadm_imbalance": cadm.imbalance(),
+                                         "cadm_reached": cadm.meta["reached"],
+                                         "ratio_distca_matched": bm / bd if bd else None})
     ratio = np.array([r["ratio"] for r in rows])
+    dist_sum = _distca_summary(rows)
     summary = {"cases": len(rows), "ratio_min": float(ratio.min()), "ratio_median": float(np.median(ratio)),
                "ratio_max": float(ratio.max()), "cases_above_1": int((ratio > 1).sum()),
                "cases_above_1.01": int((ratio > 1.01).sum()),
                "eq_reached_cad_not": sum(r["eq_reached"] and not r["cad_reached"] for r in rows),
                "eq_not_reached": sum(not r["eq_reached"] for r in rows),
-               "note": "the greedy without the equal-FLOPs guard; with it (the default) every ratio is <= 1"}
+               "note": "the greedy without the equal-FLOPs guard; with it (the default) every ratio is <= 1",
+               "distca": dist_sum}
     print("grid:", summary)
     return rows, summary
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else (1.0 if a == 0 else float("inf"))
+
+
+def _stats(x) -> dict:
+    x = np.asarray(x, dtype=np.float64)
+    return {"cases": int(x.size), "min": float(x.min()), "median": float(np.median(x)), "max": float(x.max()),
+            "above_1": int((x > 1).sum())} if x.size else {"cases": 0}
+
+
+def _distca_summary(rows) -> dict:
+    """The scheduler with its guard (``cadg``) against DistCA's released planner, per grid case."""
+    moved = [r for r in rows if r["distca_gb"] > 0]
+    both = [r for r in moved if r["distca_reached"]]
+    imb = {k: np.array([r[f"{k}_imbalance"] for r in rows]) for k in ("distca", "cadg", "eq")}
+    return {
+        "what": "ratio = cadg_gb / distca_gb: cadlib's scheduler with its guard / DistCA's released planner "
+                "(cadlib.distca_planner), same tolerance and min_shard; reached: max <= (1 + tolerance) "
+                "x mean",
+        "ours_more_bytes": sum(r["cadg_gb"] > r["distca_gb"] for r in rows),
+        "ours_more_bytes_distca_reached": sum(r["cadg_gb"] > r["distca_gb"] for r in both),
+        "ratio_where_distca_moved": _stats([r["ratio_distca"] for r in moved]),
+        "ratio_where_distca_reached": _stats([r["ratio_distca"] for r in both]),
+        "distca_no_moves": len(rows) - len(moved),
+        "distca_reached": sum(r["distca_reached"] for r in rows),
+        "distca_receivers_met": sum(r["distca_receivers_met"] for r in rows),
+        "cadg_reached": sum(r["cadg_reached"] for r in rows),
+        "imbalance_median": {k: float(np.median(v)) for k, v in imb.items()},
+        "imbalance_max": {k: float(v.max()) for k, v in imb.items()},
+        "distca_tighter": int((imb["distca"] < imb["cadg"] - 1e-9).sum()),
+        "distca1": "DistCA's planner as released, without a minimum shard (min_shard 1)",
+        "ratio_distca1_where_moved": _stats([r["cadg_gb"] / r["distca1_gb"] for r in rows
+                                             if r["distca1_gb"] > 0]),
+        "distca1_reached": sum(r["distca1_reached"] for r in rows),
+        "ours_more_bytes_than_distca1": sum(r["cadg_gb"] > r["distca1_gb"] for r in rows),
+        "ratio_matched_where_distca_moved": _stats([r["ratio_distca_matched"] for r in moved]),
+        "matched_note": "cadm: the scheduler at tolerance min(tol, DistCA's reached imbalance - 1), so at "
+                        "least as balanced as DistCA's plan"}
 
 
 def run_host_path(args, model):
