@@ -170,3 +170,16 @@ def test_report_ends_with_the_claims_table(tmp_path):
     assert "Claims: paper vs ours" not in md.read_text()
     assert json.loads(json.dumps(table))                       # plain data, as report.json would hold it
     assert pathlib.Path(claims.__file__).exists()
+
+
+def test_memory_divergence_is_measured_from_wlb_peak_memory():
+    """The worst batch's max/mean peak memory over ranks under WLB-ideal, recorded by the e2e notebook."""
+    from cadlib.claims import _memory_divergence
+    recs = [{"method": "wlb", "batch": 0, "rank": 0, "peak_mem_gib": 40.0},
+            {"method": "wlb", "batch": 0, "rank": 1, "peak_mem_gib": 40.0},
+            {"method": "wlb", "batch": 1, "rank": 0, "peak_mem_gib": 44.0},
+            {"method": "wlb", "batch": 1, "rank": 1, "peak_mem_gib": 36.0},
+            {"method": "colocated", "batch": 1, "rank": 0, "peak_mem_gib": 90.0}]
+    worst, median = _memory_divergence(recs, "wlb")
+    assert worst == pytest.approx(1.1) and median == pytest.approx(1.05)
+    assert _memory_divergence(recs, "cad") is None
