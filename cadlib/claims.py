@@ -166,8 +166,9 @@ def e2e_ours(results_dir: str | os.PathLike | None = None) -> list[dict]:
             uniform = "2048-token documents: every rank holds equal work, nothing to diverge"
             few = "2 ranks, 10 batches: how far memory diverges depends on the long documents a batch holds"
             reason = "" if worst >= low else uniform if dist == "uniform" else few
-            add("distca.memory_divergence", round(worst, 3), "WLB-ideal (balanced variable-length packing): "
-                f"peak memory max/mean over the ranks, the worst of the batches (median {median:.3f})", reason)
+            how = ("WLB-ideal (balanced variable-length packing): peak memory max/mean over the ranks, the "
+                   f"worst of the batches (median {median:.3f})")
+            add("distca.memory_divergence", round(worst, 3), how, reason)
             rows[-1]["notebook"] = E2E_NOTEBOOK      # measured beside the simulated ones of 01_stragglers
     return rows
 
