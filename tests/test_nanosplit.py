@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from cadlib import train
 from cadlib.cost import ModelSpec
 from cadlib.nanosplit import build_nano_batches, imbalance_per_rank, refine_cuts, schedule_nano
 from cadlib.packing import pack
@@ -136,3 +137,40 @@ def test_context_attention_matches_reference_one_rank():
     for got, want in zip((o.detach(), q.grad, k.grad, v.grad), ref):
         want = want.index_select(0, rows)
         assert float((got - want).abs().max() / want.abs().max()) <= 1e-5
+
+
+SEEDS = {2: 1, 4: 37}          # batches 0-2 hold all three cases below (checked in the test)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("world", [2, 4])
+def test_pingpong_with_cut_documents_matches_colocated(world, tmp_path):
+    launch = pytest.importorskip("cadlib.launch")
+    argv = ["--tokens-per-rank", "256", "--max-doc-len", "400", "--min-shard", "16", "--steps", "3",
+            "--warmup", "0", "--seed", str(SEEDS[world])]
+    args = train.parse_args(argv)
+    spans = short = empty_b = False
+    for i in range(3):
+        docs = train.batch_docs(args, i, world)
+        layout = pack(docs, world, 256)
+        a, b = split_nano_batches(layout, split_docs=True, min_piece=16)
+        own = layout.owner_map()
+        cut = np.intersect1d(a.docs, b.docs)
+        spans |= any(len(set(own[d].tolist())) > 1 for d in cut) and (i == 0)    # gradients: batch 0
+        short |= min(docs) < 16
+        empty_b |= any(len(r) == 0 for r in split_nano_batches(layout)[1].rows)
+    assert spans and short and empty_b
+    methods = ["colocated", "cad-pingpong"]
+    df = launch.run_torchrun("cadlib.train", world,
+                             [*argv, "--methods", ",".join(methods), "--nano-split", "docs",
+                              "--dtype", "fp32", "--dump-grads", str(tmp_path)],
+                             timeout=300, pg_backend="gloo", echo=False, progress=False)
+    recs = [r for res in df.attrs["results"] for r in res["records"] if r["rank"] == 0]
+    loss = {m: [r["loss"] for r in recs if r["method"] == m] for m in methods}
+    assert len(loss["colocated"]) == 3
+    assert np.allclose(loss["cad-pingpong"], loss["colocated"], atol=1e-4, rtol=0), loss
+    ref, got = torch.load(tmp_path / "colocated.pt"), torch.load(tmp_path / "cad-pingpong.pt")
+    assert got.keys() == ref.keys()
+    for name, g in got.items():
+        scale = float(ref[name].abs().max())
+        assert torch.allclose(g, ref[name], rtol=1e-4, atol=1e-6 * scale), name
