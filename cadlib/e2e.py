@@ -154,10 +154,12 @@ DEFAULT_TOLERANCE = 0.05
 
 def setting_label(config: dict) -> str:
     """``pretrain 64K nvlink x2`` (``... eps 0.02`` when the scheduler's tolerance is not
-    ``DEFAULT_TOLERANCE``): what a committed result file measured."""
+    ``DEFAULT_TOLERANCE``, ``... cut docs`` when ping-pong's nano-batches may cut documents): what a
+    committed result file measured."""
     link = f" {config['link']}" if config.get("link") else ""
     tol = config.get("tolerance", DEFAULT_TOLERANCE)
     eps = f" eps {tol:g}" if tol != DEFAULT_TOLERANCE else ""
+    eps += " cut docs" if config.get("nano_split", "whole") != "whole" else ""
     return f"{config['dist']} {config['tokens_per_rank'] // 1024}K{link} x{config.get('nproc', '?')}{eps}"
 
 

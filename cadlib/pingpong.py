@@ -1,10 +1,13 @@
 """Ping-pong: two nano-batches per rank, so one's all-to-all hides behind the other's compute.
 
-Every rank's tokens form two **nano-batches** A and B. A document lies wholly in one of them (a
-query's KV prefix never crosses nano-batches), and each nano-batch has its own layout and its own
-plan, as DistCA plans its ping and pong batches independently. :func:`split_nano_batches` assigns
+Every rank's tokens form two **nano-batches** A and B. By default a document lies wholly in one of
+them (a query's KV prefix never crosses nano-batches), and each nano-batch has its own layout and its
+own plan, as DistCA plans its ping and pong batches independently. :func:`split_nano_batches` assigns
 documents so that every rank's two halves carry about the same tokens (so the linear layers of one
 can cover the communication of the other), or the same attention work (``balance="attention"``).
+With ``split_docs=True`` it may also cut a document: its prefix in A, the rest in B, whose attention
+then reads A's K, V of the prefix as KV-only context (:mod:`cadlib.nanosplit`; B's send at tick 2
+runs after A's q, k, v of tick 0, and the backward sums both nano-batches' dK, dV into A's k, v).
 
 Per layer, the tick order of DistCA (compute stream | communication stream)::
 
@@ -23,13 +26,12 @@ stream its forward used) with the other's compute. On CPU/gloo the same schedule
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
-from .cost import causal_pairs
-from .plan import Chunk, Layout
+from .cost import MIN_SHARD_TOKENS, causal_pairs
+from .nanosplit import NanoBatch, build_nano_batches, check_min_piece, refine_cuts
+from .plan import Layout
 from .cad import check_inputs
 from .stages import _OFF, Streams, Timeline, ret, send, serve
 
@@ -41,22 +43,20 @@ def _tuple(out) -> tuple:
     return (out,) if isinstance(out, torch.Tensor) else tuple(out)
 
 
-@dataclass
-class NanoBatch:
-    """One nano-batch: its layout over the same ranks (documents renumbered 0..), the global document
-    of each of its documents, and per rank the rows of that rank's full local buffer it takes."""
-
-    layout: Layout
-    docs: np.ndarray
-    rows: list[np.ndarray]
-
-
-def split_nano_batches(layout: Layout, balance: str = "tokens") -> tuple[NanoBatch, NanoBatch]:
+def split_nano_batches(layout: Layout, balance: str = "tokens", split_docs: bool = False,
+                       min_piece: int = MIN_SHARD_TOKENS) -> tuple[NanoBatch, NanoBatch]:
     """Assign whole documents to nano-batch A or B, largest first, each to the side that keeps
     ``sum_r (w_A[r] - w_B[r])^2`` smallest, ``w`` = tokens per rank (``balance="tokens"``) or causal
-    attention pairs per rank (``"attention"``). Each rank keeps its chunks' order in both halves."""
+    attention pairs per rank (``"attention"``). Each rank keeps its chunks' order in both halves.
+
+    ``split_docs=True``: then cut documents between A and B where that lowers the same sum (a prefix
+    in A, the rest in B, whose layout carries A's part as KV-only context; no cut leaves a piece of a
+    chunk shorter than ``min_piece`` tokens): :mod:`cadlib.nanosplit`."""
     if balance not in BALANCE:
         raise ValueError(f"unknown balance {balance!r}; choose one of: {', '.join(BALANCE)}")
+    if not isinstance(split_docs, (bool, np.bool_)):
+        raise ValueError(f"split_docs must be True or False, got {split_docs!r}")
+    check_min_piece(min_piece)
     R = layout.n_ranks
     per_doc: list[list[tuple[int, float]]] = [[] for _ in range(layout.n_docs)]
     for r, chunks in enumerate(layout.ranks):
@@ -74,19 +74,10 @@ def split_nano_batches(layout: Layout, balance: str = "tokens") -> tuple[NanoBat
         to_b = float(((diff - w) ** 2).sum())
         side[d] = 0 if to_a <= to_b else 1
         diff += w if side[d] == 0 else -w
-    offsets = layout.local_offsets()
-    out = []
-    for s in (0, 1):
-        docs = np.flatnonzero(side == s)
-        renum = {int(g): i for i, g in enumerate(docs)}
-        ranks, rows = [], []
-        for chunks, offs in zip(layout.ranks, offsets):
-            mine = [(c, o) for c, o in zip(chunks, offs) if side[c.doc] == s]
-            ranks.append([Chunk(renum[c.doc], c.start, c.end) for c, _ in mine])
-            rows.append(np.concatenate([np.arange(o, o + c.length) for c, o in mine]).astype(np.int64)
-                        if mine else np.zeros(0, dtype=np.int64))
-        out.append(NanoBatch(Layout(ranks, [layout.doc_lens[d] for d in docs]), docs, rows))
-    return out[0], out[1]
+    cuts = np.where(side == 0, np.asarray(layout.doc_lens, dtype=np.int64), 0)
+    if split_docs:
+        cuts = refine_cuts(layout, cuts, balance, min_piece)
+    return build_nano_batches(layout, cuts)
 
 
 class _Barrier(torch.autograd.Function):
@@ -155,14 +146,19 @@ def _spanned(tl: Timeline, phase: str, fn, *inputs):
 
 
 def pingpong_layers(model, xs, ropes, dds, comm, streams: Streams, attn_backend=None,
-                    tl: Timeline = _OFF):
+                    tl: Timeline = _OFF, context=None):
     """Run every decoder layer of ``model`` over nano-batches A and B in DistCA's tick order.
 
     ``xs``: the two nano-batches' embeddings ``[n_A, hidden]``, ``[n_B, hidden]``; ``ropes``: their
     ``(cos, sin)``; ``dds``: their :class:`~cadlib.dispatch.DeviceDispatch` (one plan each).
+    ``context``: B's KV-only context on this rank (an int64 tensor of rows of A's local buffer,
+    :attr:`cadlib.nanosplit.NanoBatch.context`; None or empty: none). B's plan then expects
+    ``n_B + len(context)`` local rows: q is padded with zeros, k and v take A's rows.
     Returns the two residual streams after the last layer (before the final norm)."""
     layers = list(model.layers)
     st: dict[str, torch.Tensor] = {"xA": xs[0], "xB": xs[1]}
+    ctx = context if context is not None and context.numel() else None
+    n_ctx, n_b = (0 if ctx is None else ctx.numel()), xs[1].shape[0]
 
     def barrier():
         keys = [k for k, v in st.items() if v.requires_grad]
@@ -174,6 +170,11 @@ def pingpong_layers(model, xs, ropes, dds, comm, streams: Streams, attn_backend=
     def pre(i, s):
         q, k, v = _spanned(tl, f"linear {s}", lambda x: layers[i].pre_attention(x, *ropes["AB".index(s)]),
                            st["x" + s])
+        if ctx is not None and s == "A":           # B's context rows, before A's send takes k, v
+            st["kcA"], st["vcA"] = k.index_select(0, ctx), v.index_select(0, ctx)
+        elif ctx is not None:
+            q = torch.cat([q, q.new_zeros((n_ctx, *q.shape[1:]))])
+            k, v = torch.cat([k, st.pop("kcA")]), torch.cat([v, st.pop("vcA")])
         st["q" + s], st["k" + s], st["v" + s] = q, k, v
 
     def post(i, s):
@@ -189,15 +190,17 @@ def pingpong_layers(model, xs, ropes, dds, comm, streams: Streams, attn_backend=
         st["out" + s] = serve(st.pop("qb" + s), st.pop("kb" + s), st.pop("vb" + s), d, attn_backend, tl, s)
 
     def ret_(s):
-        st["o" + s] = ret(st.pop("out" + s), dds["AB".index(s)], comm, streams, tl, s)
+        o = ret(st.pop("out" + s), dds["AB".index(s)], comm, streams, tl, s)
+        st["o" + s] = o[:n_b] if s == "B" and ctx is not None else o
 
     pre(0, "A")                                        # tick 0
     # every rank checks, before the first all-to-all: A's tensors fully, B's row count (B's q, k, v
     # come from the same layer, so they share A's dtype, heads and head_dim)
     attn_backend = check_inputs(st["qA"], st["kA"], st["vA"], dds[0].meta.n_local, attn_backend, comm.group)
-    for s, x, d in zip("AB", xs, dds):
-        if x.shape[0] != d.meta.n_local:
-            raise ValueError(f"nano-batch {s} has {x.shape[0]} tokens on this rank but its plan expects "
+    for s, n, d in zip("AB", (xs[0].shape[0], n_b + n_ctx), dds):
+        if n != d.meta.n_local:
+            extra = f" ({n_b} tokens + {n_ctx} context rows)" if s == "B" and n_ctx else " tokens"
+            raise ValueError(f"nano-batch {s} has {n}{extra} on this rank but its plan expects "
                              f"n_local={d.meta.n_local}")
     for i in range(len(layers)):
         barrier()                                      # tick 1: send A | linear B

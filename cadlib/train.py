@@ -10,7 +10,9 @@ Methods (every one sees the same sampled batches, from the same initial weights)
   document split across ranks is all-gathered from the ranks that hold it (per-document CP).
 * ``wlb``: WLB-LLM variable-length ``balanced`` packing + the same per-document CP ("WLB-ideal").
 * ``cad``: sequential packing, core attention on the scheduler's attention servers, no overlap.
-* ``cad-pingpong``: two nano-batches per rank, each with its own plan, in DistCA's tick order.
+* ``cad-pingpong``: two nano-batches per rank, each with its own plan, in DistCA's tick order
+  (``--nano-split whole``, the default: whole documents in each; ``docs``: a document may be cut
+  between them, :mod:`cadlib.nanosplit`).
 * ``signal-only``: ``cad-pingpong`` with every all-to-all cut to one element per peer (the control
   that shows what communication still costs).
 
@@ -39,6 +41,7 @@ from .distributed import destroy, init_from_env, log, report_progress, write_res
 from .batches import positions, synthetic_tokens
 from .model import ChunkedCrossEntropy, Decoder
 from .packing import pack
+from .nanosplit import schedule_nano
 from .pingpong import _spanned, pingpong_layers, split_nano_batches
 from .stages import SignalOnly, Streams, Timeline, staged_attention
 from .workload import sample_docs, sample_kwargs
@@ -79,11 +82,17 @@ class Step:
         tok, tgt = synthetic_tokens(self.layout, rank, spec.vocab, args.seed)
         pos = positions(self.layout, rank)
         self.n_valid = sum(n - 1 for n in docs)
+        self.context = None
         if method in ("cad-pingpong", "signal-only"):
-            self.nanos = split_nano_batches(self.layout, args.nano_balance)
-            self.plans = [self._plan(nb.layout, args, spec) for nb in self.nanos]
+            self.nanos = split_nano_batches(self.layout, args.nano_balance,
+                                            split_docs=args.nano_split == "docs", min_piece=args.min_shard)
+            self.plans = [schedule_nano(nb, model=spec, tolerance=args.tolerance, min_shard=args.min_shard)
+                          for nb in self.nanos]
             self.inputs = [tuple(t[torch.as_tensor(nb.rows[rank])].to(device) for t in (tok, tgt, pos))
                            for nb in self.nanos]
+            ctx = self.nanos[1].context
+            if ctx and len(ctx[rank]):            # B's KV-only rows of A's local buffer on this rank
+                self.context = torch.as_tensor(ctx[rank]).to(device)
         else:
             self.plans = [self._plan(self.layout, args, spec)] if method == "cad" else []
             self.inputs = [tuple(t.to(device) for t in (tok, tgt, pos))]
@@ -109,7 +118,8 @@ def forward(step: Step, model, group, streams, tl, args, signal_only: bool):
         (ta, ya, pa), (tb, yb, pb) = step.inputs
         xs = [model.embed(ta), model.embed(tb)]
         ropes = [model.rope(pa), model.rope(pb)]
-        xa, xb = pingpong_layers(model, xs, ropes, step.dds, comm, streams, args.attn_backend, tl)
+        xa, xb = pingpong_layers(model, xs, ropes, step.dds, comm, streams, args.attn_backend, tl,
+                                 context=step.context)
         loss = head(model.norm(xa), ya) + head(model.norm(xb), yb)
     else:
         tok, tgt, pos = step.inputs[0]
@@ -189,6 +199,9 @@ def parse_args(argv=None):
     p.add_argument("--tolerance", type=float, default=0.05, help="scheduler imbalance tolerance epsilon")
     p.add_argument("--min-shard", type=int, default=512, help="scheduler minimum shard tokens")
     p.add_argument("--nano-balance", default="tokens", choices=("tokens", "attention"))
+    p.add_argument("--nano-split", default="whole", choices=("whole", "docs"),
+                   help="cad-pingpong's nano-batches: whole documents (default) or documents cut between "
+                        "them (pieces >= --min-shard tokens)")
     p.add_argument("--wlb-cap", type=int, default=None, help="balanced packing's token cap per rank")
     p.add_argument("--ce-chunk", type=int, default=8192, help="tokens per chunk of the LM-head loss")
     p.add_argument("--mlp-recompute", action="store_true")

@@ -31,7 +31,7 @@ def run_setting(args, tokens: int, dist: str, link: str) -> dict:
     train_args = ["--methods", args.methods, "--model", args.model, "--tokens-per-rank", str(tokens),
                   "--dist", dist, "--steps", str(args.steps), "--warmup", str(args.warmup),
                   "--dtype", args.dtype, "--tolerance", str(args.tolerance),
-                  "--min-shard", str(args.min_shard),
+                  "--min-shard", str(args.min_shard), "--nano-split", args.nano_split,
                   "--seed", str(args.seed), "--lr", str(args.lr)]
     if args.layers:
         train_args += ["--layers", str(args.layers)]
@@ -74,6 +74,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--tolerance", type=float, default=e2e.DEFAULT_TOLERANCE)
     ap.add_argument("--min-shard", type=int, default=512)
+    ap.add_argument("--nano-split", default="whole", choices=("whole", "docs"),
+                    help="cad-pingpong's nano-batches: whole documents (default) or documents cut between "
+                         "them; 'docs' appends _cutdocs to each file name")
     ap.add_argument("--mlp-recompute", action="store_true", default=True)
     ap.add_argument("--attn-backend", default=None)
     ap.add_argument("--pg-backend", default="auto")
@@ -99,7 +102,8 @@ def main(argv=None) -> int:
         for dist in args.dists.split(","):
             for tokens in (int(t) for t in args.tokens.split(",")):
                 tag = "smoke_" if args.smoke else ""
-                name = f"bench_e2e_{tag}{args.nproc}x_{dist}_{tokens // 1024}k_{link}{args.tag}"
+                cut = "_cutdocs" if args.nano_split != "whole" else ""
+                name = f"bench_e2e_{tag}{args.nproc}x_{dist}_{tokens // 1024}k_{link}{cut}{args.tag}"
                 try:
                     res = run_setting(args, tokens, dist, link)
                 except Exception as e:      # one failing setting must not lose the others
