@@ -11,7 +11,8 @@
 # h200x2, ~4.5 min; needs papermill, ipykernel, nbconvert, plotly), uniform128 (the last e2e setting),
 # kernels (bench_kernels on one GPU each: SDPA flash/cuDNN/torch FA2, and FlexAttention, ~2 min);
 # tolerance (pretrain at 64K and 128K with the scheduler's tolerance 0.02 instead of 0.05, ~6 min;
-# not in the default list).
+# not in the default list); cutdocs (pretrain 64K with --nano-split docs over NVLink and the
+# inter-node-like link, ~4 min; not in the default list).
 # Each stage has its own timeout, copies what it wrote to $OUT and logs a line to $OUT/stages.log;
 # $OUT/ALLDONE marks the end. Benchmarks write into this tree's results/, so the report stage (which
 # reads the committed results) sees the new end-to-end files.
@@ -58,6 +59,14 @@ if want report; then
   tar czf "$OUT/report_$PROF.tgz" results/reports/$PROF $(ls -dt runs/*-$PROF 2>/dev/null | head -1) 2>/dev/null
 fi
 want uniform128 && e2e uniform 131072 330
+if want cutdocs; then      # ping-pong whose nano-batches may cut a document, on both links (pretrain 64K)
+  for link in nvlink inter-node-like; do
+    stage "e2e pretrain 65536 cut docs $link start"
+    if [ "$SMOKE" = 1 ]; then args="--smoke"; else args="--nproc 2 --tokens 65536 --dists pretrain --timeout 220"; fi
+    timeout -k 15 240 $PY scripts/bench_e2e.py $args --link $link --nano-split docs --quiet --out results >> "$OUT/e2e.log" 2>&1
+    stage "e2e pretrain 65536 cut docs $link rc=$?"; cp results/bench_e2e_*_cutdocs.json "$OUT/" 2>/dev/null
+  done
+fi
 if want tolerance; then   # a tighter tolerance on 2 GPUs: the residual imbalance vs the bytes it moves
   for t in 65536 131072; do
     stage "e2e pretrain $t eps 0.02 start"
