@@ -5,17 +5,15 @@
   sets it for every notebook it runs, with ``$CADLIB_NOTEBOOK``), appends the row as one JSON line to
   ``$CADLIB_REPORT_DIR/metrics.jsonl``. Run interactively, it only returns the table.
 * Plotly figures live in executed notebooks as ``application/vnd.plotly.v1+json``, which static HTML
-  cannot show. :func:`with_html_figures` adds a ``text/html`` rendering beside each one, and
-  :func:`plotlyjs_tag` loads plotly.js once per page (inlined, or from a local file), so pages work
-  offline.
+  cannot show: :mod:`cadlib.figures_html` renders them (re-exported here).
 * :func:`write_report` writes ``report.md`` and a self-contained ``report.html``: the metrics of every
-  notebook in one table (paper vs ours, with kind and source), each notebook's summary and its key
-  figures (cells tagged ``figure`` or ``summary``; every figure when no cell is tagged). plotly.js is
-  packed into the page gzipped (:func:`plotlyjs_packed_tag`), so the page stays near 2 MB.
+  notebook (paper vs ours, with kind and source; a collapsible table per notebook), each notebook's
+  summary and its key figures (cells tagged ``figure`` or ``summary``; every figure when no cell is
+  tagged). plotly.js is packed into the page gzipped (:func:`plotlyjs_packed_tag`), so the page stays
+  near 2 MB.
 """
 from __future__ import annotations
 
-import copy
 import datetime as _dt
 import html
 import json
@@ -24,14 +22,16 @@ import numbers
 import os
 import pathlib
 import re
-from typing import Any, Iterable
+from typing import Iterable
 
-PLOTLY_MIME = "application/vnd.plotly.v1+json"
+from .figures_html import (FIGURE_TAGS, PLOTLY_MIME, figure_html, key_figures, notebook_html,  # noqa: F401
+                           plotly_div, plotlyjs_packed_tag, plotlyjs_tag, summary_text, with_html_figures,
+                           write_plotlyjs)
+
 METRICS_FILE = "metrics.jsonl"
 KINDS = ("measured", "simulated", "computed")
 """How ours was obtained: ``measured`` on a device, ``simulated`` from the cost model, or ``computed``
 exactly (e.g. a FLOP count). A kind may say more after the word, e.g. ``"measured on 2x H200"``."""
-FIGURE_TAGS = ("figure", "summary")
 METRIC_COLUMNS = ["metric", "paper", "ours", "unit", "kind", "source", "how", "note", "notebook"]
 CLAIM_COLUMNS = ["claim", "paper", "ours", "kind", "verdict", "notebook", "source"]
 """The columns of the report's closing claims table (:func:`cadlib.claims.claims_table`)."""
@@ -164,146 +164,6 @@ def metrics_frame(rows: Iterable[dict]):
 
 
 # ---------------------------------------------------------------------------------------------------
-# Figures in static HTML
-# ---------------------------------------------------------------------------------------------------
-
-def plotly_div(fig: dict, div_id: str) -> str:
-    """A ``<div>`` + ``<script>`` drawing ``fig`` (a plotly figure dict); needs plotly.js on the page."""
-    import plotly.io as pio
-    return pio.to_html(fig, include_plotlyjs=False, full_html=False, validate=False, div_id=div_id,
-                       default_height="450px")
-
-
-def plotlyjs_tag(src: str | None = None) -> str:
-    """plotly.js for a page: inlined (``src=None``) or from a local file next to it. ``define`` is
-    hidden while it loads, so a page that also loads require.js still gets the global ``Plotly``."""
-    hide, restore = ("<script>window.__cadlibDefine = window.define; window.define = undefined;</script>",
-                     "<script>window.define = window.__cadlibDefine;</script>")
-    if src is not None:
-        return f"{hide}<script src=\"{html.escape(src)}\"></script>{restore}"
-    from plotly.offline import get_plotlyjs
-    return f"{hide}<script type=\"text/javascript\">{get_plotlyjs()}</script>{restore}"
-
-
-def plotlyjs_packed_tag() -> str:
-    """plotly.js inside the page gzipped and base64-encoded (0.4x its size), unpacked by the browser
-    (``DecompressionStream``: Chromium 80+, Firefox 113+, Safari 16.4+) into ``window.cadlibPlotly``,
-    a promise of ``Plotly`` that figures from :func:`plotly_div_deferred` wait on."""
-    import base64
-    import gzip
-
-    from plotly.offline import get_plotlyjs
-    packed = base64.b64encode(gzip.compress(get_plotlyjs().encode(), 9, mtime=0)).decode()
-    return ("<script id='cadlib-plotlyjs' type='application/octet-stream'>" + packed + "</script>\n"
-            "<script>window.cadlibPlotly = (async () => {\n"
-            "  if (!window.DecompressionStream) {\n"
-            "    document.body.insertAdjacentHTML('afterbegin', '<p><b>This browser cannot unpack the "
-            "figures (no DecompressionStream); open the page in a current browser.</b></p>');\n"
-            "    throw new Error('no DecompressionStream'); }\n"
-            "  const b = atob(document.getElementById('cadlib-plotlyjs').textContent.trim());\n"
-            "  const u = Uint8Array.from(b, c => c.charCodeAt(0));\n"
-            "  const gz = new Blob([u]).stream().pipeThrough(new DecompressionStream('gzip'));\n"
-            "  const s = document.createElement('script'); s.text = await new Response(gz).text();\n"
-            "  document.head.appendChild(s);\n"
-            "  return window.Plotly; })();</script>")
-
-
-def plotly_div_deferred(fig: dict, div_id: str) -> str:
-    """A ``<div>`` drawing ``fig`` once ``window.cadlibPlotly`` (:func:`plotlyjs_packed_tag`) resolves."""
-    import plotly.io as pio
-    layout = fig.get("layout", {}) or {}
-    style = (f"height:{layout['height']}px;" if layout.get("height") else "height:450px;") + \
-        (f"width:{layout['width']}px" if layout.get("width") else "width:100%")
-    spec = pio.to_json(fig, validate=False).replace("</", "<\\/")
-    return (f"<div id='{div_id}' class='plotly-graph-div' style='{style}'></div>"
-            f"<script>window.cadlibPlotly.then(P => {{ const f = {spec};\n"
-            f"P.newPlot('{div_id}', f.data, f.layout || {{}}, {{responsive: true}}); }});</script>")
-
-
-def write_plotlyjs(folder: str | os.PathLike, name: str = "plotly.min.js") -> pathlib.Path:
-    """Write plotly.js into ``folder`` once (for pages that load it with ``plotlyjs_tag(name)``)."""
-    from plotly.offline import get_plotlyjs
-
-    from .results import atomic_write_text
-    path = pathlib.Path(folder) / name
-    if not path.exists():
-        atomic_write_text(path, get_plotlyjs())
-    return path
-
-
-def _outputs(nb) -> Iterable[tuple[int, dict, Any]]:
-    for i, cell in enumerate(nb.cells):
-        if cell.cell_type == "code":
-            for out in cell.get("outputs", []):
-                yield i, cell, out
-
-
-def with_html_figures(nb, prefix: str = "fig"):
-    """A copy of notebook ``nb`` where each plotly output also carries ``text/html`` (a div drawing it).
-    Div ids are ``{prefix}-{cell}-{output}``, stable from run to run."""
-    nb = copy.deepcopy(nb)
-    for i, cell in enumerate(nb.cells):
-        for j, out in enumerate(cell.get("outputs", []) if cell.cell_type == "code" else []):
-            data = out.get("data", {})
-            if PLOTLY_MIME in data and "text/html" not in data:
-                data["text/html"] = plotly_div(data[PLOTLY_MIME], f"{prefix}-{i}-{j}")
-    return nb
-
-
-IMAGE_MIMES = ("image/png", "image/jpeg", "image/svg+xml")
-
-
-def key_figures(nb, tags: Iterable[str] = FIGURE_TAGS) -> list[dict]:
-    """The figures of cells tagged with any of ``tags`` (every figure when no such cell has one), each
-    as ``{mime: data}``: a plotly figure dict under :data:`PLOTLY_MIME`, or an image (png, jpeg, svg)."""
-    tags = set(tags)
-    figs = []
-    for _, cell, out in _outputs(nb):
-        data = out.get("data", {})
-        mime = next((m for m in (PLOTLY_MIME, *IMAGE_MIMES) if m in data), None)
-        if mime:
-            figs.append((set(cell.get("metadata", {}).get("tags", [])), {mime: data[mime]}))
-    tagged = [f for t, f in figs if t & tags]
-    return tagged if tagged else [f for _, f in figs]
-
-
-def figure_html(fig: dict, div_id: str) -> str:
-    """HTML for one entry of :func:`key_figures` (plotly figures wait for :func:`plotlyjs_packed_tag`)."""
-    mime, data = next(iter(fig.items()))
-    if mime == PLOTLY_MIME:
-        return plotly_div_deferred(data, div_id)
-    if mime == "image/svg+xml":
-        return data if isinstance(data, str) else "".join(data)
-    data = data if isinstance(data, str) else "".join(data)
-    return f"<img id='{div_id}' alt='figure' src='data:{mime};base64,{data.strip()}'>"
-
-
-def summary_text(nb, tag: str = "summary") -> str:
-    """The printed output of the cells tagged ``summary``."""
-    chunks = []
-    for _, cell, out in _outputs(nb):
-        if tag in cell.get("metadata", {}).get("tags", []):
-            if out.get("output_type") == "stream":
-                chunks.append(out.get("text", ""))
-            elif "text/plain" in out.get("data", {}):
-                chunks.append(out["data"]["text/plain"])
-    return "".join(chunks).strip()
-
-
-def notebook_html(ipynb: str | os.PathLike, dest: str | os.PathLike, plotlyjs_src: str | None = None):
-    """Export an executed notebook to HTML with every plotly figure drawn (plotly.js inlined, or loaded
-    from ``plotlyjs_src`` relative to the page)."""
-    import nbformat
-    from nbconvert import HTMLExporter
-
-    from .results import atomic_write_text
-    nb = with_html_figures(nbformat.read(str(ipynb), as_version=4))
-    body, _ = HTMLExporter().from_notebook_node(nb)
-    body = re.sub(r"(<head[^>]*>)", lambda m: m.group(1) + plotlyjs_tag(plotlyjs_src), body, count=1)
-    return atomic_write_text(dest, body)
-
-
-# ---------------------------------------------------------------------------------------------------
 # The report
 # ---------------------------------------------------------------------------------------------------
 
@@ -317,10 +177,11 @@ _CSS = ("body{font-family:system-ui,sans-serif;max-width:72em;margin:2em auto;pa
         "col.c-verdict{width:23%}col.c-notebook{width:10%}"
         "tr.claim-ok td:nth-child(5){color:#070}tr.claim-off td:nth-child(5){color:#a40}"
         "tr.claim-missing td{color:#777}"
-        # the metrics table: fixed widths in METRIC_COLUMNS order, long text wrapped inside the page
+        # the metrics tables: fixed widths in METRIC_COLUMNS order (less the notebook), text wrapped
         "table.metrics{table-layout:fixed;width:100%}table.metrics td{font-size:.85em;overflow-wrap:anywhere}"
         + "".join(f"table.metrics th:nth-child({i + 1}){{width:{w}%}}"
-                  for i, w in enumerate((16, 6, 7, 5, 11, 12, 19, 16, 8))))
+                  for i, w in enumerate((18, 6, 7, 5, 12, 13, 21, 18)))
+        + "details{margin:.4em 0}summary{cursor:pointer;font-weight:600}")
 
 
 def _md_cell(v) -> str:
@@ -393,7 +254,15 @@ def write_report(dest: str | os.PathLike, rows: list[dict], meta: dict, profile:
         h.append("<p>No notebook recorded a metric in this run (cells call "
                  "<code>cadlib.report.record</code>).</p>")
     else:
-        h.append(table.to_html(index=False, escape=True, border=0, classes="metrics"))
+        # one collapsible table per notebook: a run records about a hundred metrics
+        h.append("<p>Every metric the notebooks recorded, grouped by notebook (click to open)."
+                 + (" The <a href='#claims'>claims table</a> at the end is the summary." if claims is not None
+                    else "") + "</p>")
+        for name, part in table.groupby("notebook", sort=False):
+            h.append(f"<details><summary>{esc(name or '(no notebook)')}: {len(part)} metric"
+                     f"{'s' if len(part) != 1 else ''}</summary>"
+                     + part.drop(columns="notebook").to_html(index=False, escape=True, border=0,
+                                                             classes="metrics") + "</details>")
     for r in rows:
         nb = executed[r["notebook"]]
         h.append(f"<h2 id='{esc(_anchor(r['notebook']))}'>{esc(r['notebook'])}</h2>")
