@@ -123,10 +123,6 @@ class Dispatch:
             self._device_cache[key] = DeviceDispatch(meta=self, **parts)
         return self._device_cache[key]
 
-    def shared_on(self, device):
-        """:meth:`shared` on ``device`` (copied once per device)."""
-        return self.shared().to(device)
-
 
 @dataclass
 class DeviceDispatch:
@@ -148,7 +144,7 @@ class DeviceDispatch:
     @property
     def shared(self):
         """The merged call's device metadata (:class:`cadlib.kvshare.DeviceSharedKV`)."""
-        return self.meta.shared_on(self.kv_rows.device)
+        return self.meta.shared().to(self.kv_rows.device)          # copied once per device
 
 
 def local_index_map(layout: Layout) -> list[np.ndarray]:

@@ -149,7 +149,8 @@ def kernel_only_spans(res: dict, config: dict) -> bool:
 
 
 DEFAULT_TOLERANCE = 0.05
-"""The end-to-end runs' scheduler tolerance (scripts/bench_e2e.py's default)."""
+"""The end-to-end runs' scheduler tolerance (the default of ``python -m cadlib.train`` and
+scripts/bench_e2e.py)."""
 
 
 def setting_label(config: dict) -> str:

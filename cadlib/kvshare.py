@@ -212,12 +212,10 @@ def sharing_stats(plan) -> dict:
         acc = kv_accounting(d, 1)
         for k in keys:
             tot[k] += acc[k]
-        sh = d.shared()
         doc = np.asarray(d.task_doc, dtype=np.int64)
         if doc.size:
             per_doc = np.bincount(np.unique(doc, return_inverse=True)[1])
             shared_pairs += int(np.sum(per_doc > 1))
-        del sh
     tot["server_doc_pairs_with_several_tasks"] = shared_pairs
     tot["kv_read_copy_over_unique"] = tot["copy_kv_tokens"] / max(tot["unique_kv_tokens"], 1)
     tot["kv_read_merged_over_unique"] = tot["merged_kv_tokens"] / max(tot["unique_kv_tokens"], 1)

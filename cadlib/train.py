@@ -36,7 +36,7 @@ import torch.distributed as dist
 from . import scheduler
 from .cad import AllToAll, cad_attention, prepare
 from .cost import MODELS, as_model
-from .e2e import overlap
+from .e2e import DEFAULT_TOLERANCE, overlap
 from .distributed import destroy, init_from_env, log, report_progress, write_result
 from .batches import positions, synthetic_tokens
 from .model import ChunkedCrossEntropy, Decoder
@@ -196,7 +196,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="fp32", choices=tuple(DTYPES))
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--tolerance", type=float, default=0.05, help="scheduler imbalance tolerance epsilon")
+    p.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE,
+                   help="scheduler imbalance tolerance epsilon")
     p.add_argument("--min-shard", type=int, default=512, help="scheduler minimum shard tokens")
     p.add_argument("--nano-balance", default="tokens", choices=("tokens", "attention"))
     p.add_argument("--nano-split", default="whole", choices=("whole", "docs"),

@@ -95,9 +95,7 @@ def _sdpa(variant: str):
              "sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}[variant]
 
     def setup(mask, q, k, v, dout):
-        is_causal = _plain(mask)
-        if is_causal is None and variant in ("sdpa_flash", "sdpa_cudnn"):
-            raise Unsupported
+        is_causal = _plain(mask)          # flash/cuDNN never get here without one (statically_unsupported)
         attn_mask = dense_mask(mask, q.device) if is_causal is None else None
         qh, kh, vh, dh = (t.transpose(0, 1).unsqueeze(0).contiguous() for t in (q, k, v, dout))
         qh, kh, vh = (t.requires_grad_(True) for t in (qh, kh, vh))
@@ -480,11 +478,11 @@ def main(argv=None) -> int:
                 base = {"backend": backend, "mask": name, "seqlen": T, "area": mask.area(),
                         "sparsity": mask.sparsity()}
                 over = args.time_budget_s is not None and time.monotonic() - t_start > args.time_budget_s
-                if why is not None or too_slow is not None or over:
-                    static = None if why is not None else statically_unsupported(backend, mask)
+                static = None if why is not None else statically_unsupported(backend, mask)
+                if why is not None or static is not None or too_slow is not None or over:
                     if why is not None:
                         status, err = "X", why
-                    elif static is not None:           # not run, but it could not have run anyway
+                    elif static is not None:           # it cannot run this mask: not tried
                         status, err = "X", f"unsupported ({static}; decided without running)"
                     else:
                         status, err = "-", too_slow or "time budget"
