@@ -10,7 +10,7 @@
 # DRY=1 runs the same commands at CPU smoke sizes (sdpa_ref, tiny heads): a typo check, no numbers.
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
-export PYTHONPATH=$PWD CADLIB_COMMIT=${CADLIB_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD CADLIB_COMMIT=${CADLIB_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 PY=${PYTHON:-python}
 LOG="$OUT/issue10.log"
 if [ "${DRY:-0}" = 1 ]; then
