@@ -22,26 +22,32 @@ class ChunkIndex:
                  n_docs: int, n_servers: int):
         self.n_docs = n_docs
         self.by_doc = np.argsort(doc, kind="stable")
-        self.doc_ptr = np.searchsorted(doc[self.by_doc], np.arange(n_docs + 1))
+        self.doc_ptr = np.zeros(n_docs + 1, dtype=np.int64)
+        np.cumsum(np.bincount(doc, minlength=n_docs), out=self.doc_ptr[1:])
         holder = home[self.by_doc]
         self.holder_of = np.where(holder < n_servers, holder, -1)
         self.big = int(b.max(initial=0)) + 1
-        o = np.lexsort((a, doc, home))
-        self.own_grp = home[o] * n_docs + doc[o]
-        self.own_key = self.own_grp * self.big + a[o]
-        self.own_a, self.own_b = a[o], b[o]
-        self.own_cum = np.r_[0, np.cumsum(self.own_b - self.own_a)]
+        self.own_grp = home * n_docs + doc
+        if _ascending(self.own_grp, a):                        # rank-major chunk arrays are sorted already
+            self.own_a, self.own_b = a.copy(), b.copy()        # (the greedy's a, b change later)
+        else:
+            o = np.lexsort((a, doc, home))
+            self.own_grp, self.own_a, self.own_b = self.own_grp[o], a[o], b[o]
+        self.own_key = self.own_grp * self.big + self.own_a
+        self.own_cum = np.zeros(a.size + 1, dtype=np.int64)
+        np.cumsum(self.own_b - self.own_a, out=self.own_cum[1:])
         self.need_key, self.need_end = self.prefix_ends(server * n_docs + doc, b)
 
     @staticmethod
     def prefix_ends(key: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The distinct ``key``s, sorted, and the largest ``b`` of each."""
-        o = np.argsort(key, kind="stable")
-        k = key[o]
-        if not k.size:
-            return k, k
-        first = np.flatnonzero(np.r_[True, k[1:] != k[:-1]])
-        return k[first], np.maximum.reduceat(b[o], first)
+        if not key.size:
+            return key, key
+        if not bool((key[1:] >= key[:-1]).all()):              # rank-major chunk arrays: sorted already
+            o = np.argsort(key, kind="stable")
+            key, b = key[o], b[o]
+        first = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])
+        return key[first], np.maximum.reduceat(b, first)
 
     def owned(self, g: np.ndarray, d: np.ndarray, e: np.ndarray) -> np.ndarray:
         """Tokens of ``[0, e)`` of documents ``d`` held by ranks ``g`` (elementwise)."""
@@ -79,6 +85,14 @@ class ChunkIndex:
         key, need = self.prefix_ends(server * self.n_docs + doc, b)
         g, d = np.divmod(key, self.n_docs)
         return q, int(self.kv(g, d, need).sum())
+
+
+def _ascending(grp: np.ndarray, a: np.ndarray) -> bool:
+    """Whether the pairs ``(grp, a)`` are in ascending order."""
+    if grp.size < 2:
+        return True
+    dg = grp[1:] - grp[:-1]
+    return bool((dg >= 0).all() and ((dg > 0) | (a[1:] > a[:-1])).all())
 
 
 def other_ends(key: np.ndarray, b: np.ndarray) -> np.ndarray:
