@@ -101,10 +101,19 @@ def _exchange(comm, parts, index, send_splits, recv_splits, active):
     return lambda: unpack_rows(pending.wait(), likes)
 
 
+def rows_cat(local: torch.Tensor, recv: torch.Tensor) -> torch.Tensor:
+    """A server buffer ``cat([local, recv])``; no copy (a view of ``local``) when nothing was received."""
+    return local.view_as(local) if not recv.shape[0] else torch.cat([local, recv])
+
+
 def _return_rows(comm, rows, dd: DeviceDispatch, n_local: int):
     """Server rows (task-row order) back to their homes: self-served rows stay, the rest travel the
-    reversed Q exchange. Returns the home tensors ``[n_local, ...]``."""
+    reversed Q exchange. Returns the home tensors ``[n_local, ...]`` (with ``q_identity``, views of
+    the server rows: the first ``n_local`` are the home's, the rest go back unpermuted)."""
     m = dd.meta
+    if m.q_identity:
+        _exchange(comm, [r[n_local:] for r in rows], None, m.q_recv_splits, m.q_send_splits, m.q_traffic)()
+        return [r[:n_local] for r in rows]
     back = _exchange(comm, rows, dd.ret_rows, m.q_recv_splits, m.q_send_splits, m.q_traffic)()
     out = []
     for r, b in zip(rows, back):
@@ -117,7 +126,7 @@ def _return_rows(comm, rows, dd: DeviceDispatch, n_local: int):
 
 def _kv_buffers(recv_kv, k, v):
     rk, rv = recv_kv
-    return torch.cat([k, rk]), torch.cat([v, rv])
+    return rows_cat(k, rk), rows_cat(v, rv)
 
 
 class CADAttention(torch.autograd.Function):
@@ -132,7 +141,7 @@ class CADAttention(torch.autograd.Function):
                             m.kv_traffic)
         (q_recv,) = wait_q()
         k_buf, v_buf = _kv_buffers(wait_kv(), k, v)
-        out_s, lse_s = serve_forward(torch.cat([q, q_recv]), k_buf, v_buf, dd, attn_backend, kv_share)
+        out_s, lse_s = serve_forward(rows_cat(q, q_recv), k_buf, v_buf, dd, attn_backend, kv_share)
         o, lse = _return_rows(comm, [out_s, lse_s], dd, m.n_local)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.dd, ctx.comm, ctx.attn_backend, ctx.kv_share = dd, comm, attn_backend, kv_share
@@ -150,8 +159,8 @@ class CADAttention(torch.autograd.Function):
                             m.kv_traffic)
         q_r, o_r, do_r, lse_r = wait_rows()
         k_buf, v_buf = _kv_buffers(wait_kv(), k, v)
-        dq_s, dk_buf, dv_buf = serve_backward(torch.cat([q, q_r]), k_buf, v_buf, torch.cat([o, o_r]),
-                                              torch.cat([dout, do_r]), torch.cat([lse, lse_r]), dd,
+        dq_s, dk_buf, dv_buf = serve_backward(rows_cat(q, q_r), k_buf, v_buf, rows_cat(o, o_r),
+                                              rows_cat(dout, do_r), rows_cat(lse, lse_r), dd,
                                               ctx.attn_backend, ctx.kv_share)
         # dK/dV of received KV rows go back to their owners (reversed KV exchange, input dtype)
         wait_dkv = _exchange(comm, [dk_buf[m.n_local:].to(k.dtype), dv_buf[m.n_local:].to(v.dtype)],

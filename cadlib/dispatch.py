@@ -65,6 +65,9 @@ class Dispatch:
     # whether any rank sends anything (the same on every rank: skip collectives that move nothing)
     q_traffic: bool = True
     kv_traffic: bool = True
+    # q_rows == arange(n_local + n_recv_q): the server reads its query buffer as it is, its output rows
+    # are the buffer's (local rows first), and nothing of this rank is served elsewhere
+    q_identity: bool = False
     # the served tasks' documents and query ranges, in call order (for the merged call)
     task_doc: np.ndarray | None = None
     task_start: np.ndarray | None = None
@@ -277,19 +280,35 @@ def build_dispatch(plan: Plan, rank: int) -> Dispatch:
     # tasks longest KV prefix first (LPT): varlen kernels hand out tiles segment by segment, so the
     # longest tiles must not come last and leave SMs idle at the tail. Tasks of one document with
     # contiguous query ranges stay adjacent and ascending, so the merged call (cadlib.kvshare) takes
-    # them as one segment; groups go longest prefix first.
+    # them as one segment; groups go longest prefix first. Exception: a server that computes every
+    # row of its query buffer (none of its own tasks served elsewhere) lists its tasks in buffer order
+    # when that merges as much, so that its call reads and writes the buffers without gather/scatter.
     served = np.flatnonzero(server == rank)
     remote = served[home[served] != rank]
     by_home = remote[np.argsort(home[remote], kind="stable")]
     q_recv_splits = np.bincount(home[remote], weights=n_q[remote], minlength=R).astype(np.int64)
     recv_start = np.zeros(len(plan.doc), dtype=np.int64)
     recv_start[by_home] = n_local + np.cumsum(n_q[by_home]) - n_q[by_home]
+    n_buf = n_local + int(q_recv_splits.sum())
+
+    def rows_of(order):
+        """The query rows of tasks ``order`` in that order, and each task's first row."""
+        grp, j, lo, hi = C.pieces(doc[order], a[order], b[order])
+        own_piece = (home[order] == rank)[grp]                 # self-served tasks: their local rows
+        starts = np.where(own_piece, C.off[j] + lo - C.start[j], recv_start[order][grp] + lo - a[order][grp])
+        return _expand(starts, hi - lo), starts[np.searchsorted(grp, np.arange(order.size))]
+
     served = _call_order(served, doc, a, b)
-    is_self = home[served] == rank
-    grp, j, lo, hi = C.pieces(doc[served], a[served], b[served])
-    own_piece = is_self[grp]                                   # self-served tasks: their local rows
-    starts = np.where(own_piece, C.off[j] + lo - C.start[j], recv_start[served][grp] + lo - a[served][grp])
-    q_rows = _expand(starts, hi - lo)
+    q_rows, first = rows_of(served)
+    if not mine.size and q_rows.size == n_buf and n_buf:
+        # This server computes every row of its query buffer: in buffer order its query rows need no
+        # gather and its outputs no scatter (q_identity). Taken when it merges as many shards as LPT.
+        from .kvshare import merge_groups
+        buf = served[np.argsort(first, kind="stable")]
+        rows = rows_of(buf)[0]
+        if (np.array_equal(rows, np.arange(n_buf))
+                and merge_groups(doc[buf], a[buf], b[buf])[-1] == merge_groups(doc[served], a[served], b[served])[-1]):
+            served, q_rows = buf, rows
 
     # -- KV exchange, owner side: for each of my chunks and each other server needing its document's
     # prefix [0, e), the piece [start, min(end, e)); grouped by server, documents and positions ascending
@@ -348,6 +367,7 @@ def build_dispatch(plan: Plan, rank: int) -> Dispatch:
         cu_q=_cu(nq), cu_k=_cu(nk), max_q=int(nq.max(initial=0)), max_k=int(nk.max(initial=0)),
         ret_rows=ret_rows, self_rows=self_rows, self_local=self_local,
         q_traffic=cache["q_traffic"], kv_traffic=cache["kv_traffic"],
+        q_identity=bool(q_rows.size == n_buf and np.array_equal(q_rows, np.arange(n_buf))),
         task_doc=doc[served], task_start=a[served], task_end=b[served])
 
 

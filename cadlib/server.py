@@ -18,7 +18,9 @@ Two ways to lay out the call (``kv_share``):
   ``kv_rows[cu_k[t]:cu_k[t+1]]``; backward sums every copy's dK/dV with ``index_add_`` in fp32.
 
 Either way the output rows are in task-row order (``q_rows``), and the dK/dV buffers are aligned with
-the KV buffer, every task's contribution summed, in the KV buffer's dtype.
+the KV buffer, every task's contribution summed, in the KV buffer's dtype. When ``q_rows`` is the
+identity (``Dispatch.q_identity``: the server computes its whole query buffer in buffer order) the
+query-side buffers are read as they are, with no gather.
 """
 from __future__ import annotations
 
@@ -31,6 +33,11 @@ from .kvshare import check_mode, scatter_kv_grad
 
 def _gather(buf: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return buf.index_select(0, rows)
+
+
+def _q_rows(buf: torch.Tensor, dd: DeviceDispatch) -> torch.Tensor:
+    """A per-query buffer's rows in task-row order: the buffer itself when ``q_identity``."""
+    return buf if dd.meta.q_identity else buf.index_select(0, dd.q_rows)
 
 
 def _call(dd: DeviceDispatch, k_buf, v_buf, mode: str):
@@ -58,7 +65,7 @@ def serve_forward(q_buf: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
         return (q_buf.new_empty((0, *q_buf.shape[1:])),
                 torch.empty((0, q_buf.shape[1]), dtype=torch.float32, device=q_buf.device))
     k, v, cu_q, cu_k, mq, mk = _call(dd, k_buf, v_buf, mode)
-    return attend(_gather(q_buf, dd.q_rows), k, v, cu_q, cu_k, mq, mk, causal=True, backend=attn_backend)
+    return attend(_q_rows(q_buf, dd), k, v, cu_q, cu_k, mq, mk, causal=True, backend=attn_backend)
 
 
 def serve_backward(q_buf: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, o_buf: torch.Tensor,
@@ -70,9 +77,8 @@ def serve_backward(q_buf: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor
 
     Returns ``dq`` in task-row order (``[n_rows, Hq, D]``) and ``dk``, ``dv`` aligned with the KV
     buffer (``[len(k_buf), Hkv, D]``, its dtype), every task's contribution summed."""
-    rows = dd.q_rows
-    return serve_backward_tasks(q_buf, k_buf, v_buf, _gather(o_buf, rows), _gather(do_buf, rows),
-                                _gather(lse_buf, rows), dd, attn_backend, kv_share)
+    return serve_backward_tasks(q_buf, k_buf, v_buf, _q_rows(o_buf, dd), _q_rows(do_buf, dd),
+                                _q_rows(lse_buf, dd), dd, attn_backend, kv_share)
 
 
 def serve_backward_tasks(q_buf, k_buf, v_buf, o_t, do_t, lse_t, dd: DeviceDispatch,
@@ -85,7 +91,7 @@ def serve_backward_tasks(q_buf, k_buf, v_buf, o_t, do_t, lse_t, dd: DeviceDispat
     if m.n_tasks == 0:
         return (q_buf.new_empty((0, *q_buf.shape[1:])), torch.zeros_like(k_buf), torch.zeros_like(v_buf))
     k, v, cu_q, cu_k, mq, mk = _call(dd, k_buf, v_buf, mode)
-    dq, dk_seg, dv_seg = attend_backward(do_t, _gather(q_buf, dd.q_rows), k, v, o_t, lse_t, cu_q, cu_k,
+    dq, dk_seg, dv_seg = attend_backward(do_t, _q_rows(q_buf, dd), k, v, o_t, lse_t, cu_q, cu_k,
                                          mq, mk, causal=True, backend=attn_backend)
     if mode == "merged":
         n = k_buf.shape[0]

@@ -31,7 +31,7 @@ import time
 
 import torch
 
-from .cad import AllToAll, _exchange, check_inputs, prepare
+from .cad import AllToAll, _exchange, check_inputs, prepare, rows_cat
 from .dispatch import DeviceDispatch
 from .kvshare import add_rows
 from .server import serve_backward_tasks, serve_forward
@@ -148,7 +148,7 @@ class _Send(torch.autograd.Function):
                                 m.kv_traffic)
             (q_recv,) = wait_q()
             k_recv, v_recv = wait_kv()
-            bufs = (torch.cat([q, q_recv]), torch.cat([k, k_recv]), torch.cat([v, v_recv]))
+            bufs = (rows_cat(q, q_recv), rows_cat(k, k_recv), rows_cat(v, v_recv))
         streams.keep(bufs, streams.compute)
         ctx.dd, ctx.comm, ctx.streams, ctx.tl, ctx.name = dd, comm, streams, tl, name
         return bufs
@@ -164,9 +164,14 @@ class _Send(torch.autograd.Function):
                                 m.kv_traffic)
             (rq,) = wait_q()
             rk, rv = wait_kv()
-            dq = dq_buf[:n].clone().index_add_(0, dd.q_send_index, rq)
-            dk = add_rows(dk_buf[:n].clone(), dd.kv_send_index, dd.kv_send_uniq, dd.kv_send_slot, rk)
-            dv = add_rows(dv_buf[:n].clone(), dd.kv_send_index, dd.kv_send_uniq, dd.kv_send_slot, rv)
+            # rows of this rank served elsewhere get their gradients added (on a copy: the buffer's
+            # gradient is autograd's); with nothing sent, the local part is the gradient as it is
+            dq = dq_buf[:n].clone().index_add_(0, dd.q_send_index, rq) if m.q_send_index.size else dq_buf[:n]
+            if m.kv_send_index.size:
+                dk = add_rows(dk_buf[:n].clone(), dd.kv_send_index, dd.kv_send_uniq, dd.kv_send_slot, rk)
+                dv = add_rows(dv_buf[:n].clone(), dd.kv_send_index, dd.kv_send_uniq, dd.kv_send_slot, rv)
+            else:
+                dk, dv = dk_buf[:n], dv_buf[:n]
             grads = (dq, dk, dv)
         streams.keep(grads, streams.compute)
         return (*grads, None, None, None, None, None)
@@ -188,7 +193,10 @@ class _Serve(torch.autograd.Function):
         with ctx.tl.span("compute", f"attn' {ctx.name}"):
             dq_t, dk, dv = serve_backward_tasks(q_buf, k_buf, v_buf, out, dout.contiguous(), lse, dd,
                                                 ctx.attn_backend)
-            dq = torch.zeros_like(q_buf).index_copy_(0, dd.q_rows, dq_t.to(q_buf.dtype))
+            if dd.meta.q_identity:
+                dq = dq_t.to(q_buf.dtype)
+            else:
+                dq = torch.zeros_like(q_buf).index_copy_(0, dd.q_rows, dq_t.to(q_buf.dtype))
         return dq, dk.to(k_buf.dtype), dv.to(v_buf.dtype), None, None, None, None
 
 
@@ -198,10 +206,14 @@ class _Return(torch.autograd.Function):
         m = dd.meta
         streams.keep((out,), streams.comm)
         with streams.on_comm(), tl.span("comm", f"return {name}"):
-            (back,) = _exchange(comm, [out], dd.ret_rows, m.q_recv_splits, m.q_send_splits, m.q_traffic)()
-            o = out.new_empty((m.n_local, *out.shape[1:]))
-            o.index_copy_(0, dd.self_local, out.index_select(0, dd.self_rows))
-            o.index_copy_(0, dd.q_send_index, back)
+            if m.q_identity:       # local rows first, in order; received ones go back unpermuted
+                _exchange(comm, [out[m.n_local:]], None, m.q_recv_splits, m.q_send_splits, m.q_traffic)()
+                o = out[:m.n_local]
+            else:
+                (back,) = _exchange(comm, [out], dd.ret_rows, m.q_recv_splits, m.q_send_splits, m.q_traffic)()
+                o = out.new_empty((m.n_local, *out.shape[1:]))
+                o.index_copy_(0, dd.self_local, out.index_select(0, dd.self_rows))
+                o.index_copy_(0, dd.q_send_index, back)
         streams.keep((o,), streams.compute)
         ctx.dd, ctx.comm, ctx.streams, ctx.tl, ctx.name = dd, comm, streams, tl, name
         ctx.n_rows = out.shape[0]
@@ -215,9 +227,12 @@ class _Return(torch.autograd.Function):
             do = do.contiguous()
             (recv,) = _exchange(ctx.comm, [do], dd.q_send_index, m.q_send_splits, m.q_recv_splits,
                                 m.q_traffic)()
-            dout = do.new_empty((ctx.n_rows, *do.shape[1:]))
-            dout.index_copy_(0, dd.self_rows, do.index_select(0, dd.self_local))
-            dout.index_copy_(0, dd.ret_rows, recv)
+            if m.q_identity:
+                dout = rows_cat(do, recv)
+            else:
+                dout = do.new_empty((ctx.n_rows, *do.shape[1:]))
+                dout.index_copy_(0, dd.self_rows, do.index_select(0, dd.self_local))
+                dout.index_copy_(0, dd.ret_rows, recv)
         streams.keep((dout,), streams.compute)
         return dout, None, None, None, None, None
 

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from .cad import cad_attention
 from .cost import ModelSpec
 from .distributed import destroy, init_from_env, log, report_progress, write_result
+from .dispatch import build_dispatch
 from .plan import CATask, Layout, Plan, layout_to_tasks
 
 CASES = ("random", "one-token", "empty-rank", "spanning")
@@ -234,7 +235,10 @@ def check_case(layout: Layout, plan: Plan, model: ModelSpec, dtype: torch.dtype,
     dist.all_reduce(scale, op=dist.ReduceOp.MAX, group=group)
     rel = (errs / scale.clamp_min(1e-30)).tolist()
     q_mat, kv_mat = plan.token_matrices()
-    return {"rel_err": dict(zip(("o", "dq", "dk", "dv"), rel)),
+    ds = [build_dispatch(plan, r) for r in range(layout.n_ranks)]
+    return {"identity_servers": sum(d.q_identity for d in ds),           # no gather/scatter (dispatch)
+            "identity_receiving": sum(d.q_identity and d.n_recv_q > 0 for d in ds),
+            "rel_err": dict(zip(("o", "dq", "dk", "dv"), rel)),
             "load_before": Plan(layout, layout_to_tasks(layout)).server_pairs().tolist(),
             "load_after": plan.server_pairs().tolist(), "imbalance_after": plan.imbalance(),
             "n_tasks": len(plan.tasks), "q_tokens_sent": int(q_mat.sum()),

@@ -177,12 +177,16 @@ def test_cad_matches_reference_scheduler_plans(world):
     n_dists = len(DISTRIBUTIONS)
     assert len(df.attrs["results"][0]["cases"]) == 4 * n_dists
     assert len(cases) == (3 if world == 1 else 4) * n_dists
+    assert sum(c["identity_servers"] for c in cases) > 0
     if world > 1:
         # the scheduler really rebalanced: something moved, and no case got worse than before
         assert any(c["q_tokens_sent"] > 0 for c in cases)
         for c in cases:
             before = max(c["load_before"]) / np.mean(c["load_before"])
             assert c["imbalance_after"] <= before + 1e-9
+        # the servers that read their buffers without gather/scatter (Dispatch.q_identity) ran,
+        # among them servers that also received other ranks' queries
+        assert sum(c["identity_receiving"] for c in cases) > 0
         empty = [c for c in cases if c["case"] == "empty-rank"]
         assert all(min(c["load_before"]) == 0 for c in empty)
 

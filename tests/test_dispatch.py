@@ -123,6 +123,27 @@ def test_colocated_plan_moves_nothing():
     check_plan(plan)
 
 
+def test_servers_computing_their_whole_buffer_read_it_in_place():
+    # rank 0: docs 0 (6) and 1 (2) in that order; rank 1: doc 2 (10), whose tail [6, 10) rank 0 serves
+    layout = Layout([[(0, 0, 6), (1, 0, 2)], [(2, 0, 10)]], [6, 2, 10])
+    tasks = [CATask(0, 0, 6, 0, 0), CATask(1, 0, 2, 0, 0), CATask(2, 0, 6, 1, 1), CATask(2, 6, 8, 1, 0),
+             CATask(2, 8, 10, 1, 0)]
+    d0, d1 = build_all(Plan(layout, tasks))
+    # rank 0 computes all 8 local rows and the 4 received ones: buffer order (not LPT, which would
+    # list doc 2's shards first), no gather; the two received shards are still one merged segment
+    assert d0.q_identity and d0.q_rows.tolist() == list(range(12)) and d0.shared().n_segments == 3
+    assert d0.task_doc.tolist() == [0, 1, 2, 2]
+    # rank 1 sends part of its rows away: LPT order, gathers as before
+    assert not d1.q_identity
+    # buffer order would split a merge group: rank 0 holds doc 0's [4, 8) and serves [0, 4) from rank 1,
+    # which lands after its own rows; LPT lists [0, 4), [4, 8) together (one segment), so LPT stays
+    layout = Layout([[(0, 4, 8), (1, 0, 3)], [(0, 0, 4)]], [8, 3])
+    tasks = [CATask(0, 4, 8, 0, 0), CATask(1, 0, 3, 0, 0), CATask(0, 0, 4, 1, 0)]
+    d0 = build_all(Plan(layout, tasks))[0]
+    assert not d0.q_identity and d0.shared().n_segments == 2
+    check_plan(Plan(layout, tasks))
+
+
 def test_kv_sent_once_per_server_and_doc():
     # doc 0 = [0, 8) on rank 0 and [8, 16) on rank 1; three tasks of rank 1's chunk all served on
     # rank 2 need prefixes [0, 10), [0, 13), [0, 16): rank 0 sends its 8 tokens once, rank 1 its 8
