@@ -153,14 +153,22 @@ DEFAULT_TOLERANCE = 0.05
 scripts/bench_e2e.py)."""
 
 
+DEFAULT_NANO_SPLIT = "docs"
+"""How ``cad-pingpong`` forms its two nano-batches by default: documents may be cut between them
+(:mod:`cadlib.nanosplit`), so a rank whose tokens are one long document still has two halves to
+overlap. ``"whole"`` (whole documents in each) was the default before; files that do not record it
+used it."""
+
+
 def setting_label(config: dict) -> str:
     """``pretrain 64K nvlink x2`` (``... eps 0.02`` when the scheduler's tolerance is not
-    ``DEFAULT_TOLERANCE``, ``... cut docs`` when ping-pong's nano-batches may cut documents): what a
-    committed result file measured."""
+    ``DEFAULT_TOLERANCE``, ``... whole docs`` when ping-pong's nano-batches kept documents whole,
+    not ``DEFAULT_NANO_SPLIT``): what a committed result file measured."""
     link = f" {config['link']}" if config.get("link") else ""
     tol = config.get("tolerance", DEFAULT_TOLERANCE)
     eps = f" eps {tol:g}" if tol != DEFAULT_TOLERANCE else ""
-    eps += " cut docs" if config.get("nano_split", "whole") != "whole" else ""
+    split = config.get("nano_split", "whole")
+    eps += "" if split == DEFAULT_NANO_SPLIT else (" whole docs" if split == "whole" else f" nano {split}")
     return f"{config['dist']} {config['tokens_per_rank'] // 1024}K{link} x{config.get('nproc', '?')}{eps}"
 
 

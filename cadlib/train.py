@@ -11,8 +11,9 @@ Methods (every one sees the same sampled batches, from the same initial weights)
 * ``wlb``: WLB-LLM variable-length ``balanced`` packing + the same per-document CP ("WLB-ideal").
 * ``cad``: sequential packing, core attention on the scheduler's attention servers, no overlap.
 * ``cad-pingpong``: two nano-batches per rank, each with its own plan, in DistCA's tick order
-  (``--nano-split whole``, the default: whole documents in each; ``docs``: a document may be cut
-  between them, :mod:`cadlib.nanosplit`).
+  (``--nano-split docs``, the default: a document may be cut between them, :mod:`cadlib.nanosplit`,
+  so that a rank holding one long document still has two halves to overlap; ``whole``: whole
+  documents in each).
 * ``signal-only``: ``cad-pingpong`` with every all-to-all cut to one element per peer (the control
   that shows what communication still costs).
 
@@ -36,7 +37,7 @@ import torch.distributed as dist
 from . import scheduler
 from .cad import AllToAll, cad_attention, prepare
 from .cost import MODELS, as_model
-from .e2e import DEFAULT_TOLERANCE, overlap
+from .e2e import DEFAULT_NANO_SPLIT, DEFAULT_TOLERANCE, overlap
 from .distributed import destroy, init_from_env, log, report_progress, write_result
 from .batches import positions, synthetic_tokens
 from .model import ChunkedCrossEntropy, Decoder
@@ -200,9 +201,9 @@ def parse_args(argv=None):
                    help="scheduler imbalance tolerance epsilon")
     p.add_argument("--min-shard", type=int, default=512, help="scheduler minimum shard tokens")
     p.add_argument("--nano-balance", default="tokens", choices=("tokens", "attention"))
-    p.add_argument("--nano-split", default="whole", choices=("whole", "docs"),
-                   help="cad-pingpong's nano-batches: whole documents (default) or documents cut between "
-                        "them (pieces >= --min-shard tokens)")
+    p.add_argument("--nano-split", default=DEFAULT_NANO_SPLIT, choices=("whole", "docs"),
+                   help="cad-pingpong's nano-batches: documents may be cut between them (docs, the "
+                        "default; pieces >= --min-shard tokens) or stay whole")
     p.add_argument("--wlb-cap", type=int, default=None, help="balanced packing's token cap per rank")
     p.add_argument("--ce-chunk", type=int, default=8192, help="tokens per chunk of the LM-head loss")
     p.add_argument("--mlp-recompute", action="store_true")

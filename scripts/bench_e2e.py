@@ -74,9 +74,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--tolerance", type=float, default=e2e.DEFAULT_TOLERANCE)
     ap.add_argument("--min-shard", type=int, default=512)
-    ap.add_argument("--nano-split", default="whole", choices=("whole", "docs"),
-                    help="cad-pingpong's nano-batches: whole documents (default) or documents cut between "
-                         "them; 'docs' appends _cutdocs to each file name")
+    ap.add_argument("--nano-split", default=e2e.DEFAULT_NANO_SPLIT, choices=("whole", "docs"),
+                    help="cad-pingpong's nano-batches: documents cut between them (docs, the default) or "
+                         "whole documents ('whole' appends _wholedocs to each file name)")
     ap.add_argument("--mlp-recompute", action="store_true", default=True)
     ap.add_argument("--attn-backend", default=None)
     ap.add_argument("--pg-backend", default="auto")
@@ -102,7 +102,7 @@ def main(argv=None) -> int:
         for dist in args.dists.split(","):
             for tokens in (int(t) for t in args.tokens.split(",")):
                 tag = "smoke_" if args.smoke else ""
-                cut = "_cutdocs" if args.nano_split != "whole" else ""
+                cut = "" if args.nano_split == e2e.DEFAULT_NANO_SPLIT else f"_{args.nano_split}docs"
                 name = f"bench_e2e_{tag}{args.nproc}x_{dist}_{tokens // 1024}k_{link}{cut}{args.tag}"
                 try:
                     res = run_setting(args, tokens, dist, link)

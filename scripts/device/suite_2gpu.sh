@@ -11,8 +11,10 @@
 # h200x2, ~4.5 min; needs papermill, ipykernel, nbconvert, plotly), uniform128 (the last e2e setting),
 # kernels (bench_kernels on one GPU each: SDPA flash/cuDNN/torch FA2, and FlexAttention, ~2 min);
 # tolerance (pretrain at 64K and 128K with the scheduler's tolerance 0.02 instead of 0.05, ~6 min;
-# not in the default list); cutdocs (pretrain 64K with --nano-split docs over NVLink and the
-# inter-node-like link, ~4 min; not in the default list).
+# not in the default list); e2e64 (the three 64K NVLink settings only, ~7 min); internode (pretrain
+# 64K over the inter-node-like link, ~2.5 min); server (the attention server on its own: kernel
+# composability, merged KV vs the kernel, 16K and 64K documents, on GPU 0 beside the overhead
+# benchmark on GPU 1, then the overhead benchmark on both GPUs, ~3 min).
 # Each stage has its own timeout, copies what it wrote to $OUT and logs a line to $OUT/stages.log;
 # $OUT/ALLDONE marks the end. Benchmarks write into this tree's results/, so the report stage (which
 # reads the committed results) sees the new end-to-end files.
@@ -37,6 +39,13 @@ if want e2e; then
   e2e pretrain 65536 240; e2e prolong 65536 240; e2e pretrain 131072 330; e2e prolong 131072 330
   e2e uniform 65536 240
 fi
+want e2e64 && { e2e pretrain 65536 240; e2e uniform 65536 240; e2e prolong 65536 240; }
+if want internode; then    # NCCL through host memory: about 25 ms per GiB, like an inter-node link
+  stage "e2e pretrain 65536 inter-node-like start"
+  if [ "$SMOKE" = 1 ]; then args="--smoke"; else args="--nproc 2 --tokens 65536 --dists pretrain --timeout 250"; fi
+  timeout -k 15 270 $PY scripts/bench_e2e.py $args --link inter-node-like --quiet --out results >> "$OUT/e2e.log" 2>&1
+  stage "e2e pretrain 65536 inter-node-like rc=$?"; cp results/bench_e2e_*inter-node-like*.json "$OUT/" 2>/dev/null
+fi
 if want cp; then
   stage "bench_cp start"
   if [ "$SMOKE" = 1 ]; then CP="--smoke"; CPOUT=results/bench_cp_smoke.json
@@ -59,14 +68,6 @@ if want report; then
   tar czf "$OUT/report_$PROF.tgz" results/reports/$PROF $(ls -dt runs/*-$PROF 2>/dev/null | head -1) 2>/dev/null
 fi
 want uniform128 && e2e uniform 131072 330
-if want cutdocs; then      # ping-pong whose nano-batches may cut a document, on both links (pretrain 64K)
-  for link in nvlink inter-node-like; do
-    stage "e2e pretrain 65536 cut docs $link start"
-    if [ "$SMOKE" = 1 ]; then args="--smoke"; else args="--nproc 2 --tokens 65536 --dists pretrain --timeout 220"; fi
-    timeout -k 15 240 $PY scripts/bench_e2e.py $args --link $link --nano-split docs --quiet --out results >> "$OUT/e2e.log" 2>&1
-    stage "e2e pretrain 65536 cut docs $link rc=$?"; cp results/bench_e2e_*_cutdocs.json "$OUT/" 2>/dev/null
-  done
-fi
 if want tolerance; then   # a tighter tolerance on 2 GPUs: the residual imbalance vs the bytes it moves
   for t in 65536 131072; do
     stage "e2e pretrain $t eps 0.02 start"
@@ -84,5 +85,21 @@ if want kernels; then
   CUDA_VISIBLE_DEVICES=0 timeout -k 10 170 $PY scripts/bench_kernels.py $KB --out "$OUT/bench_kernels_sdpa.json" > "$OUT/kernels_sdpa.log" 2>&1 &
   CUDA_VISIBLE_DEVICES=1 timeout -k 10 170 $PY scripts/bench_kernels.py $KF --out "$OUT/bench_kernels_flex.json" > "$OUT/kernels_flex.log" 2>&1 &
   wait; stage "kernels done (combine with: python scripts/bench_kernels.py --combine results/bench_kernels.json $OUT/bench_kernels_*.json --out results/bench_kernels.json)"
+fi
+if want server; then
+  stage "server start"
+  if [ "$SMOKE" = 1 ]; then
+    SV="--smoke --doc-lens 256 --shards 16,64"; OV="--smoke"; NP=2
+  else
+    SV="--backends fa4 --warmup 2 --iters 5 --doc-lens 16384,65536 --shards 128,512,1024,2048"; OV=""; NP=2
+  fi
+  CUDA_VISIBLE_DEVICES=0 timeout -k 10 150 $PY scripts/bench_attention_server.py --part composability $SV \
+    --kv-share merged,kernel --out "$OUT/bench_attention_server_composability_1gpu_merged.json" > "$OUT/server_comp.log" 2>&1 &
+  CUDA_VISIBLE_DEVICES=1 timeout -k 10 150 $PY scripts/bench_attention_server.py --part overhead $OV \
+    --out "$OUT/bench_attention_server_overhead_1gpu.json" > "$OUT/server_ovh1.log" 2>&1 &
+  wait; stage "server 1-GPU parts done"
+  timeout -k 10 150 torchrun --standalone --nproc-per-node $NP scripts/bench_attention_server.py --part overhead $OV \
+    --out "$OUT/bench_attention_server_overhead_2gpu.json" > "$OUT/server_ovh2.log" 2>&1
+  stage "server overhead 2 GPUs rc=$?"
 fi
 touch "$OUT/ALLDONE"
