@@ -209,7 +209,7 @@ def check_inputs(q, k, v, n_local: int, attn_backend: str | None, group) -> str:
         raise ValueError(f"q and k must share head_dim >= 1; got {q.shape[2]} and {k.shape[2]}")
     if k.shape[1] < 1 or q.shape[1] % k.shape[1]:
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of KV heads ({k.shape[1]})")
-    backend = resolve_backend(attn_backend, q.device, q.dtype)
+    backend = resolve_backend(attn_backend, q.device, q.dtype, q.shape[2])
     sig = (str(q.dtype), int(q.shape[1]), int(k.shape[1]), int(q.shape[2]), backend)
     if dist.is_initialized() and (id(group), sig) not in _AGREED:
         seen: list = [None] * dist.get_world_size(group)

@@ -272,6 +272,21 @@ def test_fa4_adapter_uses_the_4_0_0b36_interface(monkeypatch):
 
 # -- backend resolution and input errors ---------------------------------------------------------------
 
+def test_fa4_only_for_the_head_dims_it_was_checked_on(monkeypatch):
+    # on an H200, FA4 4.0.0b36's backward is wrong at head_dim 8 (dq/dk/dv rel. err ~1): the automatic
+    # choice skips it there, and asking for it names the head dims it takes
+    import cadlib.kernels as kernels
+
+    monkeypatch.setattr(kernels, "available_backends", lambda device=None: ["fa4", "torch_flash", "sdpa_ref"])
+    assert kernels.FA4_HEAD_DIMS == (64, 128)
+    assert resolve_backend(None, "cpu", torch.bfloat16, head_dim=128) == "fa4"
+    assert resolve_backend(None, "cpu", torch.bfloat16, head_dim=8) == "torch_flash"
+    assert resolve_backend(None, "cpu", torch.bfloat16) == "fa4"
+    with pytest.raises(ValueError, match=r"'fa4' is used only for head_dim in \(64, 128\).*got head_dim=8.*"
+                                         r"torch_flash, sdpa_ref"):
+        resolve_backend("fa4", "cpu", torch.bfloat16, head_dim=8)
+
+
 def test_backend_resolution_on_cpu():
     assert BACKENDS[-1] == "sdpa_ref" and set(BACKENDS) == {"fa4", "flash_attn", "torch_flash", "sdpa_ref"}
     assert available_backends("cpu") == ["sdpa_ref"]

@@ -20,7 +20,9 @@ sharing a KV head.
 Backends (``BACKENDS``; the automatic choice is the fastest one available for the tensors' device):
 
 * ``fa4``: FlashAttention-4 (package ``flash-attn-4``, CuTe DSL, Hopper/Blackwell); written against
-  ``flash_attn.cute.interface`` of 4.0.0b36 (``_flash_attn_fwd`` / ``_flash_attn_bwd``).
+  ``flash_attn.cute.interface`` of 4.0.0b36 (``_flash_attn_fwd`` / ``_flash_attn_bwd``). Used only
+  for the head dims in ``FA4_HEAD_DIMS``: its interface accepts 8..256, but on an H200 its backward
+  at head_dim 8 is wrong (see ``FA4_HEAD_DIMS``), so other head dims go to the next backend.
 * ``flash_attn``: FlashAttention-2's ``flash_attn_varlen_func`` (package ``flash-attn``).
 * ``torch_flash``: torch's built-in FA2 varlen (``aten._flash_attention_forward/backward``).
 * ``sdpa_ref``: a per-segment reference in plain torch (fp32 math, CPU or GPU): correct and simple,
@@ -46,6 +48,12 @@ _NEEDS = {
     "sdpa_ref": "nothing (plain torch)",
 }
 _HALF = (torch.float16, torch.bfloat16)
+
+FA4_HEAD_DIMS = (64, 128)
+"""Head dims for which FA4 (4.0.0b36) was checked against ``sdpa_ref`` on an H200 (bf16, GQA 4:1 and
+2:1, two causal segments of 20 and 41 tokens; rel. errors <= 5e-3 for o, dq, dk, dv). At head_dim 8
+its forward is right but its backward is not: dq 0.83, dk 1.0, dv 1.0 (GQA 8:2), dq 0.94 (8:8);
+torch_flash's 2.5e-3. Measured 2026-11-30 by scripts/probe_fa4_head_dims.py: results/fa4_head_dims_h200.txt."""
 
 # ---------------------------------------------------------------------------------------------------
 # Checks shared by all backends
@@ -119,15 +127,21 @@ def available_backends(device=None) -> list[str]:
     return [b for b in BACKENDS if _is_available(b, dev)]
 
 
-def resolve_backend(name_or_none, device=None, dtype: torch.dtype | None = None) -> str:
+def _takes_head_dim(name: str, head_dim: int | None) -> bool:
+    return name != "fa4" or head_dim is None or int(head_dim) in FA4_HEAD_DIMS
+
+
+def resolve_backend(name_or_none, device=None, dtype: torch.dtype | None = None,
+                    head_dim: int | None = None) -> str:
     """The backend to use: ``name_or_none`` checked for availability, or (None) the fastest available
     one for ``device`` that supports ``dtype`` (the flash kernels take only fp16/bf16, so fp32 tensors
-    go to sdpa_ref). Raises ValueError naming what is available here."""
+    go to sdpa_ref) and ``head_dim`` (fa4: ``FA4_HEAD_DIMS`` only). Raises ValueError naming what is
+    available here."""
     dev = _as_device(device)
     avail = available_backends(dev)
     if name_or_none is None:
         for b in avail:
-            if b == "sdpa_ref" or dtype is None or dtype in _HALF:
+            if b == "sdpa_ref" or (dtype is None or dtype in _HALF) and _takes_head_dim(b, head_dim):
                 return b
         return "sdpa_ref"
     name = str(name_or_none)
@@ -140,6 +154,10 @@ def resolve_backend(name_or_none, device=None, dtype: torch.dtype | None = None)
     if name != "sdpa_ref" and dtype is not None and dtype not in _HALF:
         raise ValueError(f"backend {name!r} takes float16/bfloat16 tensors, got {dtype}; use sdpa_ref "
                          "for other dtypes")
+    if not _takes_head_dim(name, head_dim):
+        raise ValueError(f"backend 'fa4' is used only for head_dim in {FA4_HEAD_DIMS} (its backward was "
+                         f"checked there; at head_dim 8 it is wrong), got head_dim={head_dim}; leave the "
+                         f"backend unset or pick one of: {', '.join(b for b in avail if b != 'fa4')}")
     return name
 
 
@@ -157,7 +175,7 @@ def attend(q, k, v, cu_q, cu_k, max_q, max_k, causal=True, backend=None, softmax
     ``(out, lse)``: ``out`` like ``q``; ``lse`` float32 ``[total_q, Hq]``, natural log, token-major
     (``-inf`` for a row that sees no key)."""
     _check_inputs(q, k, v, cu_q, cu_k, max_q, max_k)
-    name = resolve_backend(backend, q.device, q.dtype)
+    name = resolve_backend(backend, q.device, q.dtype, q.shape[2])
     scale = _scale(softmax_scale, q.shape[2])
     if q.shape[0] == 0 or name == "sdpa_ref":
         if q.shape[0] == 0:
@@ -178,7 +196,7 @@ def attend_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal=Tr
         raise ValueError(f"dout and out must be shaped like q {tuple(q.shape)} and lse [total_q, Hq] = "
                          f"{(q.shape[0], q.shape[1])}; got {tuple(dout.shape)}, {tuple(out.shape)}, "
                          f"{tuple(lse.shape)}")
-    name = resolve_backend(backend, q.device, q.dtype)
+    name = resolve_backend(backend, q.device, q.dtype, q.shape[2])
     scale = _scale(softmax_scale, q.shape[2])
     if q.shape[0] == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
