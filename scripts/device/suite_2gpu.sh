@@ -25,6 +25,11 @@ mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 export CADLIB_COMMIT=${CADLIB_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 PY=${PYTHON:-python3}
+# packages installed with `pip install --target DIR` keep their data files (nbconvert's HTML templates)
+# under DIR/share/jupyter, which Jupyter does not search unless told: add every such DIR on PYTHONPATH
+for d in ${PYTHONPATH//:/ }; do
+  [ -d "$d/share/jupyter" ] && export JUPYTER_PATH=${JUPYTER_PATH:+$JUPYTER_PATH:}$d/share/jupyter
+done
 stage() { echo "$(date +%T) $*" | tee -a "$OUT/stages.log"; }
 want() { [[ " $STAGES " == *" $1 "* ]]; }
 e2e() {  # dist tokens limit_s
