@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cadlib.e2e import load_committed  # noqa: E402
 from cadlib.measured import MeasuredCost, e2e_check, e2e_check_summary  # noqa: E402
-from cadlib.results import RESULTS_DIR, save_result  # noqa: E402
+from cadlib.results import REPO_ROOT, RESULTS_DIR, save_result  # noqa: E402
 
 SPEEDUP_TARGET = 0.10
 """Issue 10's target for the simulator's step-time error against the measured runs."""
@@ -58,10 +58,10 @@ def main(argv=None):
         print(line)
     within = all(s.get(f"speedup_err_{k}_max", 0) <= SPEEDUP_TARGET for s in summary for k in ("default", "model"))
     print(f"every batch's speedup within {SPEEDUP_TARGET:.0%} of the measured one, both models: {within}")
-    table = Path(args.table)
-    config = {**vars(args), "backend": cost.backend,
-              "inputs": [f"results/{i['file']}" for i in items] + [
-                  f"results/{table.name}" if table.parent.resolve() == RESULTS_DIR.resolve() else str(table)],
+    table = Path(args.table).resolve()
+    table = str(table.relative_to(REPO_ROOT)) if table.is_relative_to(REPO_ROOT) else str(table)
+    config = {**vars(args), "table": table, "backend": cost.backend,
+              "inputs": [f"results/{i['file']}" for i in items] + [table],
               "speedup_target": SPEEDUP_TARGET}
     path = Path(args.out) if args.out else RESULTS_DIR / "cost_model_check.json"
     save_result(path, config, {"summary": summary, "per_batch": rows, "speedups_within_target": within})
