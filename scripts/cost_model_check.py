@@ -33,6 +33,12 @@ SPEEDUP_TARGET = 0.10
 """Issue 10's target for the simulator's step-time error against the measured runs."""
 
 
+def _repo_path(path) -> str:
+    """``path`` relative to the repository when inside it (what a result file records), else absolute."""
+    path = Path(path).resolve()
+    return str(path.relative_to(REPO_ROOT)) if path.is_relative_to(REPO_ROOT) else str(path)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--table", default=str(RESULTS_DIR / "kernel_profile_h200.json"),
@@ -58,10 +64,9 @@ def main(argv=None):
         print(line)
     within = all(s.get(f"speedup_err_{k}_max", 0) <= SPEEDUP_TARGET for s in summary for k in ("default", "model"))
     print(f"every batch's speedup within {SPEEDUP_TARGET:.0%} of the measured one, both models: {within}")
-    table = Path(args.table).resolve()
-    table = str(table.relative_to(REPO_ROOT)) if table.is_relative_to(REPO_ROOT) else str(table)
+    table = _repo_path(args.table)
     config = {**vars(args), "table": table, "backend": cost.backend,
-              "inputs": [f"results/{i['file']}" for i in items] + [table],
+              "inputs": [_repo_path(Path(args.results_dir or RESULTS_DIR) / i["file"]) for i in items] + [table],
               "speedup_target": SPEEDUP_TARGET}
     path = Path(args.out) if args.out else RESULTS_DIR / "cost_model_check.json"
     save_result(path, config, {"summary": summary, "per_batch": rows, "speedups_within_target": within})
