@@ -294,9 +294,10 @@ def composability_ours(rows) -> list[dict]:
         worst = after.loc[after.ratio.idxmin()]
         ours = round(float(worst.ratio), 3)
         prev = round(float(before.ratio.min()), 3) if len(before) else None
-        how = (f"lowest {'forward' if mode == 'fwd' else 'forward+backward'} TF/s over the unsplit document's, "
-               f"shards >= {COMPOSABILITY_MIN_SHARD} tokens, 16K and 64K documents, FA4, the attention server's "
-               f"fused call with one KV buffer per (server, document) (results.composability, kv_share merged; "
+        how = (f"lowest {'forward' if mode == 'fwd' else 'forward+backward'} TF/s over the unsplit "
+               f"document's, shards >= {COMPOSABILITY_MIN_SHARD} tokens, 16K and 64K documents, FA4, the "
+               f"attention server's fused call with one KV buffer per (server, document) "
+               f"(results.composability, kv_share merged; "
                f"commits {', '.join(sorted(after.commit.unique()))}); holds at >= {NEAR_PEAK:g}")
         note = (f"before (one KV copy per shard, kernel alone, commit {before.commit.iloc[0]}): {prev:.3f}"
                 if prev is not None else "before: not measured")
@@ -305,8 +306,8 @@ def composability_ours(rows) -> list[dict]:
             parts = []
             for doc, g in t.groupby("doc"):
                 lo, hi = g.fwd_bwd.min(), g.fwd_bwd.max()
-                parts.append(f"{doc // 1024}K {lo:.2f}-{hi:.2f} ({'met' if g.meets.all() else 'missed'})"
-                             if hi - lo >= 0.005 else f"{doc // 1024}K {lo:.2f} ({'met' if g.meets.all() else 'missed'})")
+                span = f"{lo:.2f}-{hi:.2f}" if f"{lo:.2f}" != f"{hi:.2f}" else f"{lo:.2f}"
+                parts.append(f"{doc // 1024}K {span} ({'met' if g.meets.all() else 'missed'})")
             if parts:
                 note += (f"; issue 10's target, fwd+bwd >= {COMPOSABILITY_TARGET:g} at 512-token shards: "
                          + ", ".join(parts))
@@ -355,14 +356,16 @@ def record_cost_model(results_dir: str | os.PathLike | None = None):
     out = []
     for key, label in (("pairs", "pair-count model (plan.imbalance)"), ("model", "measured kernel model")):
         v = statistics.fmean(s[f"mae_imbalance_{key}"] for s in summ)
-        out.append(report.record(f"cost_model.imbalance_mae_{'measured' if key == 'model' else key}", round(v, 4),
-                                 unit="", kind=kind, how=f"mean over settings of |predicted - measured| max/mean "
-                                 f"attention over ranks, cad's plan, {label}; {src}"))
-    for key, label in (("default", "pairs at colocated's measured s/FLOP"), ("model", "measured kernel table")):
+        name = f"cost_model.imbalance_mae_{'measured' if key == 'model' else key}"
+        out.append(report.record(name, round(v, 4), unit="", kind=kind,
+                                 how=f"mean over settings of |predicted - measured| max/mean attention over "
+                                 f"ranks, cad's plan, {label}; {src}"))
+    for key, label in (("default", "pairs at colocated's measured s/FLOP"),
+                       ("model", "measured kernel table")):
         vals = [s[f"speedup_err_{key}_mean"] for s in summ if f"speedup_err_{key}_mean" in s]
         if vals:
-            out.append(report.record(f"cost_model.speedup_error_{'measured' if key == 'model' else key}",
-                                     round(100 * max(vals), 2), unit="%", kind=kind,
-                                     how=f"worst setting's mean |predicted - measured| / measured CAD ping-pong "
-                                     f"speedup, {label}; target <= 10%; {src}"))
+            name = f"cost_model.speedup_error_{'measured' if key == 'model' else key}"
+            out.append(report.record(name, round(100 * max(vals), 2), unit="%", kind=kind,
+                                     how=f"worst setting's mean |predicted - measured| / measured CAD "
+                                     f"ping-pong speedup, {label}; target <= 10%; {src}"))
     return pd.concat(out, ignore_index=True)

@@ -279,7 +279,8 @@ def rebuild_plans(config: dict, batch: int, world: int):
     kw = {"model": spec, "tolerance": args.tolerance, "min_shard": args.min_shard}
     plan = scheduler.schedule(layout, **kw)
     nanos = split_nano_batches(layout, config.get("nano_balance", "tokens"),
-                               split_docs=config.get("nano_split", "whole") == "docs", min_piece=args.min_shard)
+                               split_docs=config.get("nano_split", "whole") == "docs",
+                               min_piece=args.min_shard)
     return spec, layout, plan, [schedule_nano(nb, **kw) for nb in nanos], scheduler.colocated(layout)
 
 
@@ -325,8 +326,8 @@ def e2e_check(item: dict, cost: MeasuredCost) -> list[dict]:
         meas = np.array([r["attention_ms"] for r in cad])
         model = cost.server_seconds(plan, "fwd_bwd", spec) * spec.n_layers * 1e3
         row = {"setting": item["setting"], "file": item["file"], "batch": b, "measured": imb(meas),
-               "pairs": float(plan.imbalance()), "model": imb(model), "attention_ms_measured_max": float(meas.max()),
-               "attention_ms_model_max": float(model.max())}
+               "pairs": float(plan.imbalance()), "model": imb(model),
+               "attention_ms_measured_max": float(meas.max()), "attention_ms_model_max": float(model.max())}
         col = sorted(recs.get(("colocated", b), []), key=lambda r: r["rank"])
         if item.get("kernel_only_spans", True) and len(col) == world and "speedup cad-pingpong" in pb:
             step, attn = max(r["step_ms"] for r in col), np.array([r["attention_ms"] for r in col])
@@ -338,9 +339,11 @@ def e2e_check(item: dict, cost: MeasuredCost) -> list[dict]:
                                  f"committed {pb['predicted_speedup']:.6f}")
             kappa = attn.sum() / (cost.server_seconds(coloc, "fwd_bwd", spec).sum() * spec.n_layers * 1e3)
             a = attention_ms(nanos, cost, spec)
-            row.update({"speedup_measured": float(pb["speedup cad-pingpong"]), "speedup_default": float(default),
+            row.update({"speedup_measured": float(pb["speedup cad-pingpong"]),
+                        "speedup_default": float(default),
                         "speedup_model": step / (step - attn.max() + kappa * a),
-                        "speedup_model_uncalibrated": step / (step - attn.max() + a), "calibration": float(kappa)})
+                        "speedup_model_uncalibrated": step / (step - attn.max() + a),
+                        "calibration": float(kappa)})
         rows.append(row)
     return rows
 
@@ -359,6 +362,7 @@ def e2e_check_summary(rows: list[dict]) -> list[dict]:
         if "speedup_measured" in g and g.speedup_measured.notna().any():
             for k in ("default", "model", "model_uncalibrated"):
                 err = ((g[f"speedup_{k}"] - g.speedup_measured) / g.speedup_measured).abs()
-                row[f"speedup_err_{k}_mean"], row[f"speedup_err_{k}_max"] = float(err.mean()), float(err.max())
+                row[f"speedup_err_{k}_mean"] = float(err.mean())
+                row[f"speedup_err_{k}_max"] = float(err.max())
         out.append(row)
     return out

@@ -228,9 +228,10 @@ def composability(results_dir: str | os.PathLike | None = None,
             stage = {"merged": "after", "unsplit": "unsplit"}.get(kv, "before")
             for mode in ("fwd", "fwd_bwd"):
                 if r.get(f"{mode}_vs_unsplit") is not None:
-                    rows.append({"backend": r["backend"], "doc": r["doc_len"], "shard": r["shard"], "kv_share": kv,
-                                 "pattern": r.get("pattern", "all"), "order": cfg.get("order", "lpt"),
-                                 "mode": mode, "tflops": r[f"{mode}_tflops"], "ratio": r[f"{mode}_vs_unsplit"],
+                    rows.append({"backend": r["backend"], "doc": r["doc_len"], "shard": r["shard"],
+                                 "kv_share": kv, "pattern": r.get("pattern", "all"),
+                                 "order": cfg.get("order", "lpt"), "mode": mode,
+                                 "tflops": r[f"{mode}_tflops"], "ratio": r[f"{mode}_vs_unsplit"],
                                  "stage": stage, "path": COMPOSABILITY_PATHS.get(kv, kv),
                                  "device": meta.get("device"), "commit": str(meta.get("commit", ""))[:7],
                                  "date": meta.get("date", ""), "file": path.name})
@@ -269,7 +270,8 @@ def composability_targets(rows, shard: int = 512, target: float = COMPOSABILITY_
         f = fwd[(fwd.kv_share == "merged") & (fwd.shard == shard) & (fwd.doc == doc) & (fwd.commit == commit)]
         before = ba[(ba.kv_share == "kernel") & (ba.shard == shard) & (ba.doc == doc)].ratio
         out.append({"doc": int(doc), "shard": shard, "commit": commit, "file": g.file.iloc[0],
-                    "fwd_bwd": float(g.ratio.iloc[0]), "fwd": float(f.ratio.iloc[0]) if len(f) else float("nan"),
+                    "fwd_bwd": float(g.ratio.iloc[0]),
+                    "fwd": float(f.ratio.iloc[0]) if len(f) else float("nan"),
                     "before_fwd_bwd": float(before.iloc[0]) if len(before) else float("nan"),
                     "target": target, "meets": bool(g.ratio.iloc[0] >= target)})
     return pd.DataFrame(out, columns=["doc", "shard", "commit", "file", "fwd_bwd", "fwd", "before_fwd_bwd",

@@ -2,10 +2,11 @@
 
 For every committed ``results/bench_e2e_*.json`` and every batch, the batch's layout and plans are
 rebuilt exactly as ``cadlib.train`` built them (:func:`cadlib.measured.rebuild_plans`; the rebuilt
-plan's imbalance is checked against the one the run recorded) and compared (:func:`cadlib.measured.e2e_check`):
+plan's imbalance is checked against the one the run recorded) and compared
+(:func:`cadlib.measured.e2e_check`):
 
-* method ``cad`` (one plan per batch): the imbalance (max / mean over ranks) of the measured attention
-  time, against the pair-count model's (``plan.imbalance()``, what the scheduler balances) and the
+* method ``cad`` (one plan per batch): the imbalance (max / mean over ranks) of the measured
+  attention time, against the pair-count model's (``plan.imbalance()``, what the scheduler balances) and the
   measured kernel model's (:meth:`cadlib.measured.MeasuredCost.server_seconds` with
   ``results/kernel_profile_h200.json``);
 * CAD with ping-pong: the measured speedup over colocated against the committed prediction
@@ -44,7 +45,8 @@ def main(argv=None):
     ap.add_argument("--table", default=str(RESULTS_DIR / "kernel_profile_h200.json"),
                     help="kernel latency table (scripts/profile_kernels.py)")
     ap.add_argument("--backend", default="fa4", help="backend of the table (the end-to-end runs' kernel)")
-    ap.add_argument("--pattern", default="bench_e2e_*.json", help="end-to-end result files under --results-dir")
+    ap.add_argument("--pattern", default="bench_e2e_*.json",
+                    help="end-to-end result files under --results-dir")
     ap.add_argument("--results-dir", default=None, help="default: this repository's results/")
     ap.add_argument("--out", default=None, help="default: results/cost_model_check.json")
     args = ap.parse_args(argv)
@@ -59,14 +61,16 @@ def main(argv=None):
                 f"measured model {s['mae_imbalance_model']:.4f}")
         if "speedup_err_default_mean" in s:
             line += (f" | speedup error: default {s['speedup_err_default_mean']:.2%} "
-                     f"(max {s['speedup_err_default_max']:.2%}), measured model {s['speedup_err_model_mean']:.2%} "
-                     f"(max {s['speedup_err_model_max']:.2%})")
+                     f"(max {s['speedup_err_default_max']:.2%}), measured model "
+                     f"{s['speedup_err_model_mean']:.2%} (max {s['speedup_err_model_max']:.2%})")
         print(line)
-    within = all(s.get(f"speedup_err_{k}_max", 0) <= SPEEDUP_TARGET for s in summary for k in ("default", "model"))
+    within = all(s.get(f"speedup_err_{k}_max", 0) <= SPEEDUP_TARGET
+                 for s in summary for k in ("default", "model"))
     print(f"every batch's speedup within {SPEEDUP_TARGET:.0%} of the measured one, both models: {within}")
     table = _repo_path(args.table)
     config = {**vars(args), "table": table, "backend": cost.backend,
-              "inputs": [_repo_path(Path(args.results_dir or RESULTS_DIR) / i["file"]) for i in items] + [table],
+              "inputs": [_repo_path(Path(args.results_dir or RESULTS_DIR) / i["file"]) for i in items]
+              + [table],
               "speedup_target": SPEEDUP_TARGET}
     path = Path(args.out) if args.out else RESULTS_DIR / "cost_model_check.json"
     save_result(path, config, {"summary": summary, "per_batch": rows, "speedups_within_target": within})

@@ -194,7 +194,8 @@ def _comp(tmp_path):
         return {**r, "kv_share": kv} if kv else r
 
     for name, rows, commit, date in (
-            ("lpt", [row(16384, 128, None, 0.44, 0.97), row(16384, 512, None, 0.78, 0.96)], "9964619", "2026-01-01"),
+            ("lpt", [row(16384, 128, None, 0.44, 0.97), row(16384, 512, None, 0.78, 0.96)], "9964619",
+             "2026-01-01"),
             ("kvshare", [row(16384, 128, "merged", 0.92, 0.91), row(16384, 512, "merged", 0.90, 0.98),
                          row(65536, 512, "merged", 0.99, 1.0), row(16384, 512, "kernel", 0.70, 0.94)],
              "42d4937", "2026-02-01")):
@@ -234,5 +235,5 @@ def test_record_cost_model_reads_the_check(tmp_path):
     t = claims.record_cost_model(tmp_path).set_index("metric")
     assert float(t.loc["cost_model.imbalance_mae_pairs", "ours"]) == 0.03
     assert float(t.loc["cost_model.imbalance_mae_measured", "ours"]) == 0.02
-    assert float(t.loc["cost_model.speedup_error_measured", "ours"]) == 2.0 and t.loc["cost_model.speedup_error_default",
-                                                                                "unit"] == "%"
+    assert float(t.loc["cost_model.speedup_error_measured", "ours"]) == 2.0
+    assert t.loc["cost_model.speedup_error_default", "unit"] == "%"

@@ -207,7 +207,8 @@ def test_e2e_check_on_a_fake_run(cost):
         assert np.isclose(r["speedup_model"], (100 + col_max) / (100 + a))
     summ = e2e_check_summary(rows)
     assert len(summ) == 1 and summ[0]["batches"] == 2
-    assert np.isclose(summ[0]["mae_imbalance_model"], np.mean([abs(r["model"] - r["measured"]) for r in rows]))
+    mae = np.mean([abs(r["model"] - r["measured"]) for r in rows])
+    assert np.isclose(summ[0]["mae_imbalance_model"], mae)
     assert {"speedup_err_default_mean", "speedup_err_model_max"} <= set(summ[0])
 
 
@@ -226,8 +227,9 @@ def test_cost_model_check_script_writes_its_json(tmp_path):
         pytest.skip("no committed end-to-end result")
     shutil.copy(src, tmp_path / src.name)
     out = tmp_path / "cmc.json"
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "cost_model_check.py"), "--results-dir", str(tmp_path),
-                    "--out", str(out)], check=True, cwd=ROOT, capture_output=True, timeout=120)
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "cost_model_check.py"),
+                    "--results-dir", str(tmp_path), "--out", str(out)],
+                   check=True, cwd=ROOT, capture_output=True, timeout=120)
     res = json.loads(out.read_text())
     assert res["config"]["inputs"] == [str(tmp_path / src.name), "results/kernel_profile_h200.json"]
     assert res["meta"]["commit"] and len(res["results"]["per_batch"]) == 10

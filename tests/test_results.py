@@ -86,7 +86,8 @@ def test_composability_before_after_and_targets(tmp_path):
                 "a754a1c", "2025-12-01T00:00:00", order="doc")
     df = results.composability(tmp_path)
     assert set(df.stage) == {"before", "after", "unsplit"}
-    assert (df[df.kv_share == "unsplit"].ratio == 1.0).all() and (df[df.kv_share == "merged"].stage == "after").all()
+    assert (df[df.kv_share == "unsplit"].ratio == 1.0).all()
+    assert (df[df.kv_share == "merged"].stage == "after").all()
     assert set(df[df.file.str.contains("docorder")].order) == {"doc"}
     ba = results.composability_before_after(df)
     assert (ba["mode"] == "fwd_bwd").all() and set(ba.pattern) == {"all"} and set(ba.order) == {"lpt"}
@@ -97,7 +98,8 @@ def test_composability_before_after_and_targets(tmp_path):
                               "before: server, a KV copy per shard (42d4937)",
                               "after: server, one KV per (server, document) (42d4937)"}
     t = results.composability_targets(df).set_index("doc")
-    assert t.loc[16384, "fwd_bwd"] == 0.90 and not t.loc[16384, "meets"] and t.loc[16384, "before_fwd_bwd"] == 0.78
+    assert t.loc[16384, "fwd_bwd"] == 0.90 and not t.loc[16384, "meets"]
+    assert t.loc[16384, "before_fwd_bwd"] == 0.78
     assert t.loc[65536, "meets"] and t.loc[65536, "fwd"] == 0.97 and t.loc[65536, "before_fwd_bwd"] == 0.71
 
 
