@@ -254,3 +254,115 @@ def compare_models(cost: MeasuredCost, dists=("pretrain", "prolong"), n_servers=
                 rows.append({"dist": dist, "n_servers": S, "seed": seed, "min_shard": plan.meta["min_shard"],
                              **model_imbalance(plan, cost, model)})
     return rows
+
+
+# ---------------------------------------------------------------------------------------------------
+# What it buys on the committed end-to-end runs (scripts/cost_model_check.py)
+# ---------------------------------------------------------------------------------------------------
+
+def rebuild_plans(config: dict, batch: int, world: int):
+    """Batch ``batch`` of an end-to-end run with ``config`` (a committed file's), rebuilt exactly as
+    :mod:`cadlib.train` builds it: ``(spec, layout, plan, nano_plans, colocated_plan)``; ``plan`` is
+    the ``cad`` method's, ``nano_plans`` ``cad-pingpong``'s two (its nano-batches cut documents when
+    the file's ``nano_split`` is ``docs``; files without the key kept them whole)."""
+    from types import SimpleNamespace
+
+    from . import scheduler
+    from .nanosplit import schedule_nano
+    from .packing import pack
+    from .pingpong import split_nano_batches
+    from .train import batch_docs
+
+    args = SimpleNamespace(**config)
+    spec = as_model(config["model"], **({"n_layers": config["layers"]} if config.get("layers") else {}))
+    layout = pack(batch_docs(args, int(batch), world), world, args.tokens_per_rank, method="sequential")
+    kw = {"model": spec, "tolerance": args.tolerance, "min_shard": args.min_shard}
+    plan = scheduler.schedule(layout, **kw)
+    nanos = split_nano_batches(layout, config.get("nano_balance", "tokens"),
+                               split_docs=config.get("nano_split", "whole") == "docs",
+                               min_piece=args.min_shard)
+    return spec, layout, plan, [schedule_nano(nb, **kw) for nb in nanos], scheduler.colocated(layout)
+
+
+def attention_ms(plans, cost: MeasuredCost, spec) -> float:
+    """Milliseconds of attention the step waits for under ``cost``: per plan (nano-batch) and phase
+    (forward, backward) the slowest server, summed (every layer ends its attention at an all-to-all;
+    :func:`cadlib.sim.simulate_cad`'s barrier), times the layers."""
+    return 1e3 * spec.n_layers * sum(float(cost.server_seconds(p, ph, spec).max())
+                                     for p in plans for ph in ("fwd", "bwd"))
+
+
+def e2e_check(item: dict, cost: MeasuredCost) -> list[dict]:
+    """Per batch of one committed end-to-end run (an item of :func:`cadlib.e2e.load_committed`):
+
+    * imbalance (max / mean over ranks) of ``cad``'s attention time: ``measured`` (the records'
+      ``attention_ms``), ``pairs`` (the plan's, what the scheduler balanced; asserted equal to the
+      run's recorded ``plan_imbalance``) and ``model`` (:meth:`MeasuredCost.server_seconds`);
+    * ``cad``'s slowest server's attention, measured and ``cost``'s (kernel alone), in ms;
+    * CAD-with-ping-pong's speedup over colocated: measured, the committed ``predicted_speedup``
+      (:func:`cadlib.sim.calibrated_cad_step`: pairs at colocated's measured seconds per FLOP, the
+      ``cad`` plan; recomputed here and asserted equal) and with ``cost``: the same step with the
+      attention priced by the table on ping-pong's two nano-batch plans (:func:`attention_ms`),
+      ``calibrated`` (times colocated's measured / modelled attention, as the default is) or not."""
+    from .cost import imbalance as imb
+    from .packing import rank_costs
+    from .sim import calibrated_cad_step
+
+    cfg, res = item["config"], item["results"]
+    world = int(cfg.get("nproc") or 1 + max(r["rank"] for r in res["records"]))
+    recs: dict = {}
+    for r in res["records"]:
+        recs.setdefault((r["method"], r["batch"]), []).append(r)
+    rows = []
+    for pb in res["per_batch"]:
+        b = int(pb["batch"])
+        cad = sorted(recs.get(("cad", b), []), key=lambda r: r["rank"])
+        if len(cad) != world:
+            continue
+        spec, layout, plan, nanos, coloc = rebuild_plans(cfg, b, world)
+        if not np.isclose(plan.imbalance(), cad[0]["plan_imbalance"][0], rtol=1e-9):
+            raise ValueError(f"{item['file']} batch {b}: the rebuilt plan's imbalance {plan.imbalance():.6f} "
+                             f"is not the run's {cad[0]['plan_imbalance'][0]:.6f}")
+        meas = np.array([r["attention_ms"] for r in cad])
+        model = cost.server_seconds(plan, "fwd_bwd", spec) * spec.n_layers * 1e3
+        row = {"setting": item["setting"], "file": item["file"], "batch": b, "measured": imb(meas),
+               "pairs": float(plan.imbalance()), "model": imb(model),
+               "attention_ms_measured_max": float(meas.max()), "attention_ms_model_max": float(model.max())}
+        col = sorted(recs.get(("colocated", b), []), key=lambda r: r["rank"])
+        if item.get("kernel_only_spans", True) and len(col) == world and "speedup cad-pingpong" in pb:
+            step, attn = max(r["step_ms"] for r in col), np.array([r["attention_ms"] for r in col])
+            flops = rank_costs(layout, spec, backward=True)["attention_flops"]
+            srv = plan.server_flops(spec, backward=True, layers=None)
+            default = step / calibrated_cad_step(step, attn, flops, srv)
+            if pb.get("predicted_speedup") is not None and not np.isclose(default, pb["predicted_speedup"]):
+                raise ValueError(f"{item['file']} batch {b}: recomputed prediction {default:.6f} is not the "
+                                 f"committed {pb['predicted_speedup']:.6f}")
+            kappa = attn.sum() / (cost.server_seconds(coloc, "fwd_bwd", spec).sum() * spec.n_layers * 1e3)
+            a = attention_ms(nanos, cost, spec)
+            row.update({"speedup_measured": float(pb["speedup cad-pingpong"]),
+                        "speedup_default": float(default),
+                        "speedup_model": step / (step - attn.max() + kappa * a),
+                        "speedup_model_uncalibrated": step / (step - attn.max() + a),
+                        "calibration": float(kappa)})
+        rows.append(row)
+    return rows
+
+
+def e2e_check_summary(rows: list[dict]) -> list[dict]:
+    """Per setting of :func:`e2e_check`'s rows: mean absolute error of each predicted imbalance
+    against the measured one, and relative mean (max) absolute error of each predicted speedup."""
+    import pandas as pd
+
+    df = pd.DataFrame(rows)
+    out = []
+    for setting, g in df.groupby("setting", sort=False):
+        row = {"setting": setting, "file": g.file.iloc[0], "batches": len(g),
+               "measured_imbalance_mean": float(g.measured.mean()),
+               **{f"mae_imbalance_{k}": float((g[k] - g.measured).abs().mean()) for k in ("pairs", "model")}}
+        if "speedup_measured" in g and g.speedup_measured.notna().any():
+            for k in ("default", "model", "model_uncalibrated"):
+                err = ((g[f"speedup_{k}"] - g.speedup_measured) / g.speedup_measured).abs()
+                row[f"speedup_err_{k}_mean"] = float(err.mean())
+                row[f"speedup_err_{k}_max"] = float(err.max())
+        out.append(row)
+    return out

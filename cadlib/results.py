@@ -191,25 +191,88 @@ def server_overhead_summary(rows):
     return out
 
 
+COMPOSABILITY_COLUMNS = ["backend", "doc", "shard", "kv_share", "pattern", "order", "mode", "tflops", "ratio",
+                         "stage", "path", "device", "commit", "date", "file"]
+COMPOSABILITY_PATHS = {"kernel": "kernel alone, a KV copy per shard",
+                       "copy": "server, a KV copy per shard",
+                       "merged": "server, one KV per (server, document)",
+                       "unsplit": "unsplit document"}
+"""What each ``kv_share`` mode of the composability benchmark runs (``path`` column)."""
+
+
 def composability(results_dir: str | os.PathLike | None = None,
-                  pattern: str = "bench_attention_server_composability_1gpu_lpt_*.json"):
+                  pattern: str = "bench_attention_server_composability_1gpu_*.json"):
     """The composability benchmark (a document cut into query shards, each with its KV prefix, in
-    one fused call) as one row per (backend, document, shard, kv_share, pattern, mode): ``tflops`` and
-    ``ratio`` (TF/s over the unsplit document), ``mode`` ``fwd`` or ``fwd_bwd``, and ``device``.
-    ``kv_share`` is ``kernel`` (per-shard KV copies, kernel alone: files written before the server
-    merged shards carry no such field), ``copy`` or ``merged`` (the server path); ``pattern`` ``all``
-    or ``alternate`` (every other shard on the server)."""
+    one fused call) as one row per (file, backend, document, shard, kv_share, pattern, mode):
+    ``tflops`` and ``ratio`` (TF/s over the unsplit document of the same file), ``mode`` ``fwd`` or
+    ``fwd_bwd``; skipped (out of memory) measurements have no row.
+
+    * ``kv_share``: ``kernel`` (the kernel alone on per-shard KV copies; files written before the
+      server merged shards carry no such field), ``copy`` (the server path, a KV copy per shard),
+      ``merged`` (the server path, one KV buffer per (server, document): issue 10) or ``unsplit``
+      (the reference row, ratio 1); ``path`` says it in words (:data:`COMPOSABILITY_PATHS`).
+    * ``stage``: ``before`` (per-shard copies: ``kernel``, ``copy``), ``after`` (``merged``) or
+      ``unsplit``: what a plot of issue 10's change compares.
+    * ``pattern``: ``all`` or ``alternate`` (every other shard on the server: nothing merges);
+      ``order``: the kernel mode's call order (``lpt``, longest KV prefix first as the server, or ``doc``).
+    * ``device``, ``commit`` (the code measured), ``date`` and ``file``."""
     import pandas as pd
     rows = []
     for path in find_results(pattern, results_dir):
         res = load_result(path)
-        device = res.get("meta", {}).get("device")
+        meta, cfg = res.get("meta", {}), res.get("config", {})
         for r in res.get("results", []):
+            kv = r.get("kv_share", "kernel")
+            if kv == "kernel" and r.get("shard") == r.get("doc_len"):
+                kv = "unsplit"                        # older files: the one-shard row is the unsplit call
+            stage = {"merged": "after", "unsplit": "unsplit"}.get(kv, "before")
             for mode in ("fwd", "fwd_bwd"):
                 if r.get(f"{mode}_vs_unsplit") is not None:
                     rows.append({"backend": r["backend"], "doc": r["doc_len"], "shard": r["shard"],
-                                 "kv_share": r.get("kv_share", "kernel"), "pattern": r.get("pattern", "all"),
-                                 "mode": mode, "tflops": r[f"{mode}_tflops"],
-                                 "ratio": r[f"{mode}_vs_unsplit"], "device": device})
-    return pd.DataFrame(rows, columns=["backend", "doc", "shard", "kv_share", "pattern", "mode", "tflops",
-                                       "ratio", "device"])
+                                 "kv_share": kv, "pattern": r.get("pattern", "all"),
+                                 "order": cfg.get("order", "lpt"), "mode": mode,
+                                 "tflops": r[f"{mode}_tflops"], "ratio": r[f"{mode}_vs_unsplit"],
+                                 "stage": stage, "path": COMPOSABILITY_PATHS.get(kv, kv),
+                                 "device": meta.get("device"), "commit": str(meta.get("commit", ""))[:7],
+                                 "date": meta.get("date", ""), "file": path.name})
+    return pd.DataFrame(rows, columns=COMPOSABILITY_COLUMNS)
+
+
+COMPOSABILITY_TARGET = 0.95
+"""Issue 10's target: forward+backward on 512-token shards at least this share of the unsplit
+document's TF/s, on 16K and 64K documents (1 x H200, FA4, bf16, llama3-8b heads)."""
+
+
+def composability_before_after(rows, backend: str = "fa4", mode: str = "fwd_bwd"):
+    """Issue 10's comparison from :func:`composability`'s rows: one row per (document, shard, series)
+    of ``backend`` and ``mode``, every shard on the server (pattern ``all``, call order ``lpt``),
+    unsplit rows left out. ``series``: ``<stage>: <path> (<commit>)``; the server paths keep one
+    series per commit measured (a later commit's rerun is its own line), the kernel alone (the same
+    kernel at every commit) only its first measurement, the one issue 10 started from."""
+    sel = rows[(rows.backend == backend) & (rows["mode"] == mode) & (rows.pattern == "all")
+               & (rows.order == "lpt") & (rows.stage != "unsplit")].copy()
+    first = sel[sel.kv_share == "kernel"].groupby("doc").date.transform("min")
+    sel = sel.drop(first.index[sel.loc[first.index, "date"] != first])
+    sel["series"] = sel.stage + ": " + sel.path + " (" + sel.commit + ")"
+    return sel.sort_values(["doc", "stage", "date", "shard"], ascending=[True, False, True, True]) \
+        .reset_index(drop=True)
+
+
+def composability_targets(rows, shard: int = 512, target: float = COMPOSABILITY_TARGET, backend: str = "fa4"):
+    """Per document and measurement (file) of the merged server path at ``shard``-token shards: the
+    forward+backward and forward ratios, ``meets`` (fwd+bwd >= ``target``) and ``before``, the
+    per-shard-copy kernel's first fwd+bwd ratio at that shard (NaN where it did not fit in memory)."""
+    import pandas as pd
+    ba = composability_before_after(rows, backend)
+    fwd = composability_before_after(rows, backend, "fwd")
+    out = []
+    for (doc, commit), g in ba[(ba.kv_share == "merged") & (ba.shard == shard)].groupby(["doc", "commit"]):
+        f = fwd[(fwd.kv_share == "merged") & (fwd.shard == shard) & (fwd.doc == doc) & (fwd.commit == commit)]
+        before = ba[(ba.kv_share == "kernel") & (ba.shard == shard) & (ba.doc == doc)].ratio
+        out.append({"doc": int(doc), "shard": shard, "commit": commit, "file": g.file.iloc[0],
+                    "fwd_bwd": float(g.ratio.iloc[0]),
+                    "fwd": float(f.ratio.iloc[0]) if len(f) else float("nan"),
+                    "before_fwd_bwd": float(before.iloc[0]) if len(before) else float("nan"),
+                    "target": target, "meets": bool(g.ratio.iloc[0] >= target)})
+    return pd.DataFrame(out, columns=["doc", "shard", "commit", "file", "fwd_bwd", "fwd", "before_fwd_bwd",
+                                      "target", "meets"])

@@ -183,3 +183,57 @@ def test_memory_divergence_is_measured_from_wlb_peak_memory():
     worst, median = _memory_divergence(recs, "wlb")
     assert worst == pytest.approx(1.1) and median == pytest.approx(1.05)
     assert _memory_divergence(recs, "cad") is None
+
+
+def _comp(tmp_path):
+    from cadlib import results
+
+    def row(doc, shard, kv, fb, fwd):
+        r = {"backend": "fa4", "doc_len": doc, "shard": shard, "fwd_tflops": 600.0, "fwd_vs_unsplit": fwd,
+             "fwd_bwd_tflops": 500.0, "fwd_bwd_vs_unsplit": fb}
+        return {**r, "kv_share": kv} if kv else r
+
+    for name, rows, commit, date in (
+            ("lpt", [row(16384, 128, None, 0.44, 0.97), row(16384, 512, None, 0.78, 0.96)], "9964619",
+             "2026-01-01"),
+            ("kvshare", [row(16384, 128, "merged", 0.92, 0.91), row(16384, 512, "merged", 0.90, 0.98),
+                         row(65536, 512, "merged", 0.99, 1.0), row(16384, 512, "kernel", 0.70, 0.94)],
+             "42d4937", "2026-02-01")):
+        (tmp_path / f"bench_attention_server_composability_1gpu_{name}.json").write_text(json.dumps(
+            {"meta": {"device": "1x H200", "commit": commit, "date": date}, "config": {"order": "lpt"},
+             "results": rows}))
+    return results.composability(tmp_path)
+
+
+def test_composability_reports_the_merged_server_path_with_the_copies_beside(tmp_path):
+    got = {r["setting"]: r for r in claims.composability_ours(_comp(tmp_path))}
+    fb, fwd = got["fwd_bwd"], got["fwd"]
+    assert fb["ours"] == 0.9 and fb["holds"] and fb["before"] == 0.44      # lowest merged vs the first copies
+    assert fwd["ours"] == 0.91 and fwd["before"] == 0.96
+    assert "before (one KV copy per shard, kernel alone, commit 9964619): 0.440" in fb["note"]
+    assert "16K 0.90 (missed), 64K 0.99 (met)" in fb["note"]
+    table = claims.record_composability(_comp(tmp_path))
+    assert list(table.metric) == ["distca.composability@fwd", "distca.composability@fwd_bwd"]
+    assert claims.composability_ours(_comp(tmp_path)[lambda d: d.kv_share != "merged"]) == []
+
+
+def test_committed_composability_claim_holds_on_the_merged_path():
+    from cadlib import results
+    got = {r["setting"]: r for r in claims.composability_ours(results.composability())}
+    if not got:
+        pytest.skip("no committed KV-sharing composability results")
+    assert got["fwd_bwd"]["holds"] and got["fwd_bwd"]["before"] < claims.NEAR_PEAK <= got["fwd_bwd"]["ours"]
+    assert "16K 0.90 (missed)" in got["fwd_bwd"]["note"] and "(met)" in got["fwd_bwd"]["note"]
+
+
+def test_record_cost_model_reads_the_check(tmp_path):
+    assert claims.record_cost_model(tmp_path).empty
+    summ = [{"setting": "a", "mae_imbalance_pairs": 0.02, "mae_imbalance_model": 0.01,
+             "speedup_err_default_mean": 0.01, "speedup_err_model_mean": 0.02},
+            {"setting": "b", "mae_imbalance_pairs": 0.04, "mae_imbalance_model": 0.03}]
+    save_result(tmp_path / claims.COST_MODEL_CHECK, {}, {"summary": summ, "per_batch": []})
+    t = claims.record_cost_model(tmp_path).set_index("metric")
+    assert float(t.loc["cost_model.imbalance_mae_pairs", "ours"]) == 0.03
+    assert float(t.loc["cost_model.imbalance_mae_measured", "ours"]) == 0.02
+    assert float(t.loc["cost_model.speedup_error_measured", "ours"]) == 2.0
+    assert t.loc["cost_model.speedup_error_default", "unit"] == "%"

@@ -147,3 +147,91 @@ def test_profile_script_cpu_quick_writes_a_loadable_table(tmp_path):
     assert {r["kind"] for r in table["results"]} == {"task", "fused"}
     c = load_measured(out)
     assert c.backend == "sdpa_ref" and c.task_seconds(32, 64) > 0 and c.min_shard() in (16, 32, 64)
+
+
+# --------------------------------------------------------------------- what it buys on end-to-end runs
+from cadlib.measured import attention_ms, e2e_check, e2e_check_summary, rebuild_plans  # noqa: E402
+
+E2E_CFG = {"model": "tiny", "layers": 2, "tokens_per_rank": 4096, "dist": "prolong", "doc_len": None,
+           "max_doc_len": None, "seed": 0, "tolerance": 0.05, "min_shard": 512, "nano_balance": "tokens",
+           "nano_split": "docs", "nproc": 2}
+
+
+def fake_e2e_item(cost, batches=(0, 1), skew=1.1):
+    """A committed-style end-to-end item whose records carry the rebuilt plans' imbalance, cad's
+    attention measured as the cost model's times ``skew`` on rank 0, colocated's the model's."""
+    records, per_batch = [], []
+    for b in batches:
+        spec, layout, plan, nanos, coloc = rebuild_plans(E2E_CFG, b, 2)
+        cad = cost.server_seconds(plan, "fwd_bwd", spec) * spec.n_layers * 1e3 * np.array([skew, 1.0])
+        col = cost.server_seconds(coloc, "fwd_bwd", spec) * spec.n_layers * 1e3
+        for r in range(2):
+            records.append({"method": "cad", "batch": b, "rank": r, "attention_ms": float(cad[r]),
+                            "plan_imbalance": [plan.imbalance()], "step_ms": 100.0})
+            records.append({"method": "colocated", "batch": b, "rank": r, "attention_ms": float(col[r]),
+                            "plan_imbalance": [coloc.imbalance()], "step_ms": 100.0 + col.max()})
+        per_batch.append({"batch": b, "speedup cad-pingpong": 1.05})
+    return {"file": "bench_e2e_fake.json", "setting": "prolong 4K x2", "kernel_only_spans": True,
+            "config": E2E_CFG, "results": {"records": records, "per_batch": per_batch}}
+
+
+def test_rebuild_plans_follow_train():
+    from types import SimpleNamespace
+
+    from cadlib.pingpong import split_nano_batches
+    from cadlib.train import batch_docs
+    spec, layout, plan, nanos, coloc = rebuild_plans(E2E_CFG, 1, 2)
+    docs = batch_docs(SimpleNamespace(**E2E_CFG), 1, 2)
+    assert layout.doc_lens == list(docs) and layout.n_ranks == 2 and spec.n_layers == 2
+    assert plan.meta["min_shard"] == 512 and plan.imbalance() <= coloc.imbalance() + 1e-12
+    assert len(nanos) == 2 and all(p.layout.n_ranks == 2 for p in nanos)
+    whole = split_nano_batches(layout, "tokens", split_docs=False)
+    _, _, _, nanos_whole, _ = rebuild_plans({k: v for k, v in E2E_CFG.items() if k != "nano_split"}, 1, 2)
+    assert [p.layout.doc_lens for p in nanos_whole] == [nb.layout.doc_lens for nb in whole]
+
+
+def test_e2e_check_on_a_fake_run(cost):
+    item = fake_e2e_item(cost)
+    rows = e2e_check(item, cost)
+    assert [r["batch"] for r in rows] == [0, 1]
+    for r in rows:
+        spec, _, plan, nanos, _ = rebuild_plans(E2E_CFG, r["batch"], 2)
+        t = cost.server_seconds(plan, "fwd_bwd", spec)
+        assert np.isclose(r["pairs"], plan.imbalance()) and np.isclose(r["model"], t.max() / t.mean())
+        meas = t * np.array([1.1, 1.0])
+        assert np.isclose(r["measured"], meas.max() / meas.mean())
+        assert np.isclose(r["calibration"], 1.0)           # colocated measured = the model's
+        a = attention_ms(nanos, cost, spec)
+        col_max = max(x["attention_ms"] for x in item["results"]["records"]
+                      if x["method"] == "colocated" and x["batch"] == r["batch"])
+        assert np.isclose(r["speedup_model"], (100 + col_max) / (100 + a))
+    summ = e2e_check_summary(rows)
+    assert len(summ) == 1 and summ[0]["batches"] == 2
+    mae = np.mean([abs(r["model"] - r["measured"]) for r in rows])
+    assert np.isclose(summ[0]["mae_imbalance_model"], mae)
+    assert {"speedup_err_default_mean", "speedup_err_model_max"} <= set(summ[0])
+
+
+def test_e2e_check_refuses_a_plan_that_is_not_the_runs(cost):
+    item = fake_e2e_item(cost, batches=(0,))
+    for r in item["results"]["records"]:
+        r["plan_imbalance"] = [r["plan_imbalance"][0] + 0.01]
+    with pytest.raises(ValueError, match="rebuilt plan's imbalance"):
+        e2e_check(item, cost)
+
+
+def test_cost_model_check_script_writes_its_json(tmp_path):
+    import shutil
+    src = ROOT / "results" / "bench_e2e_2x_uniform_64k_nvlink.json"
+    if not src.exists():
+        pytest.skip("no committed end-to-end result")
+    shutil.copy(src, tmp_path / src.name)
+    out = tmp_path / "cmc.json"
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "cost_model_check.py"),
+                    "--results-dir", str(tmp_path), "--out", str(out)],
+                   check=True, cwd=ROOT, capture_output=True, timeout=120)
+    res = json.loads(out.read_text())
+    assert res["config"]["inputs"] == [str(tmp_path / src.name), "results/kernel_profile_h200.json"]
+    assert res["meta"]["commit"] and len(res["results"]["per_batch"]) == 10
+    s = res["results"]["summary"][0]
+    assert s["mae_imbalance_model"] < 0.05 and s["speedup_err_model_max"] < 0.1
