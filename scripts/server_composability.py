@@ -14,7 +14,8 @@ fused call, three ways (``--kv-share``):
 ``alternate`` gives it every other shard (non-contiguous: they cannot merge, each keeps its copy; the
 other shards belong to a second server that is not run). FLOPs are those of the server's shards
 (``ModelSpec.attention_flops``, one layer, backward 2.5x); ``*_vs_unsplit`` divides TF/s by the unsplit
-document's (one segment, kernel alone, ``kv_share="unsplit"`` rows). A case whose estimated memory
+document's (one segment, kernel alone, ``kv_share="unsplit"`` rows: timed before and after the cases,
+``when``; the mean of the two is the reference). A case whose estimated memory
 exceeds ``--mem-budget-gb`` is skipped with the reason; an out-of-memory error is recorded too.
 """
 from __future__ import annotations
@@ -151,16 +152,24 @@ def run_composability(cfg, device, backends) -> list[dict]:
     rows = []
     for backend in backends:
         for doc_len in cfg.doc_lens:
+            # The reference is timed before AND after the cases, and their mean TF/s is what the
+            # cases are divided by: a GPU that starts cool runs its first kernels at higher clocks
+            # (the 16K unsplit document once measured faster than the 64K one, 653 vs 623 TF/s).
             whole = unsplit(doc_len, spec, dtype, device, backend, cfg, gen)
-            cases = [whole]
+            cases = []
             for pattern in cfg.patterns:
                 for mode in cfg.kv_share:
                     cases += [case(doc_len, s, spec, dtype, device, backend, cfg, gen, mode, pattern)
                               for s in sorted({s for s in cfg.shards if s < doc_len})]
+            again = unsplit(doc_len, spec, dtype, device, backend, cfg, gen)
+            whole["when"], again["when"] = "before the cases", "after the cases"
+            ref = {ph: (whole[f"{ph}_tflops"] + again[f"{ph}_tflops"]) / 2 for ph in ("fwd", "fwd_bwd")
+                   if f"{ph}_tflops" in whole and f"{ph}_tflops" in again}
+            cases = [whole, again] + cases
             for c in cases:
-                for ph in ("fwd", "fwd_bwd"):
-                    if f"{ph}_tflops" in c and f"{ph}_tflops" in whole:
-                        c[f"{ph}_vs_unsplit"] = c[f"{ph}_tflops"] / whole[f"{ph}_tflops"]
+                for ph, t in ref.items():
+                    if f"{ph}_tflops" in c:
+                        c[f"{ph}_vs_unsplit"] = c[f"{ph}_tflops"] / t
                 print(fmt(c), flush=True)
             rows += cases
     return rows
