@@ -225,6 +225,7 @@ def place(layout: Layout, method: str = "cad", n_servers: int | None = None, mod
     plan then records ``meta['measured_imbalance']``, the max/mean of its servers' modelled times (the
     greedy itself still balances pairs)."""
     from .scheduler_engine import Greedy
+    from .scheduler_fill import WaterFill
 
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose one of: {', '.join(METHODS)}")
@@ -243,6 +244,7 @@ def place(layout: Layout, method: str = "cad", n_servers: int | None = None, mod
     ch = layout.chunk_array() if chunks is None else chunks
     mode = "flops" if method == "equal_flops" else "bytes"
     g = Greedy(ch, layout.n_docs, S, tol, m, qb, kvb, mode)
+    load0 = g.load.copy() if method == "cad" and guard else None
     t1 = time.perf_counter()
     reached = g.run() if method != "colocated" else g.reached()
     t2 = time.perf_counter()
@@ -251,8 +253,7 @@ def place(layout: Layout, method: str = "cad", n_servers: int | None = None, mod
             "imbalance_before": g.imbalance_before, "imbalance_after": g.imbalance(),
             "moved_bytes": g.moved_bytes, "guard": False}
     if method == "cad" and guard and g.n_moves:                # no move: equal_flops makes none either
-        e = Greedy(ch, layout.n_docs, S, tol, m, qb, kvb, "flops")
-        e.prepare(g.ix)
+        e = WaterFill(g, load0)                                 # equal_flops' moves, cheaply
         e_reached = e.run()
         if reached != e_reached:
             better = e_reached
