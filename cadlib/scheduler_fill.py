@@ -184,7 +184,7 @@ class WaterFill:
         cols = [ch[:, 0], ch[:, 1], b[c], home, srv[c]]
         if self.shards:
             extra = np.array(self.shards, dtype=np.int64)
-            cols = [np.r_[x, extra[:, j]] for j, x in enumerate(cols)]
+            cols = [np.concatenate((x, extra[:, j])) for j, x in enumerate(cols)]
         q1, kv1 = self.ix.forward_tokens(*cols)
         return self.qb * (q1 - q0) + self.kvb * (kv1 - kv0)
 
@@ -193,5 +193,5 @@ class WaterFill:
         cols = [self.chunks[:, 0], self.chunks[:, 1], b, self.chunks[:, 3], srv]
         if self.shards:
             extra = np.array(self.shards, dtype=np.int64)
-            cols = [np.r_[x, extra[:, j]] for j, x in enumerate(cols)]
+            cols = [np.concatenate((x, extra[:, j])) for j, x in enumerate(cols)]
         return TaskArrays(*cols)
