@@ -41,11 +41,8 @@ class DonorView:
     smallest valid move (``min_pairs``); bytes mode also: the donor's prefix end for the task's document
     without the task (``other``), the KV tokens the donor fetches for that document now (``kv_now``),
     and the chunks of the task's document (``rep``: which task, ``chunk``, its ``holder`` rank or -1
-    when that rank is not a server), and ``rows``: the candidates' (task, receiver) rows but those of
-    the chunks' servers (which move) and of the emptiest receiver: per row its task (``task``), the
-    task's ``min_pairs`` (``mp``) and the receiver (``recv``), for the chunks' holders that are other
-    servers, then the servers given shards of the task's document; ``None`` until computed, and again
-    when a document of the view gets a new shard server."""
+    when that rank is not a server); ``rows``: :meth:`Greedy.candidate_rows`, ``None`` until computed
+    and again when a document of the view gets a new shard server."""
 
     tasks: np.ndarray
     doc: np.ndarray
@@ -349,8 +346,10 @@ class Greedy:
         return v
 
     def candidate_rows(self, s: int, v: DonorView) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``(task, mp, recv)`` of ``v.rows``, with the task rows of the chunks' servers and of the
-        emptiest receiver in front of ``task`` and ``mp`` (their receivers are found per move)."""
+        """The (task, receiver) rows of donor ``s``'s candidates, as ``(task, its min_pairs, recv)``:
+        ``task`` is the rows of its document's chunks' servers (found per move: they move), of the
+        holders that are other servers and of the servers given shards of the document (``recv``),
+        then of the emptiest receiver (per move)."""
         h = (v.holder >= 0) & (v.holder != s)
         task, recv = [v.rep, v.rep[h]], [v.holder[h]]
         if self.shard_servers:
