@@ -13,7 +13,9 @@ when no donor can move. Every move lowers ``sum(max(0, load - U))``, so it ends.
 ``schedule`` picks the move with the fewest bytes per pair moved (the priority in
 ``reference_greedy``); ``equal_flops`` is the bytes-blind baseline (the largest end shard to the
 emptiest receiver). Both run on the vectorised engine of :mod:`cadlib.scheduler_engine`;
-:func:`reference_greedy` below is the same algorithm written plainly, one candidate at a time.
+:func:`reference_greedy` below is the same algorithm written plainly, one candidate at a time. The
+guard of :func:`place` computes ``equal_flops``' moves with :mod:`cadlib.scheduler_fill` (a few scalar
+steps per move, the same plan as the engine's).
 """
 from __future__ import annotations
 
@@ -216,7 +218,8 @@ def place(layout: Layout, method: str = "cad", n_servers: int | None = None, mod
     ``guard`` (``cad`` only): if the bytes-blind ``equal_flops`` plan reaches the tolerance while this
     one does not, or both reach it and it moves fewer bytes (neither: a lower peak load), return it
     instead (``meta['guard']`` records it). The greedy is built to need this rarely; the benchmark
-    reports how often.
+    reports how often. ``equal_flops``' plan is computed by :class:`cadlib.scheduler_fill.WaterFill`
+    (its arrays only when it is returned).
     ``meta['moved_bytes']``: the forward bytes the moves added to the colocated placement's, exact
     (tracked move by move; ``plan.forward_bytes(model)`` gives the total).
 
@@ -225,6 +228,7 @@ def place(layout: Layout, method: str = "cad", n_servers: int | None = None, mod
     plan then records ``meta['measured_imbalance']``, the max/mean of its servers' modelled times (the
     greedy itself still balances pairs)."""
     from .scheduler_engine import Greedy
+    from .scheduler_fill import WaterFill
 
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose one of: {', '.join(METHODS)}")
@@ -243,6 +247,7 @@ def place(layout: Layout, method: str = "cad", n_servers: int | None = None, mod
     ch = layout.chunk_array() if chunks is None else chunks
     mode = "flops" if method == "equal_flops" else "bytes"
     g = Greedy(ch, layout.n_docs, S, tol, m, qb, kvb, mode)
+    load0 = g.load.copy() if method == "cad" and guard else None
     t1 = time.perf_counter()
     reached = g.run() if method != "colocated" else g.reached()
     t2 = time.perf_counter()
@@ -251,8 +256,7 @@ def place(layout: Layout, method: str = "cad", n_servers: int | None = None, mod
             "imbalance_before": g.imbalance_before, "imbalance_after": g.imbalance(),
             "moved_bytes": g.moved_bytes, "guard": False}
     if method == "cad" and guard and g.n_moves:                # no move: equal_flops makes none either
-        e = Greedy(ch, layout.n_docs, S, tol, m, qb, kvb, "flops")
-        e.prepare(g.ix)
+        e = WaterFill(g, load0)                                 # equal_flops' moves, cheaply
         e_reached = e.run()
         if reached != e_reached:
             better = e_reached

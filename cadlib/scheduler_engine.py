@@ -41,9 +41,8 @@ class DonorView:
     smallest valid move (``min_pairs``); bytes mode also: the donor's prefix end for the task's document
     without the task (``other``), the KV tokens the donor fetches for that document now (``kv_now``),
     and the chunks of the task's document (``rep``: which task, ``chunk``, its ``holder`` rank or -1
-    when that rank is not a server; ``holder_s``: those that are other servers), with ``task3``,
-    ``mp3``: the task and its ``min_pairs`` of each (task, receiver) row of a move's candidates (a
-    chunk's server, its holder, the emptiest receiver)."""
+    when that rank is not a server); ``rows``: :meth:`Greedy.candidate_rows`, ``None`` until computed
+    and again when a document of the view gets a new shard server."""
 
     tasks: np.ndarray
     doc: np.ndarray
@@ -56,9 +55,7 @@ class DonorView:
     rep: np.ndarray | None = None
     chunk: np.ndarray | None = None
     holder: np.ndarray | None = None
-    holder_s: np.ndarray | None = None
-    task3: np.ndarray | None = None
-    mp3: np.ndarray | None = None
+    rows: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
 
 _PER_TASK = {"flops": ("tasks", "doc", "a", "b", "home", "min_pairs"),
@@ -196,7 +193,6 @@ class Greedy:
             if self.mode == "bytes":
                 r0, r1 = rep_at[j], rep_at[j + 1]
                 v.rep, v.chunk, v.holder = rep[r0:r1] - lo, chunk[r0:r1], holder[r0:r1]
-                self.candidate_rows(s, v)
             self.views[s] = v
 
     # -- one move ---------------------------------------------------------------------------------
@@ -218,17 +214,12 @@ class Greedy:
         n = v.tasks.size
         room = np.floor(U - load)
         srv = self.server[v.chunk]
-        task, recv, mp = v.task3, np.concatenate((srv, v.holder_s, np.full(n, g))), v.mp3
-        if self.shard_servers:
-            extra = [(i, r) for i in np.flatnonzero(self.has_shard[v.doc]).tolist()
-                     for r in self.shard_servers[int(v.doc[i])]]
-            if extra:
-                et, er = np.array(extra, dtype=np.int64).T
-                task, recv, mp = (np.concatenate(z) for z in ((task, et), (recv, er), (mp, v.min_pairs[et])))
+        if v.rows is None:
+            v.rows = self.candidate_rows(s, v)
+        task, mp, recv = v.rows                                   # rows: chunk servers, the rest, g
+        recv = np.concatenate((srv, recv, np.full(n, g)))
         keep = (recv != s) & (mp <= room[recv])                   # room for the smallest valid move
-        mark = np.zeros(n * self.S, dtype=bool)                   # each (task, receiver) once, sorted
-        mark[task[keep] * self.S + recv[keep]] = True
-        col, recv = np.divmod(mark.nonzero()[0], self.S)
+        col, recv = task[keep], recv[keep]                        # (a pair twice scores twice: same move)
         if not col.size:
             return None
         # pairs of each task's document that donors could shed: sum over its chunks on donors of
@@ -295,7 +286,14 @@ class Greedy:
         else:
             lo, hi = (b - k, b) if mv.from_end else (a, a + k)
             self.shards.append((d, lo, hi, h, r))
-            self.shard_servers.setdefault(d, set()).add(r)
+            got = self.shard_servers.setdefault(d, set())
+            if r not in got:                                   # a new candidate of d's tasks
+                got.add(r)
+                if self.mode == "bytes":
+                    ix = self.ix
+                    for g in self.server[ix.by_doc[ix.doc_ptr[d]:ix.doc_ptr[d + 1]]].tolist():
+                        if g in self.views:
+                            self.views[g].rows = None
             self.has_shard[d] = True
             self.pairs[t] -= mv.pairs
             if mv.from_end:
@@ -344,17 +342,25 @@ class Greedy:
             for j, bj in zip(sel.tolist(), bs):
                 v.other[j] = second if bj == top else top
             v.kv_now[sel] = top - self.ix.owned1(s, d, top)
-            self.candidate_rows(s, v)
+            v.rows = None
         return v
 
-    @staticmethod
-    def candidate_rows(s: int, v: DonorView) -> None:
-        """The task and its ``min_pairs`` of each row of donor ``s``'s candidates but the shard
-        servers': its document's chunks' servers, their holders (other servers), the emptiest receiver."""
+    def candidate_rows(self, s: int, v: DonorView) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The (task, receiver) rows of donor ``s``'s candidates, as ``(task, its min_pairs, recv)``:
+        ``task`` is the rows of its document's chunks' servers (found per move: they move), of the
+        holders that are other servers and of the servers given shards of the document (``recv``),
+        then of the emptiest receiver (per move)."""
         h = (v.holder >= 0) & (v.holder != s)
-        v.holder_s = v.holder[h]
-        v.task3 = np.concatenate((v.rep, v.rep[h], np.arange(v.tasks.size)))
-        v.mp3 = v.min_pairs[v.task3]
+        task, recv = [v.rep, v.rep[h]], [v.holder[h]]
+        if self.shard_servers:
+            extra = [(i, r) for i in np.flatnonzero(self.has_shard[v.doc]).tolist()
+                     for r in self.shard_servers[int(v.doc[i])]]
+            if extra:
+                et, er = np.array(extra, dtype=np.int64).T
+                task.append(et)
+                recv.append(er)
+        task = np.concatenate((*task, np.arange(v.tasks.size)))
+        return task, v.min_pairs[task], np.concatenate(recv)
 
     def run(self) -> bool:
         """Move until no donor can: the most loaded donor first. Returns ``reached``."""
@@ -388,7 +394,7 @@ class Greedy:
         cols = [x[c] for x in (self.doc, self.a, self.b, self.home, self.server)]
         if self.shards:
             extra = np.array(self.shards, dtype=np.int64)
-            cols = [np.r_[x, extra[:, i]] for i, x in enumerate(cols)]
+            cols = [np.concatenate((x, extra[:, i])) for i, x in enumerate(cols)]
         q1, kv1 = self.ix.forward_tokens(*cols)
         return self.qb * (q1 - q0) + self.kvb * (kv1 - kv0)
 
@@ -396,5 +402,5 @@ class Greedy:
         cols = [self.doc, self.a, self.b, self.home, self.server]
         if self.shards:
             extra = np.array(self.shards, dtype=np.int64)
-            cols = [np.r_[c, extra[:, i]] for i, c in enumerate(cols)]
+            cols = [np.concatenate((c, extra[:, i])) for i, c in enumerate(cols)]
         return TaskArrays(*cols)
