@@ -14,6 +14,7 @@ ping-pong gain and the calibrated prediction. Results record device, torch, comm
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
 import sys
 
@@ -53,7 +54,8 @@ def run_setting(args, tokens: int, dist: str, link: str) -> dict:
     out["records"] = [rec for r in results for rec in r["records"]]
     out["model"] = results[0]["model"]
     out["device_name"] = results[0]["device_name"]
-    return {"config": {**config, "link": link, "nproc": args.nproc}, **out}
+    nccl = {k: v for k, v in sorted({**os.environ, **env}.items()) if k.startswith("NCCL_")}
+    return {"config": {**config, "link": link, "nproc": args.nproc, "nccl_env": nccl}, **out}
 
 
 def main(argv=None) -> int:

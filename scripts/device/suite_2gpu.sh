@@ -14,7 +14,8 @@
 # not in the default list); e2e64 (the three 64K NVLink settings only, ~7 min); internode (pretrain
 # 64K over the inter-node-like link, ~2.5 min); server (the attention server on its own: kernel
 # composability, merged KV vs the kernel, 16K and 64K documents, on GPU 0 beside the overhead
-# benchmark on GPU 1, then the overhead benchmark on both GPUs, ~3 min).
+# benchmark on GPU 1, then the overhead benchmark on both GPUs, ~3 min); e2e128 (the three 128K NVLink
+# settings only, ~11 min); nccl (pretrain 64K with NCCL_MAX_NCHANNELS 4 and 8, ~5 min).
 # Each stage has its own timeout, copies what it wrote to $OUT and logs a line to $OUT/stages.log;
 # $OUT/ALLDONE marks the end. Benchmarks write into this tree's results/, so the report stage (which
 # reads the committed results) sees the new end-to-end files.
@@ -45,6 +46,15 @@ if want e2e; then
   e2e uniform 65536 240
 fi
 want e2e64 && { e2e pretrain 65536 240; e2e uniform 65536 240; e2e prolong 65536 240; }
+want e2e128 && { e2e pretrain 131072 330; e2e prolong 131072 330; e2e uniform 131072 330; }
+if want nccl; then         # fewer NCCL channels: do the all-to-alls then slow the GEMMs beside them less?
+  for ch in 4 8; do
+    stage "e2e pretrain 65536 NCCL_MAX_NCHANNELS=$ch start"
+    if [ "$SMOKE" = 1 ]; then args="--smoke"; else args="--nproc 2 --tokens 65536 --dists pretrain --timeout 220"; fi
+    NCCL_MAX_NCHANNELS=$ch timeout -k 15 240 $PY scripts/bench_e2e.py $args --tag _nch$ch --quiet --out results >> "$OUT/e2e.log" 2>&1
+    stage "e2e pretrain 65536 NCCL_MAX_NCHANNELS=$ch rc=$?"; cp results/bench_e2e_*_nch$ch.json "$OUT/" 2>/dev/null
+  done
+fi
 if want internode; then    # NCCL through host memory: about 25 ms per GiB, like an inter-node link
   stage "e2e pretrain 65536 inter-node-like start"
   if [ "$SMOKE" = 1 ]; then args="--smoke"; else args="--nproc 2 --tokens 65536 --dists pretrain --timeout 250"; fi
