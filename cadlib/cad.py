@@ -106,14 +106,22 @@ def rows_cat(local: torch.Tensor, recv: torch.Tensor) -> torch.Tensor:
     return local.view_as(local) if not recv.shape[0] else torch.cat([local, recv])
 
 
+def home_rows(rows: torch.Tensor, n_local: int) -> torch.Tensor:
+    """The first ``n_local`` rows of a server's output (a ``q_identity`` server's own rows): a view when
+    the rows after them (received queries, returned elsewhere) are at most an eighth as many, since a
+    view keeps them alive as long as the home's output lives (to the backward); else a copy."""
+    own = rows[:n_local]
+    return own if rows.shape[0] - n_local <= n_local // 8 else own.clone()
+
+
 def _return_rows(comm, rows, dd: DeviceDispatch, n_local: int):
     """Server rows (task-row order) back to their homes: self-served rows stay, the rest travel the
-    reversed Q exchange. Returns the home tensors ``[n_local, ...]`` (with ``q_identity``, views of
-    the server rows: the first ``n_local`` are the home's, the rest go back unpermuted)."""
+    reversed Q exchange. Returns the home tensors ``[n_local, ...]`` (with ``q_identity`` the first
+    ``n_local`` server rows are the home's, :func:`home_rows`; the rest go back unpermuted)."""
     m = dd.meta
     if m.q_identity:
         _exchange(comm, [r[n_local:] for r in rows], None, m.q_recv_splits, m.q_send_splits, m.q_traffic)()
-        return [r[:n_local] for r in rows]
+        return [home_rows(r, n_local) for r in rows]
     back = _exchange(comm, rows, dd.ret_rows, m.q_recv_splits, m.q_send_splits, m.q_traffic)()
     out = []
     for r, b in zip(rows, back):

@@ -31,7 +31,7 @@ import time
 
 import torch
 
-from .cad import AllToAll, _exchange, check_inputs, prepare, rows_cat
+from .cad import AllToAll, _exchange, check_inputs, home_rows, prepare, rows_cat
 from .dispatch import DeviceDispatch
 from .kvshare import add_rows
 from .server import serve_backward_tasks, serve_forward
@@ -208,7 +208,7 @@ class _Return(torch.autograd.Function):
         with streams.on_comm(), tl.span("comm", f"return {name}"):
             if m.q_identity:       # local rows first, in order; received ones go back unpermuted
                 _exchange(comm, [out[m.n_local:]], None, m.q_recv_splits, m.q_send_splits, m.q_traffic)()
-                o = out[:m.n_local]
+                o = home_rows(out, m.n_local)
             else:
                 (back,) = _exchange(comm, [out], dd.ret_rows, m.q_recv_splits, m.q_send_splits, m.q_traffic)()
                 o = out.new_empty((m.n_local, *out.shape[1:]))

@@ -69,6 +69,15 @@ def test_wrong_dispatch_is_detected(kv_share):
     assert max(errs) > 1e-3, errs
 
 
+def test_home_rows_view_only_when_the_rest_is_small():
+    from cadlib.cad import home_rows
+
+    out = torch.arange(18.0).view(18, 1)
+    assert home_rows(out, 16).data_ptr() == out.data_ptr()          # 2 rows after 16: a view
+    own = home_rows(out, 8)                                          # 10 rows after 8: a copy
+    assert own.data_ptr() != out.data_ptr() and own.flatten().tolist() == list(range(8))
+
+
 def test_pack_rows_round_trip_mixed_dtypes():
     a = torch.randn(5, 3, 4, dtype=torch.bfloat16)
     b = torch.randn(5, 3, dtype=torch.float32)
