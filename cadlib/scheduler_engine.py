@@ -389,14 +389,8 @@ class Greedy:
         tasks' less the colocated chunks'."""
         docs = np.fromiter(self.touched, dtype=np.int64, count=len(self.touched))
         c = self.ix.doc_chunks(docs)
-        ch = self.chunks[c]
-        q0, kv0 = self.ix.forward_tokens(ch[:, 0], ch[:, 1], ch[:, 2], ch[:, 3], self.home[c] % self.S)
         cols = [x[c] for x in (self.doc, self.a, self.b, self.home, self.server)]
-        if self.shards:
-            extra = np.array(self.shards, dtype=np.int64)
-            cols = [np.concatenate((x, extra[:, i])) for i, x in enumerate(cols)]
-        q1, kv1 = self.ix.forward_tokens(*cols)
-        return self.qb * (q1 - q0) + self.kvb * (kv1 - kv0)
+        return self.ix.moved_bytes(self.chunks[c], cols, self.shards, self.S, self.qb, self.kvb)
 
     def task_arrays(self) -> TaskArrays:
         cols = [self.doc, self.a, self.b, self.home, self.server]

@@ -178,15 +178,9 @@ class WaterFill:
         docs = np.fromiter(self.touched, dtype=np.int64, count=len(self.touched))
         c = self.ix.doc_chunks(docs)
         ch = self.chunks[c]
-        home = ch[:, 3]
-        q0, kv0 = self.ix.forward_tokens(ch[:, 0], ch[:, 1], ch[:, 2], home, home % self.S)
         b, srv = self._columns()
-        cols = [ch[:, 0], ch[:, 1], b[c], home, srv[c]]
-        if self.shards:
-            extra = np.array(self.shards, dtype=np.int64)
-            cols = [np.concatenate((x, extra[:, j])) for j, x in enumerate(cols)]
-        q1, kv1 = self.ix.forward_tokens(*cols)
-        return self.qb * (q1 - q0) + self.kvb * (kv1 - kv0)
+        cols = [ch[:, 0], ch[:, 1], b[c], ch[:, 3], srv[c]]
+        return self.ix.moved_bytes(ch, cols, self.shards, self.S, self.qb, self.kvb)
 
     def task_arrays(self) -> TaskArrays:
         b, srv = self._columns()

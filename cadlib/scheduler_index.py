@@ -86,6 +86,18 @@ class ChunkIndex:
         g, d = np.divmod(key, self.n_docs)
         return q, int(self.kv(g, d, need).sum())
 
+    def moved_bytes(self, ch, cols, shards, n_servers: int, q_bytes: int, kv_bytes: int) -> int:
+        """Forward bytes that tasks ``cols`` (``doc, a, b, home, server`` arrays) plus the cut
+        ``shards`` (rows of the same five fields) dispatch beyond the colocated placement of chunks
+        ``ch``, their documents' chunks."""
+        home = ch[:, 3]
+        q0, kv0 = self.forward_tokens(ch[:, 0], ch[:, 1], ch[:, 2], home, home % n_servers)
+        if shards:
+            extra = np.array(shards, dtype=np.int64)
+            cols = [np.concatenate((x, extra[:, j])) for j, x in enumerate(cols)]
+        q1, kv1 = self.forward_tokens(*cols)
+        return q_bytes * (q1 - q0) + kv_bytes * (kv1 - kv0)
+
 
 def _ascending(grp: np.ndarray, a: np.ndarray) -> bool:
     """Whether the pairs ``(grp, a)`` are in ascending order."""
