@@ -304,10 +304,13 @@ def build_dispatch(plan: Plan, rank: int) -> Dispatch:
         # This server computes every row of its query buffer: in buffer order its query rows need no
         # gather and its outputs no scatter (q_identity). Taken when it merges as many shards as LPT.
         from .kvshare import merge_groups
+
+        def n_segments(order):
+            return merge_groups(doc[order], a[order], b[order])[-1]
+
         buf = served[np.argsort(first, kind="stable")]
         rows = rows_of(buf)[0]
-        if (np.array_equal(rows, np.arange(n_buf))
-                and merge_groups(doc[buf], a[buf], b[buf])[-1] == merge_groups(doc[served], a[served], b[served])[-1]):
+        if np.array_equal(rows, np.arange(n_buf)) and n_segments(buf) == n_segments(served):
             served, q_rows = buf, rows
 
     # -- KV exchange, owner side: for each of my chunks and each other server needing its document's

@@ -268,20 +268,14 @@ def rebuild_plans(config: dict, batch: int, world: int):
     from types import SimpleNamespace
 
     from . import scheduler
-    from .nanosplit import schedule_nano
     from .packing import pack
-    from .pingpong import split_nano_batches
-    from .train import batch_docs
+    from .train import batch_docs, cad_plan, nano_plans
 
-    args = SimpleNamespace(**config)
+    args = SimpleNamespace(**{"nano_balance": "tokens", "nano_split": "whole", **config})
     spec = as_model(config["model"], **({"n_layers": config["layers"]} if config.get("layers") else {}))
     layout = pack(batch_docs(args, int(batch), world), world, args.tokens_per_rank, method="sequential")
-    kw = {"model": spec, "tolerance": args.tolerance, "min_shard": args.min_shard}
-    plan = scheduler.schedule(layout, **kw)
-    nanos = split_nano_batches(layout, config.get("nano_balance", "tokens"),
-                               split_docs=config.get("nano_split", "whole") == "docs",
-                               min_piece=args.min_shard)
-    return spec, layout, plan, [schedule_nano(nb, **kw) for nb in nanos], scheduler.colocated(layout)
+    return (spec, layout, cad_plan(layout, args, spec), nano_plans(layout, args, spec)[1],
+            scheduler.colocated(layout))
 
 
 def attention_ms(plans, cost: MeasuredCost, spec) -> float:

@@ -71,6 +71,19 @@ def _colocated_attention(layout, group, attn_backend, tl):
     return lambda q, k, v: layout_attention(q, k, v, layout, group, attn_backend=attn_backend, timeline=tl)
 
 
+def cad_plan(layout, args, spec):
+    """``cad``'s plan of a batch: the scheduler at the run's tolerance and minimum shard."""
+    return scheduler.schedule(layout, model=spec, tolerance=args.tolerance, min_shard=args.min_shard)
+
+
+def nano_plans(layout, args, spec):
+    """``cad-pingpong``'s two nano-batches of a batch and their plans (each scheduled on its own)."""
+    nanos = split_nano_batches(layout, args.nano_balance, split_docs=args.nano_split == "docs",
+                               min_piece=args.min_shard)
+    return nanos, [schedule_nano(nb, model=spec, tolerance=args.tolerance, min_shard=args.min_shard)
+                   for nb in nanos]
+
+
 class Step:
     """Everything one (method, batch) needs on this rank, built on the host before the step."""
 
@@ -85,25 +98,19 @@ class Step:
         self.n_valid = sum(n - 1 for n in docs)
         self.context = None
         if method in ("cad-pingpong", "signal-only"):
-            self.nanos = split_nano_batches(self.layout, args.nano_balance,
-                                            split_docs=args.nano_split == "docs", min_piece=args.min_shard)
-            self.plans = [schedule_nano(nb, model=spec, tolerance=args.tolerance, min_shard=args.min_shard)
-                          for nb in self.nanos]
+            self.nanos, self.plans = nano_plans(self.layout, args, spec)
             self.inputs = [tuple(t[torch.as_tensor(nb.rows[rank])].to(device) for t in (tok, tgt, pos))
                            for nb in self.nanos]
             ctx = self.nanos[1].context
             if ctx and len(ctx[rank]):            # B's KV-only rows of A's local buffer on this rank
                 self.context = torch.as_tensor(ctx[rank]).to(device)
         else:
-            self.plans = [self._plan(self.layout, args, spec)] if method == "cad" else []
+            self.plans = [cad_plan(self.layout, args, spec)] if method == "cad" else []
             self.inputs = [tuple(t.to(device) for t in (tok, tgt, pos))]
         self.dds = [prepare(p, group, device) for p in self.plans]
         self.imbalance = [p.imbalance() for p in self.plans] or \
             [scheduler.colocated(self.layout).imbalance()]
 
-    @staticmethod
-    def _plan(layout, args, spec):
-        return scheduler.schedule(layout, model=spec, tolerance=args.tolerance, min_shard=args.min_shard)
 
 
 def forward(step: Step, model, group, streams, tl, args, signal_only: bool):

@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .cad import cad_attention
+from .cp import layout_rows as global_rows  # noqa: F401  (rows of a rank's tokens, doc-major)
 from .cost import ModelSpec
 from .distributed import destroy, init_from_env, log, report_progress, write_result
 from .dispatch import build_dispatch
@@ -110,11 +111,32 @@ def make_plan(layout: Layout, kind: str, model: ModelSpec, seed: int, args) -> P
     raise ValueError(f"unknown plan {kind!r}; choose one of: {', '.join(PLANS)}")
 
 
-def global_rows(layout: Layout, rank: int) -> np.ndarray:
-    """Rows of ``rank``'s local buffer in the concatenation of all documents (doc-major)."""
-    base = np.concatenate([[0], np.cumsum(layout.doc_lens)])
-    parts = [np.arange(base[c.doc] + c.start, base[c.doc] + c.end) for c in layout.ranks[rank]]
-    return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, dtype=np.int64)
+def random_inputs(total: int, heads, seed: int, dtype=torch.float32, device="cpu") -> list[torch.Tensor]:
+    """Seeded ``q, k, v, dout`` of every token, documents laid end to end: ``[total, H, D]`` with
+    ``H`` = query, KV, KV, query heads for ``heads = (Hq, Hkv, D)``. Drawn on the CPU in float32 (the
+    same numbers on every rank and device), then moved to ``device`` and ``dtype``."""
+    hq, hkv, d = heads
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(total, h, d, generator=gen).to(device=device, dtype=dtype)
+            for h in (hq, hkv, hkv, hq)]
+
+
+def rank_inputs(full, rows) -> tuple[torch.Tensor, ...]:
+    """One rank's ``q, k, v, dout`` from :func:`random_inputs`: ``rows`` (its tokens' global rows,
+    :func:`global_rows`) of each, with ``q, k, v`` leaves that require grad."""
+    rows = torch.as_tensor(rows, device=full[0].device)
+    q, k, v, dout = (t.index_select(0, rows) for t in full)
+    return (*(t.requires_grad_(True) for t in (q, k, v)), dout)
+
+
+def reference_errors(got, full, doc_lens, rows) -> list[float]:
+    """Relative max errors of one rank's ``got = (o, dq, dk, dv)`` (its ``rows``) against
+    :func:`reference` on ``full`` (:func:`random_inputs`), every document: the single-rank checks of
+    the tests and notebooks."""
+    rows = torch.as_tensor(rows)
+    ref = reference(*full, doc_lens, range(len(doc_lens)))
+    return [float((g.detach().float() - r.index_select(0, rows)).abs().max() / r.abs().max())
+            for g, r in zip(got, ref)]
 
 
 REF_SDPA_ELEMS = 1 << 27
@@ -198,13 +220,10 @@ def check_case(layout: Layout, plan: Plan, model: ModelSpec, dtype: torch.dtype,
     """Run CAD forward+backward on this rank's rows and compare with the reference; with
     ``timing_iters``, also the median wall time of that many more forward+backward passes."""
     rank = dist.get_rank(group)
-    total = layout.total_tokens
-    gen = torch.Generator().manual_seed(seed)
-    full = [torch.randn(total, h, model.head_dim, generator=gen).to(device=device, dtype=dtype)
-            for h in (model.n_heads, model.n_kv_heads, model.n_kv_heads, model.n_heads)]
+    heads = (model.n_heads, model.n_kv_heads, model.head_dim)
+    full = random_inputs(layout.total_tokens, heads, seed, dtype, device)
     rows = torch.as_tensor(global_rows(layout, rank), device=device)
-    q, k, v, dout = (t.index_select(0, rows) for t in full)
-    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    q, k, v, dout = rank_inputs(full, rows)
     t0 = time.perf_counter()
     o = cad_attention(q, k, v, plan, group, attn_backend=attn_backend, kv_share=kv_share)
     o.backward(dout)

@@ -12,10 +12,11 @@ from cadlib.cad import cad_attention, pack_rows, prepare, unpack_rows
 from cadlib.cost import ModelSpec
 from cadlib.dispatch import build_dispatch
 from cadlib.plan import CATask, Layout, Plan
-from cadlib.verify import global_rows, random_plan, reference
+from cadlib.verify import global_rows, random_inputs, random_plan, rank_inputs, reference, reference_errors
 from cadlib.workload import DISTRIBUTIONS
 
 TINY = ModelSpec.from_name("tiny")
+TINY_HEADS = (TINY.n_heads, TINY.n_kv_heads, TINY.head_dim)
 FP32_RTOL = 1e-5
 
 
@@ -25,22 +26,15 @@ def one_rank_problem(seed=0):
     tasks = [CATask(0, 0, 7, 0, 0), CATask(0, 7, 33, 0, 0), CATask(0, 33, 50, 0, 0),
              CATask(1, 0, 30, 0, 0), CATask(1, 30, 31, 0, 0), CATask(1, 31, 70, 0, 0), CATask(2, 0, 1, 0, 0)]
     plan = Plan(layout, tasks)
-    gen = torch.Generator().manual_seed(seed)
-    full = [torch.randn(layout.total_tokens, h, TINY.head_dim, generator=gen)
-            for h in (TINY.n_heads, TINY.n_kv_heads, TINY.n_kv_heads, TINY.n_heads)]
-    return layout, plan, full
+    return layout, plan, random_inputs(layout.total_tokens, TINY_HEADS, seed)
 
 
 def run_one_rank(plan, full, dispatch=None, kv_share=None):
-    rows = torch.as_tensor(global_rows(plan.layout, 0))
-    q, k, v, dout = (t.index_select(0, rows).clone() for t in full)
-    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    rows = global_rows(plan.layout, 0)
+    q, k, v, dout = rank_inputs(full, rows)
     o, lse = cad_attention(q, k, v, dispatch or plan, None, return_lse=True, kv_share=kv_share)
     o.backward(dout)
-    ref = reference(*full, plan.layout.doc_lens, range(plan.layout.n_docs))
-    got = (o.detach(), q.grad, k.grad, v.grad)
-    errs = [float((g - r.index_select(0, rows)).abs().max() / r.abs().max()) for g, r in zip(got, ref)]
-    return errs, lse
+    return reference_errors((o, q.grad, k.grad, v.grad), full, plan.layout.doc_lens, rows), lse
 
 
 @pytest.mark.parametrize("kv_share", ["merged", "copy"])

@@ -16,27 +16,22 @@ from cadlib.packing import pack
 from cadlib.pingpong import split_nano_batches
 from cadlib.plan import Layout
 from cadlib.stages import staged_attention
-from cadlib.verify import global_rows, reference
+from cadlib.verify import global_rows, random_inputs, rank_inputs, reference_errors
 from cadlib.workload import sample_docs
 
 TINY = ModelSpec.from_name("tiny")
+TINY_HEADS = (TINY.n_heads, TINY.n_kv_heads, TINY.head_dim)
 
 
 def test_staged_attention_matches_reference_one_rank():
     layout = Layout([[(1, 30, 70), (0, 0, 50), (2, 0, 1), (1, 0, 30)]], [50, 70, 1])
     plan = scheduler.schedule(layout, model=TINY, tolerance=0.0, min_shard=8)
-    gen = torch.Generator().manual_seed(0)
-    full = [torch.randn(layout.total_tokens, h, TINY.head_dim, generator=gen)
-            for h in (TINY.n_heads, TINY.n_kv_heads, TINY.n_kv_heads, TINY.n_heads)]
-    rows = torch.as_tensor(global_rows(layout, 0))
-    q, k, v, dout = (t.index_select(0, rows).clone() for t in full)
-    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    full = random_inputs(layout.total_tokens, TINY_HEADS, seed=0)
+    rows = global_rows(layout, 0)
+    q, k, v, dout = rank_inputs(full, rows)
     o = staged_attention(q, k, v, plan, None)
     o.backward(dout)
-    ref = reference(*full, layout.doc_lens, range(layout.n_docs))
-    for got, want in zip((o.detach(), q.grad, k.grad, v.grad), ref):
-        want = want.index_select(0, rows)
-        assert float((got - want).abs().max() / want.abs().max()) <= 1e-5
+    assert max(reference_errors((o, q.grad, k.grad, v.grad), full, layout.doc_lens, rows)) <= 1e-5
 
 
 @pytest.mark.parametrize("balance", ["tokens", "attention"])
@@ -77,9 +72,10 @@ def test_methods_agree_on_loss_and_gradients(world, tmp_path):
     methods = ["colocated", "wlb", "cad", "cad-pingpong"]
     split = "whole" if world == 2 else "docs"          # ping-pong's nano-batches: both forms
     df = launch.run_torchrun("cadlib.train", world,
-                             ["--methods", ",".join(methods), "--nano-split", split, "--tokens-per-rank", "256",
-                              "--max-doc-len", "400", "--min-shard", "16", "--steps", "5", "--warmup", "0",
-                              "--dtype", "fp32", "--dump-grads", str(tmp_path)],
+                             ["--methods", ",".join(methods), "--nano-split", split,
+                              "--tokens-per-rank", "256", "--max-doc-len", "400", "--min-shard", "16",
+                              "--steps", "5", "--warmup", "0", "--dtype", "fp32",
+                              "--dump-grads", str(tmp_path)],
                              timeout=300, pg_backend="gloo", echo=False, progress=False)
     recs = [r for res in df.attrs["results"] for r in res["records"] if r["rank"] == 0]
     loss = {m: [r["loss"] for r in recs if r["method"] == m] for m in methods}

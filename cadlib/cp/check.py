@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from ..distributed import destroy, init_from_env, log, report_progress, write_result
 from ..plan import Layout
+from ..verify import random_inputs, rank_inputs
 from . import MECHANISMS, layout_rows, make
 
 SUITES = ("layout", "protocol")
@@ -101,12 +102,6 @@ def reference(q, k, v, dout, doc_lens, causal: bool):
     return o.detach(), q.grad, k.grad, v.grad
 
 
-def _inputs(total: int, hq: int, hkv: int, dim: int, seed: int, dtype, device):
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(total, h, dim, generator=gen).to(device=device, dtype=dtype)
-            for h in (hq, hkv, hkv, hq)]
-
-
 ZERO_REF_FLOOR = 1e-3
 """See :func:`_errors`."""
 
@@ -134,8 +129,7 @@ def _errors(got, ref, rows, group, device) -> dict:
 
 
 def _run(fn, full, rows, doc_lens, causal, group, device):
-    q, k, v, dout = (t.index_select(0, rows) for t in full)
-    q, k, v = (t.clone().requires_grad_(True) for t in (q, k, v))
+    q, k, v, dout = rank_inputs(full, rows)
     t0 = time.perf_counter()
     o = fn(q, k, v)
     o.backward(dout)
@@ -148,8 +142,7 @@ def check_layout(world, rank, group, device, dtype, seed, heads) -> dict:
     from .allgather import gathered_tokens, layout_attention, shared_docs
 
     layout = random_layout(world, seed)
-    hq, hkv, dim = heads
-    full = _inputs(layout.total_tokens, hq, hkv, dim, seed, dtype, device)
+    full = random_inputs(layout.total_tokens, heads, seed, dtype, device)
     rows = torch.as_tensor(layout_rows(layout, rank), device=device)
     res = _run(lambda q, k, v: layout_attention(q, k, v, layout, group), full, rows, layout.doc_lens, True,
                group, device)
@@ -162,14 +155,13 @@ def check_protocol(mech_name, mask, world, rank, group, device, dtype, seed, hea
     """One mechanism on one mask: dispatch, apply_attn, backward, against the reference."""
     causal = mask in ("causal", "causal_document")
     doc_lens = protocol_docs(mask, world, seed, total)
-    hq, hkv, dim = heads
     base = {"suite": "protocol", "mechanism": mech_name, "mask": mask, "n_docs": len(doc_lens),
             "min_doc": min(doc_lens), "total": sum(doc_lens)}
     if mech_name == "cad" and not causal:
         return {**base, "skipped": "CAD serves causal masks only"}
     kwargs = {"min_shard": 4} if mech_name == "cad" else {}
     mech = make(mech_name, group, doc_lens, causal, **kwargs)
-    full = _inputs(sum(doc_lens), hq, hkv, dim, seed, dtype, device)
+    full = random_inputs(sum(doc_lens), heads, seed, dtype, device)
     rows = torch.as_tensor(mech.local_rows(), device=device)
     res = _run(lambda q, k, v: mech.apply_attn(q, k, v)[0], full, rows, doc_lens, causal, group, device)
     back = mech.undispatch(mech.dispatch(full[0]))

@@ -53,7 +53,8 @@ FA4_HEAD_DIMS = (64, 128)
 """Head dims for which FA4 (4.0.0b36) was checked against ``sdpa_ref`` on an H200 (bf16, GQA 4:1 and
 2:1, two causal segments of 20 and 41 tokens; rel. errors <= 5e-3 for o, dq, dk, dv). At head_dim 8
 its forward is right but its backward is not: dq 0.83, dk 1.0, dv 1.0 (GQA 8:2), dq 0.94 (8:8);
-torch_flash's 2.5e-3. Measured 2026-11-30 by scripts/probe_fa4_head_dims.py: results/fa4_head_dims_h200.txt."""
+torch_flash's 2.5e-3. Measured 2026-11-30 by scripts/probe_fa4_head_dims.py:
+results/fa4_head_dims_h200.txt."""
 
 # ---------------------------------------------------------------------------------------------------
 # Checks shared by all backends
