@@ -15,9 +15,12 @@
 # 64K over the inter-node-like link, ~2.5 min); server (the attention server on its own: kernel
 # composability, merged KV vs the kernel, 16K and 64K documents, on GPU 0 beside the overhead
 # benchmark on GPU 1, then the overhead benchmark on both GPUs, ~3 min); e2e128 (the three 128K NVLink
-# settings only, ~11 min); nccl (pretrain 64K with NCCL_MAX_NCHANNELS 4 and 8, ~5 min).
+# settings only, ~11 min); nccl (pretrain 64K with NCCL_MAX_NCHANNELS 4 and 8, ~5 min); tol64 / tol128 (one
+# half of tolerance each); comp (the composability benchmark with its bracketed reference on GPU 0 beside
+# FlexAttention's cells that the kernels stage's time budget left out, on GPU 1, ~3 min); e2e:DIST:TOKENS
+# (one NVLink setting, e.g. e2e:prolong:131072).
 # Each stage has its own timeout, copies what it wrote to $OUT and logs a line to $OUT/stages.log;
-# $OUT/ALLDONE marks the end. Benchmarks write into this tree's results/, so the report stage (which
+# $OUT/ALLDONE marks the end. Stages run in the order STAGES names them. Benchmarks write into this tree's results/, so the report stage (which
 # reads the committed results) sees the new end-to-end files.
 set -u
 OUT=${OUT:-out}; SMOKE=${SMOKE:-0}
@@ -32,7 +35,6 @@ for d in ${PYTHONPATH//:/ }; do
   [ -d "$d/share/jupyter" ] && export JUPYTER_PATH=${JUPYTER_PATH:+$JUPYTER_PATH:}$d/share/jupyter
 done
 stage() { echo "$(date +%T) $*" | tee -a "$OUT/stages.log"; }
-want() { [[ " $STAGES " == *" $1 "* ]]; }
 e2e() {  # dist tokens limit_s
   local name="bench_e2e_2x_$1_$(( $2 / 1024 ))k_nvlink.json" args
   if [ "$SMOKE" = 1 ]; then args="--smoke --dists $1"; name="bench_e2e_smoke_2x_pretrain_0k_nvlink.json"
@@ -41,57 +43,60 @@ e2e() {  # dist tokens limit_s
   timeout -k 15 "$3" $PY scripts/bench_e2e.py $args --quiet --out results >> "$OUT/e2e.log" 2>&1
   local rc=$?; cp "results/$name" "$OUT/" 2>/dev/null; stage "e2e $1 $2 rc=$rc"
 }
-if want e2e; then
+st_e2e() {
   e2e pretrain 65536 240; e2e prolong 65536 240; e2e pretrain 131072 330; e2e prolong 131072 330
   e2e uniform 65536 240
-fi
-want e2e64 && { e2e pretrain 65536 240; e2e uniform 65536 240; e2e prolong 65536 240; }
-want e2e128 && { e2e pretrain 131072 330; e2e prolong 131072 330; e2e uniform 131072 330; }
-if want nccl; then         # fewer NCCL channels: do the all-to-alls then slow the GEMMs beside them less?
+}
+st_e2e64() { e2e pretrain 65536 240; e2e uniform 65536 240; e2e prolong 65536 240; }
+st_e2e128() { e2e pretrain 131072 330; e2e prolong 131072 330; e2e uniform 131072 330; }
+st_nccl() {         # fewer NCCL channels: do the all-to-alls then slow the GEMMs beside them less?
   for ch in 4 8; do
     stage "e2e pretrain 65536 NCCL_MAX_NCHANNELS=$ch start"
     if [ "$SMOKE" = 1 ]; then args="--smoke"; else args="--nproc 2 --tokens 65536 --dists pretrain --timeout 220"; fi
     NCCL_MAX_NCHANNELS=$ch timeout -k 15 240 $PY scripts/bench_e2e.py $args --tag _nch$ch --quiet --out results >> "$OUT/e2e.log" 2>&1
     stage "e2e pretrain 65536 NCCL_MAX_NCHANNELS=$ch rc=$?"; cp results/bench_e2e_*_nch$ch.json "$OUT/" 2>/dev/null
   done
-fi
-if want internode; then    # NCCL through host memory: about 25 ms per GiB, like an inter-node link
+}
+st_internode() {    # NCCL through host memory: about 25 ms per GiB, like an inter-node link
   stage "e2e pretrain 65536 inter-node-like start"
   if [ "$SMOKE" = 1 ]; then args="--smoke"; else args="--nproc 2 --tokens 65536 --dists pretrain --timeout 250"; fi
   timeout -k 15 270 $PY scripts/bench_e2e.py $args --link inter-node-like --quiet --out results >> "$OUT/e2e.log" 2>&1
   stage "e2e pretrain 65536 inter-node-like rc=$?"; cp results/bench_e2e_*inter-node-like*.json "$OUT/" 2>/dev/null
-fi
-if want cp; then
+}
+st_cp() {
   stage "bench_cp start"
   if [ "$SMOKE" = 1 ]; then CP="--smoke"; CPOUT=results/bench_cp_smoke.json
   else CP="--time-budget-s 160"; CPOUT=results/bench_cp.json; fi
   timeout -k 10 230 torchrun --standalone --nproc-per-node 2 scripts/bench_cp.py $CP --out $CPOUT > "$OUT/cp.log" 2>&1
   stage "bench_cp rc=$?"; cp $CPOUT "$OUT/" 2>/dev/null
-fi
-if want cpcheck; then
+}
+st_cpcheck() {
   stage "cp.check start"
   if [ "$SMOKE" = 1 ]; then CK="--dtype fp32 --tokens 61 --pg-backend gloo"; else CK="--dtype bf16 --tokens 8192 --heads 16,8,128"; fi
   timeout -k 10 200 torchrun --standalone --nproc-per-node 2 -m cadlib.cp.check --suite layout,protocol $CK \
     --out results/cp_check_2gpu_bf16.json > "$OUT/cpcheck.log" 2>&1
   stage "cp.check rc=$?"; cp results/cp_check_2gpu_bf16.json "$OUT/" 2>/dev/null
-fi
-if want report; then
+}
+st_report() {
   if [ "$SMOKE" = 1 ]; then PROF=cpu; else PROF=h200x2; fi
   stage "reproduce $PROF start"
   timeout -k 10 520 $PY scripts/reproduce.py --profile $PROF --publish results/reports/$PROF > "$OUT/reproduce.log" 2>&1
   stage "reproduce rc=$?"
   tar czf "$OUT/report_$PROF.tgz" results/reports/$PROF $(ls -dt runs/*-$PROF 2>/dev/null | head -1) 2>/dev/null
-fi
-want uniform128 && e2e uniform 131072 330
-if want tolerance; then   # a tighter tolerance on 2 GPUs: the residual imbalance vs the bytes it moves
-  for t in 65536 131072; do
+}
+st_uniform128() { e2e uniform 131072 330; }
+tolerance() {  # tokens...: a tighter tolerance on 2 GPUs: the residual imbalance vs the bytes it moves
+  for t in "$@"; do
     stage "e2e pretrain $t eps 0.02 start"
     if [ "$SMOKE" = 1 ]; then args="--smoke"; else args="--nproc 2 --tokens $t --dists pretrain --timeout 310"; fi
     timeout -k 15 330 $PY scripts/bench_e2e.py $args --tolerance 0.02 --tag _eps0.02 --quiet --out results >> "$OUT/e2e.log" 2>&1
     stage "e2e pretrain $t eps 0.02 rc=$?"; cp results/bench_e2e_*_eps0.02.json "$OUT/" 2>/dev/null
   done
-fi
-if want kernels; then
+}
+st_tolerance() { tolerance 65536 131072; }
+st_tol64() { tolerance 65536; }
+st_tol128() { tolerance 131072; }
+st_kernels() {
   stage "kernels start"
   if [ "$SMOKE" = 1 ]; then KB="--smoke"; KF="--smoke"; else
     KB="--backends sdpa_flash,sdpa_cudnn,torch_flash --time-budget-s 110"
@@ -100,8 +105,19 @@ if want kernels; then
   CUDA_VISIBLE_DEVICES=0 timeout -k 10 170 $PY scripts/bench_kernels.py $KB --out "$OUT/bench_kernels_sdpa.json" > "$OUT/kernels_sdpa.log" 2>&1 &
   CUDA_VISIBLE_DEVICES=1 timeout -k 10 170 $PY scripts/bench_kernels.py $KF --out "$OUT/bench_kernels_flex.json" > "$OUT/kernels_flex.log" 2>&1 &
   wait; stage "kernels done (combine with: python scripts/bench_kernels.py --combine results/bench_kernels.json $OUT/bench_kernels_*.json --out results/bench_kernels.json)"
-fi
-if want server; then
+}
+st_comp() {  # the composability reference bracketed (GPU 0) beside FlexAttention's untimed cells (GPU 1)
+  stage "comp start"
+  if [ "$SMOKE" = 1 ]; then SV="--smoke --doc-lens 256 --shards 16,64"; KF="--smoke"; else
+    SV="--backends fa4 --warmup 2 --iters 5 --doc-lens 16384,65536 --shards 128,512,1024,2048"
+    KF="--backends flex --seqlens 1024,2048,8192,24576,40960,49152 --time-budget-s 150 --masks block_causal_document,causal_document_long,full_document_long,global_sliding_window,prefix_lm_document,sliding_window,sliding_window_causal"
+  fi
+  CUDA_VISIBLE_DEVICES=0 timeout -k 10 170 $PY scripts/bench_attention_server.py --part composability $SV \
+    --kv-share merged,kernel --out "$OUT/bench_attention_server_composability_1gpu_bracketed.json" > "$OUT/server_comp.log" 2>&1 &
+  CUDA_VISIBLE_DEVICES=1 timeout -k 10 200 $PY scripts/bench_kernels.py $KF --out "$OUT/bench_kernels_flex.json" > "$OUT/kernels_flex.log" 2>&1 &
+  wait; stage "comp done"
+}
+st_server() {
   stage "server start"
   if [ "$SMOKE" = 1 ]; then
     SV="--smoke --doc-lens 256 --shards 16,64"; OV="--smoke"; NP=2
@@ -116,5 +132,9 @@ if want server; then
   timeout -k 10 150 torchrun --standalone --nproc-per-node $NP scripts/bench_attention_server.py --part overhead $OV \
     --out "$OUT/bench_attention_server_overhead_2gpu.json" > "$OUT/server_ovh2.log" 2>&1
   stage "server overhead 2 GPUs rc=$?"
-fi
+}
+for s in $STAGES; do
+  if [[ $s == e2e:*:* ]]; then IFS=: read -r _ dist tok <<< "$s"; e2e "$dist" "$tok" $(( tok > 65536 ? 330 : 240 ))
+  elif declare -F "st_$s" > /dev/null; then "st_$s"; else stage "unknown stage $s (skipped)"; fi
+done
 touch "$OUT/ALLDONE"
