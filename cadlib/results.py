@@ -192,7 +192,7 @@ def server_overhead_summary(rows):
 
 
 COMPOSABILITY_COLUMNS = ["backend", "doc", "shard", "kv_share", "pattern", "order", "mode", "tflops", "ratio",
-                         "stage", "path", "device", "commit", "date", "file"]
+                         "stage", "path", "reference", "device", "commit", "date", "file"]
 COMPOSABILITY_PATHS = {"kernel": "kernel alone, a KV copy per shard",
                        "copy": "server, a KV copy per shard",
                        "merged": "server, one KV per (server, document)",
@@ -215,12 +215,18 @@ def composability(results_dir: str | os.PathLike | None = None,
       ``unsplit``: what a plot of issue 10's change compares.
     * ``pattern``: ``all`` or ``alternate`` (every other shard on the server: nothing merges);
       ``order``: the kernel mode's call order (``lpt``, longest KV prefix first as the server, or ``doc``).
+    * ``reference``: ``bracketed`` where the file timed the unsplit document before and after the
+      cases and divides by their mean (``scripts/server_composability.py`` since a90939d), ``single``
+      where it was timed once, before the cases. The same unsplit 16K call measured 556-653 TF/s
+      forward+backward across the committed files (577 and 635 within one bracketed run), so a
+      single-reference ratio can be off by several percent.
     * ``device``, ``commit`` (the code measured), ``date`` and ``file``."""
     import pandas as pd
     rows = []
     for path in find_results(pattern, results_dir):
         res = load_result(path)
         meta, cfg = res.get("meta", {}), res.get("config", {})
+        bracketed = any(r.get("when") for r in res.get("results", []))
         for r in res.get("results", []):
             kv = r.get("kv_share", "kernel")
             if kv == "kernel" and r.get("shard") == r.get("doc_len"):
@@ -233,6 +239,7 @@ def composability(results_dir: str | os.PathLike | None = None,
                                  "order": cfg.get("order", "lpt"), "mode": mode,
                                  "tflops": r[f"{mode}_tflops"], "ratio": r[f"{mode}_vs_unsplit"],
                                  "stage": stage, "path": COMPOSABILITY_PATHS.get(kv, kv),
+                                 "reference": "bracketed" if bracketed else "single",
                                  "device": meta.get("device"), "commit": str(meta.get("commit", ""))[:7],
                                  "date": meta.get("date", ""), "file": path.name})
     return pd.DataFrame(rows, columns=COMPOSABILITY_COLUMNS)
@@ -260,8 +267,10 @@ def composability_before_after(rows, backend: str = "fa4", mode: str = "fwd_bwd"
 
 def composability_targets(rows, shard: int = 512, target: float = COMPOSABILITY_TARGET, backend: str = "fa4"):
     """Per document and measurement (file) of the merged server path at ``shard``-token shards: the
-    forward+backward and forward ratios, ``meets`` (fwd+bwd >= ``target``) and ``before``, the
-    per-shard-copy kernel's first fwd+bwd ratio at that shard (NaN where it did not fit in memory)."""
+    forward+backward and forward ratios, ``meets`` (fwd+bwd >= ``target``), ``before``, the
+    per-shard-copy kernel's first fwd+bwd ratio at that shard (NaN where it did not fit in memory),
+    ``reference`` (see :func:`composability`), ``date`` and ``latest`` (the newest measurement of the
+    document: the code as it is, with the best reference; what the target is judged on)."""
     import pandas as pd
     ba = composability_before_after(rows, backend)
     fwd = composability_before_after(rows, backend, "fwd")
@@ -273,6 +282,10 @@ def composability_targets(rows, shard: int = 512, target: float = COMPOSABILITY_
                     "fwd_bwd": float(g.ratio.iloc[0]),
                     "fwd": float(f.ratio.iloc[0]) if len(f) else float("nan"),
                     "before_fwd_bwd": float(before.iloc[0]) if len(before) else float("nan"),
-                    "target": target, "meets": bool(g.ratio.iloc[0] >= target)})
-    return pd.DataFrame(out, columns=["doc", "shard", "commit", "file", "fwd_bwd", "fwd", "before_fwd_bwd",
-                                      "target", "meets"])
+                    "target": target, "meets": bool(g.ratio.iloc[0] >= target),
+                    "reference": g.reference.iloc[0], "date": g.date.iloc[0]})
+    cols = ["doc", "shard", "commit", "file", "fwd_bwd", "fwd", "before_fwd_bwd", "target", "meets",
+            "reference", "date"]
+    t = pd.DataFrame(out, columns=cols).sort_values(["doc", "date"]).reset_index(drop=True)
+    t["latest"] = t.date == t.groupby("doc").date.transform("max") if len(t) else []
+    return t

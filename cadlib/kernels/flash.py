@@ -4,6 +4,8 @@ version shims their LSE layouts need. Every adapter returns the LSE token-major 
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 # ---------------------------------------------------------------------------------------------------
@@ -55,6 +57,11 @@ def fa4_module():
         from flash_attn.cute import interface
     except Exception:                      # ImportError, or a CUDA/cutlass import failure
         return None
+    # The CuTe DSL (nvidia-cutlass-dsl 4.8.1) warns at every kernel compile that FA4 4.0.0b36's aux_data
+    # argument "cannot be converted to a JitArgument": harmless (the argument is None here), but it
+    # printed four blocks per process into every executed notebook and log
+    warnings.filterwarnings("ignore", message=r"Argument aux_data \(position \d+\) cannot be converted",
+                            category=UserWarning)
     return interface if hasattr(interface, "_flash_attn_fwd") and hasattr(interface, "_flash_attn_bwd") \
         else None
 
