@@ -2,8 +2,11 @@
 
 Every rank holds the same global :class:`~cadlib.plan.Plan`. :func:`build_dispatch` turns it, for
 one rank, into host metadata (numpy) that the forward and backward all-to-alls and the attention
-server need; :meth:`Dispatch.to` moves the index arrays to the device once. Nothing here touches a
-device tensor's values, so building it never synchronises the device.
+server need, in O(chunks + tasks): split sizes, and every per-token index map below as runs of
+consecutive rows (:mod:`cadlib.ranges`), never one entry per token. :meth:`Dispatch.to` copies the
+runs to the device once, where each map is expanded on first use; reading a map on the host
+(``dispatch.kv_rows``) expands it there. Nothing here touches a device tensor's values, so building
+and moving it never synchronises the device.
 
 Buffers (all row-major over tokens):
 
@@ -28,40 +31,41 @@ Buffers (all row-major over tokens):
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from .kvexchange import KVMap, kv_map, kv_needs as kv_needs, kv_send  # kv_needs re-exported
+from .kvshare import SHARED_NAMES, DeviceSharedKV, build_shared, build_shared_runs
+from .layout import SortedChunks
 from .plan import Layout, Plan
+from .ranges import DeviceIndex, Gather, IndexArray, Ranges, encoding, excl, ragged, small
+
+INDEX_NAMES = ("q_send_index", "kv_send_index", "q_rows", "kv_rows", "ret_rows", "self_rows", "self_local",
+               "kv_send_uniq", "kv_send_slot")
 
 
 @dataclass
 class Dispatch:
-    """One rank's view of a plan's communication (host metadata; see the module docstring)."""
+    """One rank's view of a plan's communication (host metadata; see the module docstring). The
+    per-token maps are attributes (:class:`cadlib.ranges.IndexArray`) held as runs in ``index``."""
 
     rank: int
     world: int
     n_local: int
-    # Q exchange, home side and server side
-    q_send_index: np.ndarray           # local rows sent, grouped by destination server
+    # Q exchange, home side and server side; KV exchange (deduplicated per (server, doc))
     q_send_splits: list[int]
     q_recv_splits: list[int]
-    # KV exchange (deduplicated per (server, doc))
-    kv_send_index: np.ndarray
     kv_send_splits: list[int]
     kv_recv_splits: list[int]
     # the fused kernel call on this server
     tasks: list[int]                   # plan indices of the tasks this rank serves, in call order
-    q_rows: np.ndarray                 # rows of cat([local, q_recv]) per served query token
-    kv_rows: np.ndarray                # rows of cat([local, kv_recv]) per task KV segment token
     cu_q: np.ndarray                   # int32 [n_tasks + 1]
     cu_k: np.ndarray                   # int32 [n_tasks + 1]
     max_q: int
     max_k: int
-    # return path of per-query rows (O, LSE, dQ)
-    ret_rows: np.ndarray               # server output rows in the order of the received Q buffer
-    self_rows: np.ndarray              # server output rows of self-served queries ...
-    self_local: np.ndarray             # ... and where they live in the local buffer
+    index: dict = field(repr=False)    # name -> Ranges / Gather of the maps below
     # whether any rank sends anything (the same on every rank: skip collectives that move nothing)
     q_traffic: bool = True
     kv_traffic: bool = True
@@ -72,7 +76,20 @@ class Dispatch:
     task_doc: np.ndarray | None = None
     task_start: np.ndarray | None = None
     task_end: np.ndarray | None = None
+    kv_map: KVMap | None = field(default=None, repr=False)
+    _host: dict = field(default_factory=dict, repr=False)
+    _explicit: set = field(default_factory=set, repr=False)
     _device_cache: dict = field(default_factory=dict, repr=False)
+
+    q_send_index = IndexArray()        # local rows sent, grouped by destination server
+    kv_send_index = IndexArray()
+    q_rows = IndexArray()              # rows of cat([local, q_recv]) per served query token
+    kv_rows = IndexArray()             # rows of cat([local, kv_recv]) per task KV segment token
+    ret_rows = IndexArray()            # server output rows in the order of the received Q buffer
+    self_rows = IndexArray()           # server output rows of self-served queries ...
+    self_local = IndexArray()          # ... and where they live in the local buffer
+    kv_send_uniq = IndexArray()        # distinct rows of kv_send_index and each entry's slot among
+    kv_send_slot = IndexArray()        # them: the owner sums several servers' dK/dV of one token
 
     @property
     def n_recv_q(self) -> int:
@@ -83,71 +100,97 @@ class Dispatch:
         return int(sum(self.kv_recv_splits))
 
     @property
+    def n_send_q(self) -> int:
+        return int(sum(self.q_send_splits))
+
+    @property
+    def n_send_kv(self) -> int:
+        return int(sum(self.kv_send_splits))
+
+    @property
     def n_tasks(self) -> int:
         return len(self.tasks)
 
     def shared(self):
         """The merged fused call (:class:`cadlib.kvshare.SharedKV`), built from the current fields on
-        first use and cached."""
-        from .kvshare import build_shared
-
+        first use and cached: from the KV map's runs, or, when ``kv_rows`` was assigned an explicit
+        array, from that array."""
         if "shared" not in self._device_cache:
             if self.task_doc is None:
                 raise ValueError("this Dispatch has no task_doc/task_start/task_end; build it with "
                                  "build_dispatch to use the merged (kv_share='merged') server call")
-            self._device_cache["shared"] = build_shared(
-                self.task_doc, self.task_start, self.task_end, self.cu_q, self.cu_k, self.kv_rows,
-                self.n_local + self.n_recv_kv)
+            n_buf = self.n_local + self.n_recv_kv
+            if self.kv_map is None or "kv_rows" in self._explicit:
+                sh = build_shared(self.task_doc, self.task_start, self.task_end, self.cu_q, self.cu_k,
+                                  self.kv_rows, n_buf)
+            else:
+                sh = build_shared_runs(self.task_doc, self.task_start, self.task_end, self.cu_q, self.kv_map,
+                                       n_buf)
+            self._device_cache["shared"] = sh
         return self._device_cache["shared"]
 
     def to(self, device) -> "DeviceDispatch":
-        """Index arrays as device tensors, copied once per device and cached. On CUDA all of them go
-        in one pinned host buffer and one ``non_blocking`` copy on the current stream, so the host
-        never waits for the device (the next step's plan can be built meanwhile); the pinned buffer
-        is kept alive by torch's caching host allocator until the copy has run. On CPU: as_tensor."""
+        """The index maps, and the merged call's, on ``device`` (:class:`cadlib.ranges.DeviceIndex`:
+        their runs copied once per device, in one pinned ``non_blocking`` copy on CUDA, so the host
+        never waits for the device and the next step's plan can be built meanwhile; each map expanded
+        there on first use). The KV map that both calls read through travels once.
+
+        The copy is cached here; the returned view (which refers back to this dispatch) only weakly,
+        so that no reference cycle keeps a finished step's device tensors alive until a full garbage
+        collection: the same view while someone holds it, else a new view of the same copy."""
         import torch
 
         key = str(device)
+        view = self._device_cache.get(("view", key))
+        if view is not None and view() is not None:
+            return view()
         if key not in self._device_cache:
-            names = ("q_send_index", "kv_send_index", "q_rows", "kv_rows", "cu_q", "cu_k", "ret_rows",
-                     "self_rows", "self_local", "kv_send_uniq", "kv_send_slot")
-            uniq, slot = np.unique(np.asarray(self.kv_send_index, dtype=np.int64), return_inverse=True)
-            extra = {"kv_send_uniq": uniq, "kv_send_slot": slot}
-            arrays = [np.asarray(extra[n] if n in extra else getattr(self, n), dtype=np.int64).reshape(-1)
-                      for n in names]
-            host = torch.from_numpy(np.concatenate(arrays))
-            dev = torch.device(device)
-            if dev.type == "cuda":
-                flat = host.pin_memory().to(dev, non_blocking=True)
-            else:
-                flat = host.to(dev)
-            parts = dict(zip(names, torch.split(flat, [a.size for a in arrays])))
-            parts["cu_q"], parts["cu_k"] = parts["cu_q"].to(torch.int32), parts["cu_k"].to(torch.int32)
-            self._device_cache[key] = DeviceDispatch(meta=self, **parts)
-        return self._device_cache[key]
+            arrays = {n: encoding(self, n) for n in INDEX_NAMES} | {"cu_q": self.cu_q, "cu_k": self.cu_k}
+            if self.task_doc is not None:
+                sh = self.shared()
+                arrays |= {f"shared.{n}": encoding(sh, n) for n in SHARED_NAMES}
+                arrays |= {"shared.cu_q": sh.cu_q, "shared.cu_k": sh.cu_k}
+            i32 = {n: torch.int32 for n in ("cu_q", "cu_k", "shared.cu_q", "shared.cu_k")}
+            self._device_cache[key] = DeviceIndex(arrays, device, i32)
+        dd = DeviceDispatch(self, self._device_cache[key])
+        self._device_cache[("view", key)] = weakref.ref(dd)
+        return dd
 
 
-@dataclass
+class _DeviceArray:
+    def __set_name__(self, owner, name):
+        self.name = name
+
+    def __get__(self, obj, owner=None):
+        return self if obj is None else obj.index[self.name]
+
+
 class DeviceDispatch:
-    """The index arrays of a :class:`Dispatch` on one device; split sizes stay on the host."""
+    """The index maps of a :class:`Dispatch` on one device, each expanded on first use (on the stream
+    current then; no host synchronisation); split sizes stay on the host (``meta``)."""
 
-    meta: Dispatch
-    q_send_index: object
-    kv_send_index: object
-    q_rows: object
-    kv_rows: object
-    cu_q: object
-    cu_k: object
-    ret_rows: object
-    self_rows: object
-    self_local: object
-    kv_send_uniq: object      # distinct rows of kv_send_index and each entry's slot among them: the
-    kv_send_slot: object      # owner sums several servers' dK/dV of one token (kvshare.add_rows)
+    q_send_index = _DeviceArray()
+    kv_send_index = _DeviceArray()
+    q_rows = _DeviceArray()
+    kv_rows = _DeviceArray()
+    cu_q = _DeviceArray()
+    cu_k = _DeviceArray()
+    ret_rows = _DeviceArray()
+    self_rows = _DeviceArray()
+    self_local = _DeviceArray()
+    kv_send_uniq = _DeviceArray()      # distinct rows of kv_send_index and each entry's slot among them:
+    kv_send_slot = _DeviceArray()      # the owner sums several servers' dK/dV of one token (add_rows)
+
+    def __init__(self, meta: Dispatch, index: DeviceIndex):
+        self.meta, self.index, self._shared = meta, index, None
 
     @property
     def shared(self):
-        """The merged call's device metadata (:class:`cadlib.kvshare.DeviceSharedKV`)."""
-        return self.meta.shared().to(self.kv_rows.device)          # copied once per device
+        """The merged call's device metadata (:class:`cadlib.kvshare.DeviceSharedKV`), copied with
+        the dispatch's maps."""
+        if self._shared is None:
+            self._shared = DeviceSharedKV(self.meta.shared(), self.index, "shared.")
+        return self._shared
 
 
 def local_index_map(layout: Layout) -> list[np.ndarray]:
@@ -160,91 +203,43 @@ def local_index_map(layout: Layout) -> list[np.ndarray]:
     return lidx
 
 
-def kv_needs(plan: Plan) -> dict[tuple[int, int], int]:
-    """``{(server, doc): e}``: the server needs KV prefix ``[0, e)`` of the doc, ``e = max q_end``."""
-    key, e = _needs(plan)
-    n = plan.layout.n_docs
-    return dict(zip(zip((key // n).tolist(), (key % n).tolist()), e.tolist()))
-
-
-def _needs(plan: Plan) -> tuple[np.ndarray, np.ndarray]:
-    """Sorted keys ``server * n_docs + doc`` and their prefix ends ``max q_end``."""
-    key = plan.server * plan.layout.n_docs + plan.doc
-    uk, inv = np.unique(key, return_inverse=True)
-    e = np.zeros(uk.size, dtype=np.int64)
-    np.maximum.at(e, inv, plan.q_end)
-    return uk, e
-
-
-def _expand(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
-    """``concatenate([arange(s, s + n) for s, n in zip(starts, lens)])`` without a Python loop."""
-    lens = np.asarray(lens, dtype=np.int64)
-    total = int(lens.sum())
-    if not total:
-        return np.zeros(0, dtype=np.int64)
-    head = np.cumsum(lens) - lens
-    return np.repeat(np.asarray(starts, dtype=np.int64) - head, lens) + np.arange(total, dtype=np.int64)
-
-
 def _cu(lengths) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(np.asarray(lengths, dtype=np.int64))]).astype(np.int32)
 
 
-def _ragged(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """For groups of ``counts`` items: each item's group and its index within the group."""
-    grp = np.repeat(np.arange(counts.size), counts)
-    return grp, np.arange(grp.size) - np.repeat(np.cumsum(counts) - counts, counts)
+def _pieces(S: SortedChunks, doc, a, b) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Pieces of token ranges ``[a, b)`` of documents ``doc``: ``(range index, chunk, piece start, piece
+    end)`` in range order, positions ascending (chunks index ``S``)."""
+    j0 = np.searchsorted(S.key, doc * S.big + a, side="right") - 1
+    j1 = np.searchsorted(S.key, doc * S.big + b, side="left") - 1
+    grp, k = ragged(np.maximum(j1 - j0 + 1, 0))
+    j = j0[grp] + k
+    return grp, j, np.maximum(a[grp], S.start[j]), np.minimum(b[grp], S.end[j])
 
 
-class _Chunks:
-    """The layout's chunks sorted by ``(doc, start)``, with each chunk's row in its rank's local buffer:
-    the pieces of any token range ``[a, b)`` of a document are found by binary search."""
-
-    def __init__(self, plan: Plan):
-        ch = plan.chunk_array()                                 # rank-major, layout order
-        lens = ch[:, 2] - ch[:, 1]
-        first = np.r_[True, ch[1:, 3] != ch[:-1, 3]] if len(ch) else np.zeros(0, dtype=bool)
-        csum = np.cumsum(lens) - lens
-        off = csum - np.maximum.accumulate(np.where(first, csum, 0)) if len(ch) else csum
-        o = np.lexsort((ch[:, 1], ch[:, 0]))
-        self.doc, self.start, self.end, self.rank, self.off = ch[o, 0], ch[o, 1], ch[o, 2], ch[o, 3], off[o]
-        self.big = int(max(plan.layout.doc_lens)) + 1
-        self.key = self.doc * self.big + self.start
-        self.n_local = np.bincount(ch[:, 3], weights=lens, minlength=plan.layout.n_ranks).astype(np.int64)
-
-    def owned(self, g, d, e) -> np.ndarray:
-        """Tokens of ``[0, e)`` of documents ``d`` that ranks ``g`` hold (elementwise; -1: none)."""
-        o = np.lexsort((self.start, self.doc, self.rank))            # by (rank, doc, start)
-        n_docs = int(self.doc.max(initial=0)) + 1
-        own_grp = self.rank[o] * n_docs + self.doc[o]
-        own_a, own_b = self.start[o], self.end[o]
-        cum = np.concatenate(([0], np.cumsum(own_b - own_a)))
-        grp = g * n_docs + d
-        lo = np.searchsorted(own_grp, grp, side="left")
-        j = np.searchsorted(own_grp * self.big + own_a, grp * self.big + e, side="left") - 1  # last start < e
-        ok = (j >= lo) & (g >= 0)
-        j = np.maximum(j, 0)
-        return np.where(ok, cum[j] - cum[lo] + np.minimum(e, own_b[j]) - own_a[j], 0)
-
-    def pieces(self, doc, a, b) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """Pieces of ranges ``[a, b)``: ``(range index, chunk, piece start, piece end)`` in range order,
-        positions ascending."""
-        j0 = np.searchsorted(self.key, doc * self.big + a, side="right") - 1
-        j1 = np.searchsorted(self.key, doc * self.big + b, side="left") - 1
-        cnt = np.maximum(j1 - j0 + 1, 0)
-        grp, k = _ragged(cnt)
-        j = j0[grp] + k
-        return grp, j, np.maximum(a[grp], self.start[j]), np.minimum(b[grp], self.end[j])
-
-    def local_rows(self, j, lo, hi) -> np.ndarray:
-        """Local rows of pieces ``[lo, hi)`` of chunks ``j``."""
-        return _expand(self.off[j] + lo - self.start[j], hi - lo)
+def _traffic(plan: Plan, S: SortedChunks) -> tuple[bool, bool]:
+    """Whether any rank sends queries / KV at all, in O(chunks + tasks) without grouping: a task
+    served away from its home needs its own query tokens' KV, so Q traffic implies KV traffic; else
+    a server holds the whole prefix ``[0, q_end)`` of a task's document iff the run of chunks that
+    one rank holds from token 0 on is its and reaches ``q_end``."""
+    if np.any(plan.home != plan.server):
+        return True, True
+    n = S.doc.size
+    brk = np.r_[True, (S.doc[1:] != S.doc[:-1]) | (S.rank[1:] != S.rank[:-1])]
+    heads = np.flatnonzero(brk)
+    run_end = S.end[np.r_[heads[1:], n] - 1]
+    first = S.ptr[:-1]                                          # every document has a chunk
+    holder, held_to = S.rank[first], run_end[np.searchsorted(heads, first)]
+    d, srv = plan.doc, plan.server
+    return False, bool(np.any((holder[d] != srv) | (held_to[d] < plan.q_end)))
 
 
 def build_dispatch(plan: Plan, rank: int) -> Dispatch:
     """Rank ``rank``'s communication plan for ``plan`` (host metadata). O(chunks + tasks) work in
-    numpy, plus the index arrays themselves (one entry per token sent, received or read); no Python
-    loop over tasks or tokens, no owner map."""
+    numpy: every index map is built as runs (a chunk piece, a task's received block, a document's
+    prefix), never per token; no Python loop over tasks or tokens, no owner map. The only part that
+    grows faster is the KV send side, one run per (my chunk, server that needs it), which is what the
+    owner sends."""
     layout = plan.layout
     R = layout.n_ranks
     if plan.n_servers != R:
@@ -252,27 +247,26 @@ def build_dispatch(plan: Plan, rank: int) -> Dispatch:
                          "runs one attention server per rank, so they must be equal")
     if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < R:
         raise ValueError(f"rank {rank} is outside the plan's ranks 0..{R - 1}")
-    cache = plan.__dict__.setdefault("_dispatch_cache", {})     # shared by every rank's build
-    if not cache:
-        C = cache["chunks"] = _Chunks(plan)
-        key, e = _needs(plan)                                     # sorted by (server, doc)
-        srv, dd = key // layout.n_docs, key % layout.n_docs
-        by_doc = np.lexsort((srv, dd))
-        cache["needs"] = (srv, dd, e, by_doc, np.searchsorted(dd[by_doc], np.arange(layout.n_docs + 1)))
-        own = C.owned(np.where(srv < R, srv, -1), dd, e)          # KV tokens a server holds itself
-        cache["kv_traffic"] = bool(np.any(own < e))
-        cache["q_traffic"] = bool(np.any(plan.home != plan.server))
-    C = cache["chunks"]
-    srv, dd, need_e, need_by_doc, need_doc_ptr = cache["needs"]
-    n_local = int(C.n_local[rank])
+    rank = int(rank)
+    S = layout.sorted_chunks()
+    first_row, last_row = layout.rank_ptr()[rank:rank + 2]
+    mine_ch = layout.chunk_array()[first_row:last_row]
+    n_local, offsets = int((mine_ch[:, 2] - mine_ch[:, 1]).sum()), layout.offsets(rank)
+
+    def off(j):
+        """Local rows of my chunks ``j`` (indices into ``S``)."""
+        return offsets[S.order[j] - first_row]
+
+    q_traffic, kv_traffic = _traffic(plan, S)
     doc, a, b, home, server = plan.doc, plan.q_start, plan.q_end, plan.home, plan.server
     n_q = b - a
+    index = {}
 
     # -- Q exchange, home side: my tasks served elsewhere, grouped by server, plan order ---------
     mine = np.flatnonzero((home == rank) & (server != rank))
-    mine = mine[np.argsort(server[mine], kind="stable")]
-    _, j, lo, hi = C.pieces(doc[mine], a[mine], b[mine])
-    q_send_index = C.local_rows(j, lo, hi)
+    mine = mine[np.argsort(small(server[mine], R), kind="stable")]
+    _, j, lo, hi = _pieces(S, doc[mine], a[mine], b[mine])
+    index["q_send_index"] = Ranges(off(j) + lo - S.start[j], hi - lo)
     q_send_splits = np.bincount(server[mine], weights=n_q[mine], minlength=R).astype(np.int64)
 
     # -- Q exchange, server side: where each served task's query rows land ----------------------
@@ -285,21 +279,23 @@ def build_dispatch(plan: Plan, rank: int) -> Dispatch:
     # when that merges as much, so that its call reads and writes the buffers without gather/scatter.
     served = np.flatnonzero(server == rank)
     remote = served[home[served] != rank]
-    by_home = remote[np.argsort(home[remote], kind="stable")]
+    by_home = remote[np.argsort(small(home[remote], R), kind="stable")]
     q_recv_splits = np.bincount(home[remote], weights=n_q[remote], minlength=R).astype(np.int64)
-    recv_start = np.zeros(len(plan.doc), dtype=np.int64)
-    recv_start[by_home] = n_local + np.cumsum(n_q[by_home]) - n_q[by_home]
+    recv_start = np.zeros(len(doc), dtype=np.int64)
+    recv_start[by_home] = n_local + excl(n_q[by_home])
     n_buf = n_local + int(q_recv_splits.sum())
 
     def rows_of(order):
-        """The query rows of tasks ``order`` in that order, and each task's first row."""
-        grp, j, lo, hi = C.pieces(doc[order], a[order], b[order])
+        """The query rows of tasks ``order`` in that order (runs), whether each run is local, and
+        each task's first row."""
+        grp, j, lo, hi = _pieces(S, doc[order], a[order], b[order])
         own_piece = (home[order] == rank)[grp]                 # self-served tasks: their local rows
-        starts = np.where(own_piece, C.off[j] + lo - C.start[j], recv_start[order][grp] + lo - a[order][grp])
-        return _expand(starts, hi - lo), starts[np.searchsorted(grp, np.arange(order.size))]
+        starts = recv_start[order][grp] + lo - a[order][grp]
+        starts[own_piece] = off(j[own_piece]) + (lo - S.start[j])[own_piece]
+        return Ranges(starts, hi - lo), own_piece, starts[np.searchsorted(grp, np.arange(order.size))]
 
-    served = _call_order(served, doc, a, b)
-    q_rows, first = rows_of(served)
+    served = _call_order(served, doc, a, b, S.big)
+    q_rows, own_piece, first = rows_of(served)
     if not mine.size and q_rows.size == n_buf and n_buf:
         # This server computes every row of its query buffer: in buffer order its query rows need no
         # gather and its outputs no scatter (q_identity). Taken when it merges as many shards as LPT.
@@ -309,83 +305,49 @@ def build_dispatch(plan: Plan, rank: int) -> Dispatch:
             return merge_groups(doc[order], a[order], b[order])[-1]
 
         buf = served[np.argsort(first, kind="stable")]
-        rows = rows_of(buf)[0]
-        if np.array_equal(rows, np.arange(n_buf)) and n_segments(buf) == n_segments(served):
-            served, q_rows = buf, rows
+        rows = rows_of(buf)
+        if rows[0].is_identity(n_buf) and n_segments(buf) == n_segments(served):
+            served, (q_rows, own_piece, first) = buf, rows
+    index["q_rows"] = q_rows
 
-    # -- KV exchange, owner side: for each of my chunks and each other server needing its document's
-    # prefix [0, e), the piece [start, min(end, e)); grouped by server, documents and positions ascending
-    mc = np.flatnonzero(C.rank == rank)
-    lo_n, cnt = need_doc_ptr[C.doc[mc]], need_doc_ptr[C.doc[mc] + 1] - need_doc_ptr[C.doc[mc]]
-    grp, k = _ragged(cnt)
-    ni = need_by_doc[lo_n[grp] + k]
-    c = mc[grp]
-    lo, hi = C.start[c], np.minimum(C.end[c], need_e[ni])
-    keep = (srv[ni] != rank) & (hi > lo)
-    c, lo, hi, to = c[keep], lo[keep], hi[keep], srv[ni][keep]
-    o = np.lexsort((lo, C.doc[c], to))
-    kv_send_index = C.local_rows(c[o], lo[o], hi[o])
-    kv_send_splits = np.bincount(to, weights=hi - lo, minlength=R).astype(np.int64)
-
-    # -- KV exchange, server side: where each token of my documents' prefixes lands ---------------
-    span = slice(*np.searchsorted(srv, [rank, rank + 1]))       # needs sorted by (server, doc)
-    my_docs, my_e = dd[span], need_e[span]
-    grp, j, lo, hi = C.pieces(my_docs, np.zeros(my_docs.size, dtype=np.int64), my_e)
-    owner = C.rank[j]
-    rem = owner != rank
-    plen = hi - lo
-    kv_recv_splits = np.bincount(owner[rem], weights=plen[rem], minlength=R).astype(np.int64)
-    kv_base = np.cumsum(kv_recv_splits) - kv_recv_splits
-    loc = C.off[j] + lo - C.start[j]                           # start row of each piece (local ones)
-    r_idx = np.flatnonzero(rem)
-    r_idx = r_idx[np.argsort(owner[r_idx], kind="stable")]    # per owner: documents, positions ascending
-    within = np.zeros(j.size, dtype=np.int64)
-    if r_idx.size:
-        cum = np.cumsum(plen[r_idx]) - plen[r_idx]
-        first = np.searchsorted(owner[r_idx], owner[r_idx])
-        within[r_idx] = cum - cum[first]
-    loc = np.where(rem, n_local + kv_base[owner] + within, loc)
-    # each served task reads its document's pieces, clipped to its q_end
-    doc_pos = np.searchsorted(my_docs, doc[served])           # my_docs ascending
-    piece_lo = np.searchsorted(grp, np.arange(my_docs.size))
-    piece_cnt = np.bincount(grp, minlength=my_docs.size)
-    t_grp, k = _ragged(piece_cnt[doc_pos])
-    pj = piece_lo[doc_pos][t_grp] + k
-    end = np.minimum(hi[pj], b[served][t_grp])
-    kv_rows = _expand(loc[pj], np.maximum(end - lo[pj], 0))
+    # -- KV exchange: owner side (what I send) and server side (where what I need lands) -------------
+    index["kv_send_index"], index["kv_send_uniq"], index["kv_send_slot"], kv_send_splits = \
+        kv_send(plan, S, rank, off)
+    kvm, kv_recv_splits = kv_map(S, doc[served], b[served], rank, n_local, R, off)
+    index["kv_rows"] = Gather(kvm.rows, Ranges(kvm.base[np.searchsorted(kvm.docs, doc[served])], b[served]))
 
     # -- return path: received Q buffer order <- server output rows --------------------------------
-    is_remote = q_rows >= n_local
-    ret_rows = np.empty(int(is_remote.sum()), dtype=np.int64)
-    ret_rows[q_rows[is_remote] - n_local] = np.flatnonzero(is_remote)
-    self_rows = np.flatnonzero(~is_remote).astype(np.int64)
-    self_local = q_rows[~is_remote]
-
     nq, nk = n_q[served], b[served]
+    cu_q = _cu(nq)
+    pos, is_remote = cu_q[:-1].astype(np.int64), home[served] != rank
+    rem = np.flatnonzero(is_remote)
+    rem = rem[np.argsort(recv_start[served[rem]], kind="stable")]
+    index["ret_rows"] = Ranges(pos[rem], nq[rem])
+    index["self_rows"] = Ranges(pos[~is_remote], nq[~is_remote])
+    index["self_local"] = Ranges(q_rows.starts[own_piece], q_rows.lens[own_piece])
     return Dispatch(
         rank=rank, world=R, n_local=n_local,
-        q_send_index=q_send_index, q_send_splits=q_send_splits.tolist(), q_recv_splits=q_recv_splits.tolist(),
-        kv_send_index=kv_send_index, kv_send_splits=kv_send_splits.tolist(),
-        kv_recv_splits=kv_recv_splits.tolist(), tasks=served.tolist(), q_rows=q_rows, kv_rows=kv_rows,
-        cu_q=_cu(nq), cu_k=_cu(nk), max_q=int(nq.max(initial=0)), max_k=int(nk.max(initial=0)),
-        ret_rows=ret_rows, self_rows=self_rows, self_local=self_local,
-        q_traffic=cache["q_traffic"], kv_traffic=cache["kv_traffic"],
-        q_identity=bool(q_rows.size == n_buf and np.array_equal(q_rows, np.arange(n_buf))),
-        task_doc=doc[served], task_start=a[served], task_end=b[served])
+        q_send_splits=q_send_splits.tolist(), q_recv_splits=q_recv_splits.tolist(),
+        kv_send_splits=kv_send_splits.tolist(), kv_recv_splits=kv_recv_splits.tolist(),
+        tasks=served.tolist(), cu_q=cu_q, cu_k=_cu(nk), max_q=int(nq.max(initial=0)),
+        max_k=int(nk.max(initial=0)), index=index, q_traffic=q_traffic, kv_traffic=kv_traffic,
+        q_identity=q_rows.is_identity(n_buf), task_doc=doc[served], task_start=a[served],
+        task_end=b[served], kv_map=kvm)
 
 
-def _call_order(served: np.ndarray, doc, a, b) -> np.ndarray:
+def _call_order(served: np.ndarray, doc, a, b, big: int) -> np.ndarray:
     """The served tasks in call order: merge groups (runs of contiguous query ranges of one document,
-    :func:`cadlib.kvshare.merge_groups`) longest KV prefix first, tasks ascending inside a group."""
+    :func:`cadlib.kvshare.merge_groups`) longest KV prefix first, tasks ascending inside a group
+    (stable sorts of combined keys: ``np.lexsort`` is ~100x slower)."""
     from .kvshare import merge_groups
 
-    s = served[np.lexsort((a[served], doc[served]))]
-    g = merge_groups(doc[s], a[s], b[s])
+    s = served[np.argsort(doc[served] * big + a[served], kind="stable")]
     if not s.size:
         return s
+    g = merge_groups(doc[s], a[s], b[s])
     last = np.r_[np.flatnonzero(np.diff(g)), g.size - 1]
     end = b[s][last][g]
-    return s[np.lexsort((a[s], g, -end))]
+    return s[np.argsort((big - end) * (int(g[-1]) + 1) + g, kind="stable")]
 
 
 def build_all(plan: Plan) -> list[Dispatch]:

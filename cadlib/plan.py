@@ -1,8 +1,9 @@
 """CA-tasks and layouts: the contract between packing, scheduling, dispatch and the servers.
 
-* A **layout** is, per rank, a list of :class:`Chunk` ``(doc, start, end)`` token ranges. A rank may
-  hold several non-contiguous ranges of one document (DistCA's head/tail chunks). Every token of
-  every document lies in exactly one chunk. The linear layers run where the layout puts tokens.
+* A **layout** (:mod:`cadlib.layout`, re-exported here) is, per rank, a list of :class:`Chunk`
+  ``(doc, start, end)`` token ranges. A rank may hold several non-contiguous ranges of one document
+  (DistCA's head/tail chunks). Every token of every document lies in exactly one chunk. The linear
+  layers run where the layout puts tokens.
 * A **CA-task** ``(doc, q_start, q_end)`` is causal: query token ``i`` attends to KV tokens
   ``[0, i]`` of its document, so the task needs the KV prefix ``[0, q_end)``. Its query tokens all
   live on one ``home`` rank; ``server`` is the attention server that computes it.
@@ -12,125 +13,12 @@
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from itertools import chain
 from typing import NamedTuple, Sequence
 
 import numpy as np
 
 from .cost import ModelSpec, causal_pairs, imbalance
-
-
-class Chunk(NamedTuple):
-    """Tokens ``[start, end)`` of document ``doc``, held by one rank."""
-
-    doc: int
-    start: int
-    end: int
-
-    @property
-    def length(self) -> int:
-        return self.end - self.start
-
-
-@dataclass
-class Layout:
-    """Per rank, the token ranges it holds for the linear layers. ``validate()`` checks coverage."""
-
-    ranks: list[list[Chunk]]
-    doc_lens: list[int]
-
-    def __post_init__(self):
-        self.ranks = [[c if type(c) is Chunk else Chunk(*c) for c in r] for r in self.ranks]
-        self.doc_lens = [int(n) for n in self.doc_lens]
-        self.validate()
-
-    @property
-    def n_ranks(self) -> int:
-        return len(self.ranks)
-
-    @property
-    def n_docs(self) -> int:
-        return len(self.doc_lens)
-
-    @property
-    def total_tokens(self) -> int:
-        return int(sum(self.doc_lens))
-
-    def tokens_per_rank(self) -> np.ndarray:
-        return np.array([sum(c.length for c in r) for r in self.ranks], dtype=np.int64)
-
-    def validate(self) -> "Layout":
-        """Raise ValueError unless every token of every document lies in exactly one chunk (vectorised:
-        chunks sorted by ``(doc, start)`` must tile each document)."""
-        if self.n_ranks < 1:
-            raise ValueError("a layout needs at least one rank")
-        lens = np.asarray(self.doc_lens, dtype=np.int64)
-        if (lens < 1).any():
-            i = int(np.flatnonzero(lens < 1)[0])
-            raise ValueError(f"document {i} has length {lens[i]}; document lengths must be >= 1")
-        ch = self.chunk_array()
-        d, a, b, rank = ch[:, 0], ch[:, 1], ch[:, 2], ch[:, 3]
-        bad = (d < 0) | (d >= self.n_docs)
-        if bad.any():
-            i = int(np.flatnonzero(bad)[0])
-            raise ValueError(f"rank {rank[i]} holds chunk {tuple(ch[i, :3].tolist())} of unknown document "
-                             f"{d[i]}; valid documents are 0..{self.n_docs - 1}")
-        bad = ~((0 <= a) & (a < b) & (b <= lens[d]))
-        if bad.any():
-            i = int(np.flatnonzero(bad)[0])
-            raise ValueError(f"rank {rank[i]} holds chunk {tuple(ch[i, :3].tolist())}: need 0 <= start < end "
-                             f"<= {lens[d[i]]} (length of document {d[i]})")
-        o = np.lexsort((a, d))
-        d, a, b, rank = d[o], a[o], b[o], rank[o]
-        first = np.concatenate(([True], d[1:] != d[:-1]))
-        prev = np.where(first, 0, np.concatenate(([0], b[:-1])))  # where the previous chunk ended
-        last = np.concatenate((d[1:] != d[:-1], [True]))
-        missing = np.setdiff1d(np.arange(self.n_docs), d)
-        gap = a != prev
-        short = last & (b != lens[d])
-        if missing.size:
-            m = int(missing[0])
-            raise ValueError(f"document {m}: tokens [0, {lens[m]}) are held by no rank; every token must be "
-                             "in exactly one chunk")
-        if gap.any() or short.any():
-            i = int(np.flatnonzero(gap | short)[0])
-            if gap[i] and a[i] < prev[i]:
-                raise ValueError(f"document {d[i]}: tokens [{a[i]}, {min(prev[i], b[i])}) are held twice "
-                                 f"(again by rank {rank[i]}); every token must be in exactly one chunk")
-            lo, hi = (prev[i], a[i]) if gap[i] else (b[i], lens[d[i]])
-            raise ValueError(f"document {d[i]}: tokens [{lo}, {hi}) are held by no rank; every token must be "
-                             "in exactly one chunk")
-        return self
-
-    def owner_map(self) -> list[np.ndarray]:
-        """Per document, an int array: the rank holding each token."""
-        own = [np.empty(n, dtype=np.int64) for n in self.doc_lens]
-        for rank, chunks in enumerate(self.ranks):
-            for c in chunks:
-                own[c.doc][c.start:c.end] = rank
-        return own
-
-    def chunk_array(self) -> np.ndarray:
-        """``[n_chunks, 4]`` int64 rows ``(doc, start, end, rank)`` in rank-major order."""
-        lens = [len(r) for r in self.ranks]
-        n = sum(lens)
-        out = np.empty((n, 4), dtype=np.int64)
-        out[:, :3] = np.fromiter(chain.from_iterable(chain.from_iterable(self.ranks)), dtype=np.int64,
-                                 count=3 * n).reshape(n, 3)
-        out[:, 3] = np.repeat(np.arange(len(lens)), lens)
-        return out
-
-    def local_offsets(self) -> list[list[int]]:
-        """Per rank, the offset of each chunk in that rank's packed local token buffer."""
-        out = []
-        for chunks in self.ranks:
-            offs, pos = [], 0
-            for c in chunks:
-                offs.append(pos)
-                pos += c.length
-            out.append(offs)
-        return out
+from .layout import Chunk as Chunk, Layout, layout_from_lists as layout_from_lists  # re-exported
 
 
 class CATask(NamedTuple):
@@ -262,10 +150,11 @@ class Plan:
     def validate(self) -> "Plan":
         """Raise ValueError unless every query token of every document is in exactly one task, on the
         rank that holds it. Vectorised over tasks and chunks (sorting, no per-token work)."""
-        lay, ch = self.layout, self.chunk_array()
-        order = np.lexsort((self.q_start, self.doc))
-        d, a, b = self.doc[order], self.q_start[order], self.q_end[order]
+        lay = self.layout
         lens = np.asarray(lay.doc_lens, dtype=np.int64)
+        big = int(lens.max()) + 1
+        order = np.argsort(self.doc * big + self.q_start, kind="stable")   # by (doc, q_start)
+        d, a, b = self.doc[order], self.q_start[order], self.q_end[order]
         first = np.r_[True, d[1:] != d[:-1]] if d.size else np.zeros(0, dtype=bool)
         last = np.r_[d[1:] != d[:-1], True] if d.size else first
         prev_end = np.where(first, 0, np.r_[0, b[:-1]])
@@ -284,14 +173,14 @@ class Plan:
             raise ValueError(f"document {int(d[i])}, token {pos} is in {count} tasks; every query token "
                              "must be in exactly 1 task")
         # home: the range of one rank holding q_start must hold the whole task, on the task's home
-        cs = ch[np.lexsort((ch[:, 1], ch[:, 0]))]
+        sc = lay.sorted_chunks()
+        cs = np.stack([sc.doc, sc.start, sc.end, sc.rank], axis=1)
         join = (cs[1:, 0] == cs[:-1, 0]) & (cs[1:, 3] == cs[:-1, 3]) & (cs[1:, 1] == cs[:-1, 2])
         if join.any():                                      # one rank's neighbouring chunks: one range
             run = np.flatnonzero(np.r_[True, ~join])
             ends = cs[np.r_[run[1:], len(cs)] - 1, 2]
             cs = cs[run].copy()
             cs[:, 2] = ends
-        big = int(lens.max()) + 1
         j = np.searchsorted(cs[:, 0] * big + cs[:, 1], self.doc * big + self.q_start, side="right") - 1
         ok = (cs[j, 0] == self.doc) & (self.q_end <= cs[j, 2]) & (cs[j, 3] == self.home)
         if not ok.all():
@@ -341,11 +230,6 @@ class Plan:
 
     def total_bytes(self, model: ModelSpec, dtype: str = "bf16", backward: bool = False) -> float:
         return float(self.bytes_matrix(model, dtype, backward).sum())
-
-
-def layout_from_lists(ranks: Sequence[Sequence[Sequence[int]]], doc_lens: Sequence[int]) -> Layout:
-    """Build a layout from plain nested lists ``[[(doc, start, end), ...], ...]``."""
-    return Layout([[Chunk(*c) for c in r] for r in ranks], list(doc_lens))
 
 
 def transfer_tokens(chunks: np.ndarray, doc, q_start, q_end, home, server, n_ranks: int,

@@ -43,7 +43,7 @@ import numpy as np
 
 from .cost import (as_model, ATTN_BWD_MULT, DTYPE_BYTES, H200_MATMUL_TFLOPS, H200_NVLINK_ALL_TO_ALL_GBPS,
                    IB_GBPS_PER_GPU, LINEAR_BWD_MULT, ModelSpec, attention_tflops, causal_pairs)
-from .plan import Chunk, Layout, Plan
+from .plan import Layout, Plan
 
 DEFAULT_MFU_LINEAR = 0.7
 """Fraction of the measured large-matmul rate (``H200_MATMUL_TFLOPS``) that a layer's projections and
@@ -350,14 +350,15 @@ def zigzag_layout(doc_lens: Sequence[int], n_ranks: int) -> Layout:
     if int(n_ranks) != n_ranks or n_ranks < 1:
         raise ValueError(f"n_ranks must be an integer >= 1, got {n_ranks}")
     R = int(n_ranks)
-    ranks: list[list[Chunk]] = [[] for _ in range(R)]
-    for d, n in enumerate(doc_lens):
-        bounds = [int(n) * k // (2 * R) for k in range(2 * R + 1)]
-        for r in range(R):
-            for piece in (r, 2 * R - 1 - r):
-                if bounds[piece + 1] > bounds[piece]:
-                    ranks[r].append(Chunk(d, bounds[piece], bounds[piece + 1]))
-    return Layout(ranks, list(doc_lens))
+    n = np.asarray([int(x) for x in doc_lens], dtype=np.int64)
+    piece = np.stack([np.arange(R), 2 * R - 1 - np.arange(R)], axis=1)[:, None, :]    # [R, 1, 2]
+    start, end = n[None, :, None] * piece // (2 * R), n[None, :, None] * (piece + 1) // (2 * R)
+    shape = (R, n.size, 2)                                  # rank-major, then document, head before tail
+    rows = np.stack([np.broadcast_to(np.arange(n.size)[None, :, None], shape), start, end,
+                     np.broadcast_to(np.arange(R)[:, None, None], shape)], axis=-1).reshape(-1, 4)
+    rows = rows[rows[:, 2] > rows[:, 1]]
+    rows.flags.writeable = False                            # handed over, not copied
+    return Layout.from_chunks(rows, n.tolist(), R)
 
 
 def simulate_cp(layout: Layout, model, hw: Hardware | None = None, overlap: bool = False) -> StepTimes:

@@ -166,8 +166,8 @@ class _Send(torch.autograd.Function):
             rk, rv = wait_kv()
             # rows of this rank served elsewhere get their gradients added (on a copy: the buffer's
             # gradient is autograd's); with nothing sent, the local part is the gradient as it is
-            dq = dq_buf[:n].clone().index_add_(0, dd.q_send_index, rq) if m.q_send_index.size else dq_buf[:n]
-            if m.kv_send_index.size:
+            dq = dq_buf[:n].clone().index_add_(0, dd.q_send_index, rq) if m.n_send_q else dq_buf[:n]
+            if m.n_send_kv:
                 dk = add_rows(dk_buf[:n].clone(), dd.kv_send_index, dd.kv_send_uniq, dd.kv_send_slot, rk)
                 dv = add_rows(dv_buf[:n].clone(), dd.kv_send_index, dd.kv_send_uniq, dd.kv_send_slot, rv)
             else:

@@ -18,9 +18,16 @@ water-filling, in three parts:
   tighter than the tolerance (matched balance).
   ``results/bench_scheduler_grid_distca.json`` is this part alone (``--grid --out ...``).
 * **host path** (``--host-path``, written to ``results/bench_host_path.json``): one training step's
-  host work per rank at 64 x 512K: the layout (``Layout`` from per-rank chunk lists, validated) ->
-  plan (``place``, with the guard) -> ``build_dispatch`` for its rank. ``kv_rows_max`` is the largest
-  per-rank KV gather index (the dispatch's output: one entry per KV token a served task reads).
+  host work per rank at 64 x 512K: the layout (``Layout.from_chunks`` on the packer's chunk array,
+  validated; ``layout_lists_ms``: ``Layout`` from per-rank lists of ``Chunk`` objects instead) ->
+  plan (``place``, with the guard) -> the rank's device metadata (``metadata_ms``: ``build_dispatch``,
+  the merged call's metadata and both packed for the device; ``dispatch_ms``: ``build_dispatch``
+  alone), each rank's the median of ``--runs`` builds (``metadata_ms_max_single``: the slowest single
+  build of any rank, as a step would see it on this shared VM). ``step_host_ms_max`` = layout + plan +
+  the slowest rank's metadata. ``kv_rows_max`` is the largest per-rank KV gather (one entry per KV
+  token a served task reads), which the host holds as ``host_runs_max`` runs; ``expand_on_cpu_ms``
+  is that rank's expansion of every map the merged forward and backward read, with torch on this CPU
+  (device work, not host: on a GPU it runs on the device after the one copy).
 
     python scripts/bench_scheduler.py                 # scale
     python scripts/bench_scheduler.py --grid --out results/bench_scheduler_grid_distca.json   # the grid
@@ -42,7 +49,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from cadlib.cost import ModelSpec  # noqa: E402
 from cadlib.dispatch import build_dispatch  # noqa: E402
 from cadlib.packing import pack  # noqa: E402
-from cadlib.plan import Layout, Plan  # noqa: E402
+from cadlib.plan import Layout  # noqa: E402
 from cadlib.results import save_result  # noqa: E402
 from cadlib.scheduler import place  # noqa: E402
 from cadlib.sim import zigzag_layout  # noqa: E402
@@ -206,40 +213,80 @@ def _distca_summary(rows) -> dict:
                         "least as balanced as DistCA's plan"}
 
 
+def _metadata(plan, r):
+    """Rank ``r``'s device metadata on the host: the dispatch, the merged call's metadata and both
+    packed for the device (``to``: the runs in one buffer; on CUDA pinned and copied ``non_blocking``,
+    here a CPU tensor). The per-token maps are expanded later, on the device, on first use."""
+    d = build_dispatch(plan, r)
+    d.to("cpu")
+    d.shared().to("cpu")
+    return d
+
+
+def _expand_all(d):
+    """Expand (torch, CPU here) every map a forward + backward with the merged call reads."""
+    dd = d.to("cpu")
+    for name in ("q_send_index", "kv_send_index", "q_rows", "ret_rows", "self_rows", "self_local",
+                 "kv_send_uniq", "kv_send_slot"):
+        getattr(dd, name)
+    for name in ("kv_rows", "once_pos", "once_rows", "rep_pos", "rep_slot", "rep_rows"):
+        getattr(dd.shared, name)
+
+
+HOST_CASES = ("pretrain:sequential", "prolong:sequential", "pretrain-x4:sequential", "pretrain-x4:zigzag")
+
+
 def run_host_path(args, model):
+    import torch  # noqa: F401  (imported by any training process; not part of a step's host time)
+
     n, tpr = 64, 512 * 1024
     out = []
-    for dist, kind in (("pretrain", "sequential"), ("prolong", "sequential"), ("pretrain-x4", "sequential"),
-                       ("pretrain-x4", "zigzag")):
+    for dist, kind in (c.split(":") for c in args.host_cases):
         layout = make_layout(dist, n, tpr, kind, args.seed)
-        _, lay_wall, lay_cpu = timed(lambda: Layout(layout.ranks, layout.doc_lens), args.runs)
+        ch = layout.chunk_array()
+        _, lay_wall, lay_cpu = timed(lambda: Layout.from_chunks(ch, layout.doc_lens, n), args.runs)
+        _, lists_wall, _ = timed(lambda: Layout(layout.ranks, layout.doc_lens), args.runs)
         plan, wall, cpu = timed(lambda: place(layout, "cad", n, model, args.tolerance, args.min_shard),
                                 args.runs)
-        per, kv_rows = [], []
-        for r in range(n):
-            fresh = Plan.from_arrays(layout, plan.doc, plan.q_start, plan.q_end, plan.home, plan.server, n)
-            d, w, c = timed(lambda: build_dispatch(fresh, r), 1)   # each rank builds from a fresh plan
-            per.append((w, c))
-            kv_rows.append(d.kv_rows.size)
-        per = np.array(per) * 1e3
         _, val, _ = timed(plan.validate, 1)
+        _metadata(plan, 0)                                       # warm-up: first-call imports
+        per, single, kv_rows, runs = [], [], [], []
+        for r in range(n):                                       # each rank: median of args.runs builds
+            _, w, c = timed(lambda: build_dispatch(plan, r), args.runs)
+            d, mw, mc = timed(lambda: _metadata(plan, r), args.runs)
+            _, once, _ = timed(lambda: _metadata(plan, r), 1)
+            per.append((w, c, mw, mc))
+            single.append(once)
+            kv_rows.append(int(d.cu_k[-1]))
+            runs.append(sum(x.lens.size for e in d.index.values() for x in e.runs())
+                        + sum(x.lens.size for e in d.shared().index.values() for x in e.runs()))
+        per = np.array(per) * 1e3
+        worst = int(np.argmax(kv_rows))
+        _, exp_wall, _ = timed(lambda: _expand_all(build_dispatch(plan, worst)), 1)
         row = {"dist": dist, "layout": kind, "servers": n, "tokens_per_rank": tpr, "n_tasks": plan.n_tasks,
-               "n_chunks": int(sum(len(r) for r in layout.ranks)),
-               "layout_ms": lay_wall * 1e3, "layout_cpu_ms": lay_cpu * 1e3,
+               "n_chunks": int(len(ch)), "layout_ms": lay_wall * 1e3, "layout_cpu_ms": lay_cpu * 1e3,
+               "layout_lists_ms": lists_wall * 1e3,
                "plan_ms": wall * 1e3, "plan_cpu_ms": cpu * 1e3,
                "dispatch_ms_median": float(np.median(per[:, 0])), "dispatch_ms_max": float(per[:, 0].max()),
                "dispatch_cpu_ms_median": float(np.median(per[:, 1])),
                "dispatch_cpu_ms_max": float(per[:, 1].max()),
-               "kv_rows_max": int(max(kv_rows)),
-               "step_host_cpu_ms_max": (lay_cpu + cpu) * 1e3 + float(per[:, 1].max()),
-               "step_host_ms_max": (lay_wall + wall) * 1e3 + float(per[:, 0].max()), "validate_ms": val * 1e3}
+               "metadata_ms_median": float(np.median(per[:, 2])), "metadata_ms_max": float(per[:, 2].max()),
+               "metadata_cpu_ms_max": float(per[:, 3].max()), "metadata_ms_max_single": max(single) * 1e3,
+               "kv_rows_max": int(max(kv_rows)), "host_runs_max": int(max(runs)),
+               "expand_on_cpu_ms": exp_wall * 1e3,
+               "step_host_cpu_ms_max": (lay_cpu + cpu) * 1e3 + float(per[:, 3].max()),
+               "step_host_ms_max": (lay_wall + wall) * 1e3 + float(per[:, 2].max()),
+               "step_host_ms_max_single": (lay_wall + wall + max(single)) * 1e3, "validate_ms": val * 1e3}
         out.append(row)
         print(f"host path {dist:12}{kind:11} layout {row['layout_ms']:.1f} ms "
-              f"(cpu {row['layout_cpu_ms']:.1f}), "
+              f"(cpu {row['layout_cpu_ms']:.1f}; from lists {row['layout_lists_ms']:.1f}), "
               f"plan {row['plan_ms']:.1f} ms (cpu {row['plan_cpu_ms']:.1f}), "
-              f"dispatch median {row['dispatch_ms_median']:.1f} max {row['dispatch_ms_max']:.1f} ms "
-              f"(cpu {row['dispatch_cpu_ms_median']:.1f} / {row['dispatch_cpu_ms_max']:.1f}), "
-              f"validate {row['validate_ms']:.1f} ms", flush=True)
+              f"dispatch median {row['dispatch_ms_median']:.1f} max {row['dispatch_ms_max']:.1f} ms, "
+              f"+ merged call and device packing median {row['metadata_ms_median']:.1f} "
+              f"max {row['metadata_ms_max']:.1f} ms (single: {row['metadata_ms_max_single']:.1f}), "
+              f"step max {row['step_host_ms_max']:.1f} ms (single: {row['step_host_ms_max_single']:.1f}); "
+              f"kv rows {row['kv_rows_max']} from {row['host_runs_max']} runs, expanded on CPU in "
+              f"{row['expand_on_cpu_ms']:.0f} ms; validate {row['validate_ms']:.1f} ms", flush=True)
     return out
 
 
@@ -261,6 +308,8 @@ def main(argv=None):
                     help="time Plan.validate only up to this many tokens")
     ap.add_argument("--out", default=os.path.join(RESULTS, "bench_scheduler.json"))
     ap.add_argument("--host-out", default=os.path.join(RESULTS, "bench_host_path.json"))
+    ap.add_argument("--host-cases", nargs="+", default=list(HOST_CASES), metavar="DIST:LAYOUT",
+                    help="host-path cases (default: all four)")
     args = ap.parse_args(argv)
     if args.quick:
         args.servers, args.tokens_per_rank, args.runs = [8, 64], [128 * 1024], 1
