@@ -122,11 +122,15 @@ class Greedy:
             self.server = self.server.copy()                   # servers change from now on
         self.ix = index or ChunkIndex(self.doc, self.a, self.b, self.home, self.server, self.n_docs, self.S)
         self.over_key = self.over_end = np.zeros(0, dtype=np.int64)    # changed prefix ends (bytes mode)
+        self.need_at: dict[tuple[int, int], int] = {}          # need1's answers
         donors = np.flatnonzero(self.load > self.U).tolist()
         p = self.srv_ptr
         self.live = {s: (np.arange(p[s], p[s + 1]) if self.by_srv is None else self.by_srv[p[s]:p[s + 1]])
                      for s in donors}
         self.build_views(donors)
+        if self.mode == "bytes":
+            from .scheduler_rollout import Rollout
+            self.rollout = Rollout(self)
 
     def need(self, g: np.ndarray, d: np.ndarray) -> np.ndarray:
         """The prefix end server ``g`` fetches of document ``d`` (0 if it serves none), elementwise."""
@@ -139,15 +143,21 @@ class Greedy:
         return out
 
     def need1(self, g: int, d: int) -> int:
-        """``need`` of one server and document."""
-        key = g * self.n_docs + d
+        """``need`` of one server and document (remembered until it changes)."""
+        e = self.need_at.get((g, d))
+        if e is not None:
+            return e
+        key, e = g * self.n_docs + d, 0
         for k, end in ((self.over_key, self.over_end), (self.ix.need_key, self.ix.need_end)):
             i = int(k.searchsorted(key))
             if i < k.size and k[i] == key:
-                return int(end[i])
-        return 0
+                e = int(end[i])
+                break
+        self.need_at[(g, d)] = e
+        return e
 
     def set_need(self, g: int, d: int, end: int) -> None:
+        self.need_at[(g, d)] = end
         key = g * self.n_docs + d
         i = int(self.over_key.searchsorted(key))
         if i < self.over_key.size and self.over_key[i] == key:
@@ -260,6 +270,15 @@ class Greedy:
             side, c = np.divmod(best, N)
             best = best[np.lexsort((side, recv[c], v.tasks[col[c]], -p.ravel()[best]))]
         sd, c = divmod(int(best[0]), N)
+        self.peel = None
+        if p[sd, c] < excess:                                     # partial: the peeling move too
+            pe = np.where(valid[0] & (recv == g), p[0], -1)
+            top = pe.max()
+            if top >= 0:
+                e = np.flatnonzero(pe == top)
+                e = int(e[col[e].argmin()])                       # ties: the first task
+                self.peel = Move(int(v.tasks[col[e]]), g, int(k[0, e]), int(top), True, int(byt[0, e]),
+                                 int(col[e]))
         return Move(task=int(v.tasks[col[c]]), receiver=int(recv[c]), k=int(k[sd, c]),
                     pairs=int(p[sd, c]), from_end=sd == 0, bytes=int(byt[sd, c]), at=int(col[c]))
 
@@ -376,6 +395,8 @@ class Greedy:
             if not live[s] > U:
                 break
             mv = self.best_move(s)
+            if mv is not None and self.mode == "bytes" and mv.pairs < load[s] - U:
+                mv = self.rollout.decide(s, mv, self.peel)
             if mv is None:
                 self.stuck.add(s)
             else:
