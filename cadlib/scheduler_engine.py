@@ -21,6 +21,7 @@ import numpy as np
 
 from .cost import imbalance
 from .scheduler_index import ChunkIndex, other_ends
+from .scheduler_rollout import decide
 from .shards import cut_shards
 
 
@@ -112,7 +113,7 @@ class Greedy:
         self.stuck: set[int] = set()
         self.views: dict[int, DonorView] = {}
         self.touched: set[int] = set()                         # documents the moves changed
-        self.n_moves = self.n_splits = 0
+        self.n_moves = self.n_splits = self.n_rollouts = 0
         self.moved_bytes = 0                                   # forward bytes added by the moves (exact)
 
     def prepare(self, index: ChunkIndex | None = None) -> None:
@@ -128,9 +129,7 @@ class Greedy:
         self.live = {s: (np.arange(p[s], p[s + 1]) if self.by_srv is None else self.by_srv[p[s]:p[s + 1]])
                      for s in donors}
         self.build_views(donors)
-        if self.mode == "bytes":
-            from .scheduler_rollout import Rollout
-            self.rollout = Rollout(self)
+        self.doc_cache: dict = {}                              # the rollouts' (scheduler_rollout._doc)
 
     def need(self, g: np.ndarray, d: np.ndarray) -> np.ndarray:
         """The prefix end server ``g`` fetches of document ``d`` (0 if it serves none), elementwise."""
@@ -396,7 +395,7 @@ class Greedy:
                 break
             mv = self.best_move(s)
             if mv is not None and self.mode == "bytes" and mv.pairs < load[s] - U:
-                mv = self.rollout.decide(s, mv, self.peel)
+                mv = decide(self, s, mv, self.peel)
             if mv is None:
                 self.stuck.add(s)
             else:

@@ -8,6 +8,8 @@ quadratic, done exactly in integers (:func:`tri_floor`, :func:`tri_ceil`).
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 _TRI_EXACT = 2 ** 46
@@ -75,6 +77,35 @@ def cut_shards(a, b, x, y, min_shard: int, sides: int = 2) -> tuple[np.ndarray, 
     p = (kk * (2 * ab + 1 + sign * kk)) >> 1           # end k(2b+1-k)/2, start k(2a+1+k)/2
     ok = p[:h] <= y
     return np.where(ok, up, dn), np.where(ok, p[:h], p[h:])
+
+
+def end_cut(a: int, b: int, x: int, y: int, m: int) -> tuple[int, int]:
+    """``(k, pairs)`` of the end shard ``[b-k, b)`` of task ``[a, b)`` that ``cut_shards`` picks (row
+    0, same rules: at least ``x`` pairs with the fewest valid tokens, else the most with at most
+    ``y``), in exact integer arithmetic; ``(0, -1)`` when it is not a valid move (``k == 0``, more
+    than ``y`` pairs, or the task's smallest valid move above ``y``)."""
+    n, bb = b - a, b * (b + 1)
+    v = bb - 2 * x
+    up = b - ((math.isqrt(4 * v + 1) - 1) // 2 if v > 0 else 0)      # fewest tokens with >= x pairs
+    if up < m:
+        up = m
+    if up > n - m:
+        up = n
+    k = up
+    p = (k * (2 * b + 1 - k)) >> 1
+    if p > y:                                          # most valid tokens with <= y pairs
+        v = bb - 2 * y - 1
+        raw = b - ((math.isqrt(4 * v + 1) - 1) // 2 + 1 if v >= 0 else 0)
+        k = min(raw, n - m)
+        if k < m:
+            k = 0
+        if raw >= n:
+            k = n
+        p = (k * (2 * b + 1 - k)) >> 1
+    e = a + m if n >= 2 * m else b                     # the smallest valid move: m start tokens
+    if k <= 0 or p > y or (e * (e + 1) - a * (a + 1)) // 2 > y:
+        return 0, -1
+    return k, p
 
 
 # rows fewest (end, start), most (end, start): the end shard counts down from b, the start one up from a
