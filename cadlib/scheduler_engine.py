@@ -220,27 +220,29 @@ class Greedy:
             return None
         if self.mode == "flops":
             return self.largest_move(s, g, v)
-        n = v.tasks.size
-        room = np.floor(U - load)
-        srv = self.server[v.chunk]
+        n, nr = v.tasks.size, v.rep.size
         if v.rows is None:
             v.rows = self.candidate_rows(s, v)
-        task, mp, recv = v.rows                                   # rows: chunk servers, the rest, g
-        recv = np.concatenate((srv, recv, np.full(n, g)))
-        keep = (recv != s) & (mp <= room[recv])                   # room for the smallest valid move
-        col, recv = task[keep], recv[keep]                        # (a pair twice scores twice: same move)
-        if not col.size:
+        F = v.rows                                                # rows: chunk servers, the rest, g
+        recv = F[2]
+        recv[:nr] = self.server[v.chunk]                          # (chunks move)
+        recv[-n:] = g
+        srv = recv[:nr]
+        room = U - load[recv]
+        yf = np.floor(room)
+        keep = (recv != s) & (F[1] <= yf)                         # room for the smallest valid move
+        F = F[:, keep]                                            # (a pair twice scores twice: same move)
+        if not F.shape[1]:
             return None
+        col, _, recv, d, a, b, h, other, kv_now = F
         # pairs of each task's document that donors could shed: sum over its chunks on donors of
         # min(pairs, the donor's excess)
         avail = np.bincount(v.rep, weights=np.minimum(np.maximum(load[srv] - U, 0), self.pairs[v.chunk]),
                             minlength=n)
-        d, a, b, h = v.doc[col], v.a[col], v.b[col], v.home[col]
         need_r = self.need(recv, d)
-        room = U - load[recv]
+        room, y = room[keep], yf[keep].astype(np.int64)
         excess = load[s] - U
         x = np.maximum(np.ceil(np.minimum(excess, room)), 1).astype(np.int64)
-        y = np.floor(room).astype(np.int64)
         k, p = cut_shards(a, b, x, y, self.m)                     # [2, N]: end row, start row
         valid = (k > 0) & (p <= y)
         # KV of the receiver after (its prefix end grows to the shard's, b or a + k) and before; of the
@@ -250,9 +252,9 @@ class Greedy:
         left = np.concatenate((b - k[0], b)).reshape(2, N) * (k != b - a)
         kvs = self.ix.kv(np.concatenate((recv, recv, recv, np.full(2 * N, s))), np.concatenate((d,) * 5),
                          np.concatenate((np.maximum(need_r, e).ravel(), need_r,
-                                         np.maximum(v.other[col], left).ravel()))).reshape(5, N)
+                                         np.maximum(other, left).ravel()))).reshape(5, N)
         kv_r = kvs[:2] - kvs[2]                                   # [end, start] x N
-        kv_s = kvs[3:] - v.kv_now[col]
+        kv_s = kvs[3:] - kv_now
         byt = self.qb * k * ((h != recv).astype(np.int64) - (h != s)) + self.kvb * (kv_r + kv_s)
         bundle = np.maximum(np.minimum(room, avail[col]), p)
         kvb_r = self.kvb * kv_r
@@ -270,13 +272,13 @@ class Greedy:
             best = best[np.lexsort((side, recv[c], v.tasks[col[c]], -p.ravel()[best]))]
         sd, c = divmod(int(best[0]), N)
         self.peel = None
-        if p[sd, c] < excess:                                     # partial: the peeling move too
-            pe = np.where(valid[0] & (recv == g), p[0], -1)
-            top = pe.max()
-            if top >= 0:
-                e = np.flatnonzero(pe == top)
-                e = int(e[col[e].argmin()])                       # ties: the first task
-                self.peel = Move(int(v.tasks[col[e]]), g, int(k[0, e]), int(top), True, int(byt[0, e]),
+        ng = int(np.count_nonzero(keep[-n:]))                     # the last ng rows: to g, tasks in order
+        if p[sd, c] < excess and ng:                              # partial: the peeling move too
+            pe = np.where(valid[0, -ng:], p[0, -ng:], -1)
+            e = int(pe.argmax())                                  # the largest; ties: the first task
+            if pe[e] >= 0:
+                e += N - ng
+                self.peel = Move(int(v.tasks[col[e]]), g, int(k[0, e]), int(p[0, e]), True, int(byt[0, e]),
                                  int(col[e]))
         return Move(task=int(v.tasks[col[c]]), receiver=int(recv[c]), k=int(k[sd, c]),
                     pairs=int(p[sd, c]), from_end=sd == 0, bytes=int(byt[sd, c]), at=int(col[c]))
@@ -296,9 +298,10 @@ class Greedy:
         return Move(int(v.tasks[i]), g, int(k[i]), int(p[i]), True, 0, i)
 
     def apply(self, s: int, mv: Move) -> None:
-        t, r, k = mv.task, mv.receiver, mv.k
-        d, a, b, h = int(self.doc[t]), int(self.a[t]), int(self.b[t]), int(self.home[t])
-        if k == b - a:
+        t, r, k, i = mv.task, mv.receiver, mv.k, mv.at
+        d, a, b, h = self.doc.item(t), self.a.item(t), self.b.item(t), self.home.item(t)
+        whole = k == b - a
+        if whole:
             self.server[t] = r
             e = b
         else:
@@ -315,9 +318,9 @@ class Greedy:
             self.has_shard[d] = True
             self.pairs[t] -= mv.pairs
             if mv.from_end:
-                self.b[t] = b - k
+                self.b[t] = b = b - k
             else:
-                self.a[t] = a + k
+                self.a[t] = a = a + k
             e = hi
             self.n_splits += 1
         self.touched.add(d)
@@ -325,19 +328,30 @@ class Greedy:
         self.load[r] += mv.pairs
         self.n_moves += 1
         v = self.views.pop(s)
+        mine = None
         if self.mode == "bytes":
             self.moved_bytes += mv.bytes
-            mine = v.tasks[v.doc == d]
+            sel = np.flatnonzero(v.doc == d)                   # s's tasks of d, and their ends after the move
+            ends = v.b[sel].tolist()
+            sel = sel.tolist()
+            j = sel.index(i)
+            if whole:
+                del sel[j], ends[j]
+            else:
+                ends[j] = b
+            mine = sel, ends
             self.set_need(r, d, max(self.need1(r, d), e))
-            self.set_need(s, d, int(self.b[mine[self.server[mine] == s]].max(initial=0)))
+            self.set_need(s, d, max(ends, default=0))
         if self.load[s] > self.U:                              # still a donor: its view, updated
-            self.views[s] = self.shrink_view(s, v, mv.at, k == b - a, d)
+            self.views[s] = self.shrink_view(s, v, i, whole, d, a, b, mine)
         if self.load[s] < self.U:
             self.stuck.clear()                                 # a new receiver: retry stuck donors
 
-    def shrink_view(self, s: int, v: DonorView, i: int, whole: bool, d: int) -> DonorView:
+    def shrink_view(self, s: int, v: DonorView, i: int, whole: bool, d: int, a: int, b: int,
+                    mine: tuple[list[int], list[int]] | None) -> DonorView:
         """Donor ``s``'s view ``v`` after its ``i``-th task (of document ``d``) moved (``whole``) or
-        shrank."""
+        shrank to ``[a, b)``; ``mine`` (bytes mode): its tasks of ``d`` (positions in ``v``) without
+        the one moved whole, and their ends."""
         if whole:
             keep = np.arange(v.tasks.size) != i
             w = DonorView(**{f: getattr(v, f)[keep] for f in _PER_TASK[self.mode]})
@@ -347,29 +361,31 @@ class Greedy:
                 w.rep -= w.rep > i
             v = w
         else:
-            t = int(v.tasks[i])
-            a, b = int(self.a[t]), int(self.b[t])
             v.a[i], v.b[i] = a, b
             e = a + self.m if b - a >= 2 * self.m else b
             v.min_pairs[i] = (e * (e + 1) - a * (a + 1)) // 2
         if self.mode == "bytes":
-            sel = np.flatnonzero(v.doc == d)                   # its tasks of d: the others' prefix ends
-            bs = v.b[sel].tolist()
+            sel, bs = mine                                     # its tasks of d: the others' prefix ends
+            if whole:
+                sel = [j - (j > i) for j in sel]
             top = max(bs, default=0)
             second = max((x for x in bs if x != top), default=0) if bs.count(top) == 1 else top
-            for j, bj in zip(sel.tolist(), bs):
+            for j, bj in zip(sel, bs):
                 v.other[j] = second if bj == top else top
-            v.kv_now[sel] = top - self.ix.owned1(s, d, top)
+            if sel:
+                v.kv_now[sel] = top - self.ix.owned1(s, d, top)
             v.rows = None
         return v
 
-    def candidate_rows(self, s: int, v: DonorView) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The (task, receiver) rows of donor ``s``'s candidates, as ``(task, its min_pairs, recv)``:
-        ``task`` is the rows of its document's chunks' servers (found per move: they move), of the
-        holders that are other servers and of the servers given shards of the document (``recv``),
-        then of the emptiest receiver (per move)."""
+    def candidate_rows(self, s: int, v: DonorView) -> np.ndarray:
+        """Donor ``s``'s candidate (task, receiver) rows with what they need of the task, packed as one
+        array ``[task, min_pairs, receiver, doc, a, b, home, other, kv_now] x rows``: first the rows of
+        the tasks' documents' chunks' servers, then of the holders that are other servers and of the
+        servers given shards of the document, then one per task for the emptiest receiver; the
+        receivers of the first and last part are filled in per move (chunks move, and so does the
+        emptiest receiver)."""
         h = (v.holder >= 0) & (v.holder != s)
-        task, recv = [v.rep, v.rep[h]], [v.holder[h]]
+        task, recv = [v.rep, v.rep[h]], [v.rep, v.holder[h]]
         if self.shard_servers:
             extra = [(i, r) for i in np.flatnonzero(self.has_shard[v.doc]).tolist()
                      for r in self.shard_servers[int(v.doc[i])]]
@@ -378,7 +394,9 @@ class Greedy:
                 task.append(et)
                 recv.append(er)
         task = np.concatenate((*task, np.arange(v.tasks.size)))
-        return task, v.min_pairs[task], np.concatenate(recv)
+        recv = np.concatenate((*recv, np.zeros(v.tasks.size, dtype=np.int64)))
+        return np.concatenate((task, v.min_pairs[task], recv, v.doc[task], v.a[task], v.b[task],
+                               v.home[task], v.other[task], v.kv_now[task])).reshape(9, -1)
 
     def run(self) -> bool:
         """Move until no donor can: the most loaded donor first. Returns ``reached``."""

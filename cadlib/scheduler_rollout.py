@@ -73,8 +73,7 @@ class _Donor:
         self.T = T.tolist()
         self.order = np.argsort(-T, kind="stable").tolist()     # most pairs first, ties: first task
         self.alive = [True] * len(self.a)
-        loads = g.load.tolist()
-        self.cur = dict(enumerate(loads))
+        self.cur = loads = g.load.tolist()
         self.heap = list(zip(loads, range(len(loads))))
         heapq.heapify(self.heap)
         self.need: dict[tuple[int, int], int] = {}
@@ -88,7 +87,7 @@ class _Donor:
         c = _Donor.__new__(_Donor)
         c.g, c.s, c.v, c.doc, c.home, c.same = self.g, self.s, self.v, self.doc, self.home, self.same
         c.a, c.b, c.T, c.order, c.alive = self.a[:], self.b[:], self.T[:], self.order[:], self.alive[:]
-        c.cur, c.heap, c.need = dict(self.cur), self.heap[:], dict(self.need)
+        c.cur, c.heap, c.need = self.cur[:], self.heap[:], dict(self.need)
         c.load, c.bytes = self.load, self.bytes
         return c
 
