@@ -22,7 +22,7 @@ import numpy as np
 from .cost import imbalance
 from .scheduler_index import ChunkIndex, other_ends
 from .scheduler_rollout import decide
-from .shards import cut_shards
+from .shards import cut_near, cut_shards
 
 
 @dataclass
@@ -121,7 +121,8 @@ class Greedy:
         chunks and servers) and build every donor's view."""
         if self.server.base is not None:
             self.server = self.server.copy()                   # servers change from now on
-        self.ix = index or ChunkIndex(self.doc, self.a, self.b, self.home, self.server, self.n_docs, self.S)
+        c = self.chunks                                        # (a, b as they are before any move)
+        self.ix = index or ChunkIndex(self.doc, c[:, 1], c[:, 2], self.home, self.server, self.n_docs, self.S)
         self.over_key = self.over_end = np.zeros(0, dtype=np.int64)    # changed prefix ends (bytes mode)
         self.need_at: dict[tuple[int, int], int] = {}          # need1's answers
         donors = np.flatnonzero(self.load > self.U).tolist()
@@ -243,7 +244,7 @@ class Greedy:
         room, y = room[keep], yf[keep].astype(np.int64)
         excess = load[s] - U
         x = np.maximum(np.ceil(np.minimum(excess, room)), 1).astype(np.int64)
-        k, p = cut_shards(a, b, x, y, self.m)                     # [2, N]: end row, start row
+        k, p = cut_near(a, b, x, y, self.m)                       # [2, N]: end row, start row (x <= y + 1)
         valid = (k > 0) & (p <= y)
         # KV of the receiver after (its prefix end grows to the shard's, b or a + k) and before; of the
         # donor after (its prefix end is the other tasks' or what it keeps, b - k or b; 0 if whole)

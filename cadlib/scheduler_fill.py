@@ -132,15 +132,16 @@ class WaterFill:
     def reached(self) -> bool:
         return bool(self.load.max(initial=0) <= self.U)
 
-    def _columns(self) -> tuple[np.ndarray, np.ndarray]:
-        """``b`` and ``server`` of every chunk after the moves."""
-        b = self.chunks[:, 2].copy()
-        home = self.chunks[:, 3]
-        srv = home % self.S
-        for c, e in self.b_mod.items():
-            b[c] = e
-        for c, r in self.srv_mod.items():
-            srv[c] = r
+    def _columns(self, c: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """``b`` and ``server`` of every chunk after the moves, or of chunks ``c`` (which hold every
+        chunk the moves changed)."""
+        ch = self.chunks if c is None else self.chunks[c]
+        b, srv = ch[:, 2].copy(), ch[:, 3] % self.S
+        at = None if c is None else dict(zip(c.tolist(), range(c.size)))
+        for x, e in self.b_mod.items():
+            b[x if at is None else at[x]] = e
+        for x, r in self.srv_mod.items():
+            srv[x if at is None else at[x]] = r
         return b, srv
 
     def touched_bytes(self) -> int:
@@ -149,8 +150,8 @@ class WaterFill:
         docs = np.fromiter(self.touched, dtype=np.int64, count=len(self.touched))
         c = self.ix.doc_chunks(docs)
         ch = self.chunks[c]
-        b, srv = self._columns()
-        cols = [ch[:, 0], ch[:, 1], b[c], ch[:, 3], srv[c]]
+        b, srv = self._columns(c)
+        cols = [ch[:, 0], ch[:, 1], b, ch[:, 3], srv]
         return self.ix.moved_bytes(ch, cols, self.shards, self.S, self.qb, self.kvb)
 
     def task_arrays(self) -> TaskArrays:
