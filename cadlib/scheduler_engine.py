@@ -17,6 +17,7 @@ touched, counted once at the end.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,7 +26,7 @@ from .cost import imbalance
 from .scheduler_index import ChunkIndex
 from .scheduler_rollout import decide
 from .scheduler_views import DonorView, Views
-from .shards import cut_near, cut_shards
+from .shards import cut_near, cut_shards, end_cut
 
 
 @dataclass
@@ -175,17 +176,19 @@ class Greedy(Views):
         room = U - load[recv]
         yf = np.floor(room)
         keep = (recv != s) & (F[1] <= yf)                         # room for the smallest valid move
+        excess = load[s] - U
+        if excess > yf[-1]:                                       # no move clears: a bound prunes rows
+            self.prune(v, F, keep, excess, room[-1])
         F = F[:, keep]                                            # (a pair twice scores twice: same move)
         if not F.shape[1]:
             return None
-        col, _, recv, d, a, b, h, other, kv_now = F
+        col, _, recv, d, a, b, h, other, kv_now, _, _ = F
         # pairs of each task's document that donors could shed: sum over its chunks on donors of
         # min(pairs, the donor's excess)
         avail = np.bincount(v.rep, weights=np.minimum(np.maximum(load[srv] - U, 0), self.pairs[v.chunk]),
                             minlength=n)
         need_r = self.need(recv, d)
         room, y = room[keep], yf[keep].astype(np.int64)
-        excess = load[s] - U
         x = np.maximum(np.ceil(np.minimum(excess, room)), 1).astype(np.int64)
         k, p = cut_near(a, b, x, y, self.m)                       # [2, N]: end row, start row (x <= y + 1)
         valid = (k > 0) & (p <= y)
@@ -226,6 +229,25 @@ class Greedy(Views):
                                  int(col[e]))
         return Move(task=int(v.tasks[col[c]]), receiver=int(recv[c]), k=int(k[sd, c]),
                     pairs=int(p[sd, c]), from_end=sd == 0, bytes=int(byt[sd, c]), at=int(col[c]))
+
+    def prune(self, v: DonorView, F: np.ndarray, keep: np.ndarray, excess: float, room: float) -> None:
+        """Drop from ``keep`` the rows that cannot be the best move, when no move can clear the
+        ``excess`` (a move carries at most the floor of its receiver's room, and the emptiest
+        receiver's, ``room``, is the largest), so that every priority is ``cost / P``. A move of ``k``
+        tokens of a task ending at ``b`` carries at most ``k b`` pairs; served off its home, it costs
+        at least ``q_bytes k`` (less the bundle's promise, which only discounts the receiver's KV, and
+        the donor's KV saving, 0 when the donor fetches no KV for the task), so at least ``q_bytes / b``
+        per pair. The largest task's end shard to the emptiest receiver (``k0`` tokens, ``p0`` pairs,
+        its end ``b0``) costs at most ``q_bytes k0 + kv_bytes b0``: rows of such tasks with
+        ``q_bytes / b`` above that per pair are worse than it. Tasks with fewer pairs than ``p0`` only:
+        the peeling move (the largest end shard to the emptiest receiver) stays among the rows kept."""
+        n = v.tasks.size
+        i = int(F[9, -n:].argmax())                               # the task with the most pairs
+        x, y = max(math.ceil(min(excess, room)), 1), math.floor(room)    # as best_move's
+        k0, p0 = end_cut(v.a.item(i), v.b.item(i), x, y, self.m)
+        if p0 > 0:
+            bmax = (self.qb * p0 - 1) // (self.qb * k0 + self.kvb * v.b.item(i))   # q_bytes / b > bound
+            keep &= (F[10] > bmax) | (F[9] >= p0)
 
     def largest_move(self, s: int, g: int, v: DonorView) -> Move | None:
         """``equal_flops``: donor ``s``'s largest valid end shard to the emptiest receiver ``g`` (ties:

@@ -113,7 +113,10 @@ class Views:
 
     def candidate_rows(self, s: int, v: DonorView) -> np.ndarray:
         """Donor ``s``'s candidate (task, receiver) rows with what they need of the task, packed as one
-        array ``[task, min_pairs, receiver, doc, a, b, home, other, kv_now] x rows``: first the rows of
+        array ``[task, min_pairs, receiver, doc, a, b, home, other, kv_now, pairs, cheap_end] x rows``
+        (``cheap_end``: the task's end where each of its moves costs at least ``q_bytes / end`` per pair,
+        it is served at home and the donor fetches no KV for it, else a bound above any end, for
+        ``Greedy.best_move``'s pruning): first the rows of
         the tasks' documents' chunks' servers, then of the holders that are other servers and of the
         servers given shards of the document, then one per task for the emptiest receiver; the
         receivers of the first and last part are filled in per move (chunks move, and so does the
@@ -129,5 +132,8 @@ class Views:
                 recv.append(er)
         task = np.concatenate((*task, np.arange(v.tasks.size)))
         recv = np.concatenate((*recv, np.zeros(v.tasks.size, dtype=np.int64)))
+        pairs = self.pairs[v.tasks]
+        cheap = np.where((v.home == s) & (v.kv_now == 0), v.b, np.iinfo(np.int64).max)
         return np.concatenate((task, v.min_pairs[task], recv, v.doc[task], v.a[task], v.b[task],
-                               v.home[task], v.other[task], v.kv_now[task])).reshape(9, -1)
+                               v.home[task], v.other[task], v.kv_now[task], pairs[task],
+                               cheap[task])).reshape(11, -1)
