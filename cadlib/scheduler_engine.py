@@ -169,20 +169,20 @@ class Greedy(Views):
         if v.rows is None:
             v.rows = self.candidate_rows(s, v)
         F = v.rows                                                # rows: chunk servers, the rest, g
-        recv = F[2]
+        recv = F[1]
         recv[:nr] = self.server[v.chunk]                          # (chunks move)
         recv[-n:] = g
         srv = recv[:nr]
         room = U - load[recv]
         yf = np.floor(room)
-        keep = (recv != s) & (F[1] <= yf)                         # room for the smallest valid move
+        keep = (recv != s) & (F[6] <= yf)                         # room for the smallest valid move
         excess = load[s] - U
         if excess > yf[-1]:                                       # no move clears: a bound prunes rows
             self.prune(v, F, keep, excess, room[-1])
         F = F[:, keep]                                            # (a pair twice scores twice: same move)
         if not F.shape[1]:
             return None
-        col, _, recv, d, a, b, h, other, kv_now, _, _ = F
+        col, recv, d, a, b, h, _, _, other, kv_now, _ = F
         # pairs of each task's document that donors could shed: sum over its chunks on donors of
         # min(pairs, the donor's excess)
         avail = np.bincount(v.rep, weights=np.minimum(np.maximum(load[srv] - U, 0), self.pairs[v.chunk]),
@@ -242,12 +242,12 @@ class Greedy(Views):
         ``q_bytes / b`` above that per pair are worse than it. Tasks with fewer pairs than ``p0`` only:
         the peeling move (the largest end shard to the emptiest receiver) stays among the rows kept."""
         n = v.tasks.size
-        i = int(F[9, -n:].argmax())                               # the task with the most pairs
+        i = int(F[7, -n:].argmax())                               # the task with the most pairs
         x, y = max(math.ceil(min(excess, room)), 1), math.floor(room)    # as best_move's
         k0, p0 = end_cut(v.a.item(i), v.b.item(i), x, y, self.m)
         if p0 > 0:
             bmax = (self.qb * p0 - 1) // (self.qb * k0 + self.kvb * v.b.item(i))   # q_bytes / b > bound
-            keep &= (F[10] > bmax) | (F[9] >= p0)
+            keep &= (F[10] > bmax) | (F[7] >= p0)
 
     def largest_move(self, s: int, g: int, v: DonorView) -> Move | None:
         """``equal_flops``: donor ``s``'s largest valid end shard to the emptiest receiver ``g`` (ties:

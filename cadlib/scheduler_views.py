@@ -11,38 +11,33 @@ a new shard server.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from .scheduler_index import other_ends
 
 
-@dataclass
+FIELDS = {"flops": ("doc", "a", "b", "home", "min_pairs", "pairs"),
+          "bytes": ("doc", "a", "b", "home", "min_pairs", "pairs", "other", "kv_now", "cheap")}
+_NONE = np.iinfo(np.int64).max
+
+
 class DonorView:
-    """A donor's live tasks (plan indices ``tasks`` and their fields) and the pairs of each task's
-    smallest valid move (``min_pairs``); bytes mode also: the donor's prefix end for the task's document
-    without the task (``other``), the KV tokens the donor fetches for that document now (``kv_now``),
-    and the chunks of the task's document (``rep``: which task, ``chunk``, its ``holder`` rank or -1
-    when that rank is not a server); ``rows``: :meth:`Views.candidate_rows`, ``None`` until computed
-    and again when the donor moves or a document of the view gets a new shard server."""
+    """A donor's live tasks (plan indices ``tasks``) and their fields, the rows of one array ``cols``
+    (:data:`FIELDS`, each also an attribute viewing its row): document, ``a``, ``b``, home, the pairs
+    of the smallest valid move (``min_pairs``) and of the task (``pairs``); bytes mode also the donor's
+    prefix end for the task's document without the task (``other``), the KV tokens the donor fetches
+    for that document now (``kv_now``), the task's end where each of its moves costs at least
+    ``q_bytes / end`` per pair (``cheap``: it is served at home and its donor fetches no KV for it;
+    else a bound above any end; set with the rows), and the chunks of the task's document (``rep``:
+    which task, ``chunk``, its ``holder`` rank or -1 when that rank is not a server); ``rows``:
+    :meth:`Views.candidate_rows`, ``None`` until computed and again when the donor moves or a document
+    of the view gets a new shard server."""
 
-    tasks: np.ndarray
-    doc: np.ndarray
-    a: np.ndarray
-    b: np.ndarray
-    home: np.ndarray
-    min_pairs: np.ndarray
-    other: np.ndarray | None = None
-    kv_now: np.ndarray | None = None
-    rep: np.ndarray | None = None
-    chunk: np.ndarray | None = None
-    holder: np.ndarray | None = None
-    rows: np.ndarray | None = None
-
-
-_PER_TASK = {"flops": ("tasks", "doc", "a", "b", "home", "min_pairs"),
-             "bytes": ("tasks", "doc", "a", "b", "home", "min_pairs", "other", "kv_now")}
+    def __init__(self, tasks: np.ndarray, cols: np.ndarray, mode: str):
+        self.tasks, self.cols, self.mode = tasks, cols, mode
+        for f, row in zip(FIELDS[mode], cols):
+            setattr(self, f, row)
+        self.rep = self.chunk = self.holder = self.rows = None
 
 
 class Views:
@@ -60,22 +55,22 @@ class Views:
         d, a, b = self.doc[idx], self.a[idx], self.b[idx]
         e = np.where(b - a >= 2 * self.m, a + self.m, b)             # smallest valid move: m start tokens
         mp = (e * (e + 1) - a * (a + 1)) // 2
-        cols = {"tasks": idx, "doc": d, "a": a, "b": b, "home": self.home[idx], "min_pairs": mp}
+        cols = [d, a, b, self.home[idx], mp, self.pairs[idx]]
         ends = np.cumsum(cnt)
         if self.mode == "bytes":
             srv = np.repeat(np.asarray(servers, dtype=np.int64), cnt)
             other = other_ends(srv * self.n_docs + d, b)
-            cols["other"] = other
-            cols["kv_now"] = self.ix.kv(srv, d, np.maximum(other, b))
+            cols += [other, self.ix.kv(srv, d, np.maximum(other, b)), b]
             lo, n_ch = self.ix.doc_ptr[d], self.ix.doc_ptr[d + 1] - self.ix.doc_ptr[d]
             rep = np.repeat(np.arange(idx.size), n_ch)
             pos = np.repeat(lo - np.cumsum(n_ch) + n_ch, n_ch) + np.arange(rep.size)
             chunk, holder = self.ix.by_doc[pos], self.ix.holder_of[pos]
             rep_at = np.r_[0, np.cumsum(n_ch)][np.r_[0, ends]].tolist()
+        cols = np.concatenate(cols).reshape(len(cols), -1)
         ends = np.r_[0, ends].tolist()
         for j, s in enumerate(servers):
             lo, hi = ends[j], ends[j + 1]
-            v = DonorView(**{k: c[lo:hi] for k, c in cols.items()})
+            v = DonorView(idx[lo:hi], cols[:, lo:hi], self.mode)
             if self.mode == "bytes":
                 r0, r1 = rep_at[j], rep_at[j + 1]
                 v.rep, v.chunk, v.holder = rep[r0:r1] - lo, chunk[r0:r1], holder[r0:r1]
@@ -88,7 +83,7 @@ class Views:
         the one moved whole, and their ends."""
         if whole:
             keep = np.arange(v.tasks.size) != i
-            w = DonorView(**{f: getattr(v, f)[keep] for f in _PER_TASK[self.mode]})
+            w = DonorView(v.tasks[keep], v.cols[:, keep], self.mode)
             if self.mode == "bytes":
                 kc = v.rep != i
                 w.rep, w.chunk, w.holder = v.rep[kc], v.chunk[kc], v.holder[kc]
@@ -98,6 +93,7 @@ class Views:
             v.a[i], v.b[i] = a, b
             e = a + self.m if b - a >= 2 * self.m else b
             v.min_pairs[i] = (e * (e + 1) - a * (a + 1)) // 2
+            v.pairs[i] = (b * (b + 1) - a * (a + 1)) // 2
         if self.mode == "bytes":
             sel, bs = mine                                     # its tasks of d: the others' prefix ends
             if whole:
@@ -112,15 +108,11 @@ class Views:
         return v
 
     def candidate_rows(self, s: int, v: DonorView) -> np.ndarray:
-        """Donor ``s``'s candidate (task, receiver) rows with what they need of the task, packed as one
-        array ``[task, min_pairs, receiver, doc, a, b, home, other, kv_now, pairs, cheap_end] x rows``
-        (``cheap_end``: the task's end where each of its moves costs at least ``q_bytes / end`` per pair,
-        it is served at home and the donor fetches no KV for it, else a bound above any end, for
-        ``Greedy.best_move``'s pruning): first the rows of
-        the tasks' documents' chunks' servers, then of the holders that are other servers and of the
-        servers given shards of the document, then one per task for the emptiest receiver; the
-        receivers of the first and last part are filled in per move (chunks move, and so does the
-        emptiest receiver)."""
+        """Donor ``s``'s candidate (task, receiver) rows with the task's fields beside them, one array
+        ``[task, receiver, *FIELDS] x rows``: first the rows of the tasks' documents' chunks' servers,
+        then of the holders that are other servers and of the servers given shards of the document,
+        then one per task for the emptiest receiver; the receivers of the first and last part are
+        filled in per move (chunks move, and so does the emptiest receiver)."""
         h = (v.holder >= 0) & (v.holder != s)
         task, recv = [v.rep, v.rep[h]], [v.rep, v.holder[h]]
         if self.shard_servers:
@@ -131,9 +123,9 @@ class Views:
                 task.append(et)
                 recv.append(er)
         task = np.concatenate((*task, np.arange(v.tasks.size)))
-        recv = np.concatenate((*recv, np.zeros(v.tasks.size, dtype=np.int64)))
-        pairs = self.pairs[v.tasks]
-        cheap = np.where((v.home == s) & (v.kv_now == 0), v.b, np.iinfo(np.int64).max)
-        return np.concatenate((task, v.min_pairs[task], recv, v.doc[task], v.a[task], v.b[task],
-                               v.home[task], v.other[task], v.kv_now[task], pairs[task],
-                               cheap[task])).reshape(11, -1)
+        v.cheap[:] = np.where((v.home == s) & (v.kv_now == 0), v.b, _NONE)
+        F = np.empty((2 + v.cols.shape[0], task.size), dtype=np.int64)
+        F[0] = task
+        np.concatenate(recv, out=F[1, :task.size - v.tasks.size])
+        np.take(v.cols, task, axis=1, out=F[2:])
+        return F
