@@ -69,9 +69,8 @@ class _Donor:
         self.g, self.s, self.v = g, s, v
         self.a, self.b = v.a.tolist(), v.b.tolist()
         self.doc, self.home = v.doc.tolist(), v.home.tolist()
-        T = g.pairs[v.tasks]
-        self.T = T.tolist()
-        self.order = np.argsort(-T, kind="stable").tolist()     # most pairs first, ties: first task
+        self.T = v.pairs.tolist()
+        self.order = np.argsort(-v.pairs, kind="stable").tolist()   # most pairs first, ties: first task
         self.alive = [True] * len(self.a)
         self.cur = loads = g.load.tolist()
         self.heap = list(zip(loads, range(len(loads))))

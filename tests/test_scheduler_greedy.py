@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from cadlib.plan import layout_from_lists
 from cadlib.scheduler import colocated, place, reference_greedy
 
-from test_scheduler import KVB, MODEL, QB, _check_plan, layouts, reference_token_matrices
+from test_scheduler import KVB, MODEL, QB, _check_plan, _random_layout, layouts, reference_token_matrices
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -127,3 +127,71 @@ def test_known_losses_are_caught_by_the_guard():
         cad, eq = place(layout, "cad", S, MODEL, tol, m), place(layout, "equal_flops", S, MODEL, tol, m)
         assert cad.meta["guard"] and cad.forward_bytes(MODEL) == eq.forward_bytes(MODEL)
         assert np.array_equal(cad.server_pairs(), eq.server_pairs())
+
+
+def _random_cases(n, seed):
+    rng = np.random.default_rng(seed)
+    for _ in range(n):
+        layout, S = _random_layout(rng)
+        yield layout, S, float(rng.choice([0.0, 0.02, 0.1, 0.3])), int(rng.choice([1, 8, 32]))
+
+
+def test_rollout_bytes_are_the_moves_bytes(monkeypatch):
+    """A rollout's first move costs what the engine charges for it (the rollout's scalar accounting
+    and the engine's vectorised one agree), on random layouts."""
+    import cadlib.scheduler_engine as engine
+    from cadlib import scheduler_rollout
+
+    seen = []
+
+    def decide(g, s, mv, mp):
+        if mp is not None and mp != mv:
+            for m in (mv, mp):
+                d = scheduler_rollout._Donor(g, s, g.views[s])
+                assert d.apply(m.at, m.receiver, m.k, m.pairs, m.from_end) == m.bytes
+            seen.append(s)
+        return scheduler_rollout.decide(g, s, mv, mp)
+
+    monkeypatch.setattr(engine, "decide", decide)
+    for layout, S, tol, m in _random_cases(300, 7):
+        place(layout, "cad", S, MODEL, tol, m, guard=False)
+    assert len(seen) > 100
+
+
+def test_pruning_changes_no_move(monkeypatch):
+    """``Greedy.prune`` drops only rows that cannot be the best move: the plans with and without it
+    are the same, on random layouts where it drops rows."""
+    from cadlib.scheduler_engine import Greedy
+
+    prune, dropped = Greedy.prune, []
+
+    def counting(self, v, F, keep, excess, room):
+        before = int(keep.sum())
+        prune(self, v, F, keep, excess, room)
+        dropped.append(before - int(keep.sum()))
+
+    cases = list(_random_cases(300, 8))
+    monkeypatch.setattr(Greedy, "prune", counting)
+    pruned = [place(lay, "cad", S, MODEL, tol, m, guard=False).tasks for lay, S, tol, m in cases]
+    monkeypatch.setattr(Greedy, "prune", lambda *args: None)
+    for (lay, S, tol, m), tasks in zip(cases, pruned):
+        assert sorted(place(lay, "cad", S, MODEL, tol, m, guard=False).tasks) == sorted(tasks)
+    assert sum(x > 0 for x in dropped) > 50
+
+
+def test_greedy_alone_loses_rarely_on_random_layouts():
+    """The greedy alone against ``equal_flops`` on 1,000 random tiny layouts (the causes left are the
+    KNOWN_LOSSES): measured 3 byte losses, 1 missed tolerance, 10 higher peaks (all at tolerance 0);
+    before the rollout 48, 10 and 55."""
+    count = {"bytes": 0, "miss": 0, "peak": 0}
+    for layout, S, tol, m in _random_cases(1000, 0):
+        ch = layout.chunk_array()
+        raw = place(layout, "cad", S, MODEL, tol, m, chunks=ch, guard=False)
+        eq = place(layout, "equal_flops", S, MODEL, tol, m, chunks=ch)
+        if eq.meta["reached"] and not raw.meta["reached"]:
+            count["miss"] += 1
+        elif eq.meta["reached"]:
+            count["bytes"] += raw.forward_bytes(MODEL) > eq.forward_bytes(MODEL)
+        elif not raw.meta["reached"]:
+            count["peak"] += raw.server_pairs().max() > eq.server_pairs().max()
+    assert count["bytes"] <= 5 and count["miss"] <= 2 and count["peak"] <= 15, count
