@@ -252,7 +252,8 @@ def place(layout: Layout, method: str = "cad", n_servers: int | None = None, mod
     reports how often. ``equal_flops``' plan is computed by :class:`cadlib.scheduler_fill.WaterFill`
     (its arrays only when it is returned).
     ``meta['moved_bytes']``: the forward bytes the moves added to the colocated placement's, exact
-    (tracked move by move; ``plan.forward_bytes(model)`` gives the total).
+    (tracked move by move; ``plan.forward_bytes(model)`` gives the total); ``meta['n_rollouts']``: the
+    greedy's moves checked against peeling by a rollout (:mod:`cadlib.scheduler_rollout`).
 
     ``min_shard`` None: ``MIN_SHARD_TOKENS``, or with ``cost_model`` (a
     :class:`cadlib.measured.MeasuredCost`) its :meth:`~cadlib.measured.MeasuredCost.min_shard`; the
@@ -282,7 +283,8 @@ def place(layout: Layout, method: str = "cad", n_servers: int | None = None, mod
     t1 = time.perf_counter()
     reached = g.run() if method != "colocated" else g.reached()
     t2 = time.perf_counter()
-    meta = {"method": method, "n_moves": g.n_moves, "n_splits": g.n_splits, "tolerance": tol,
+    meta = {"method": method, "n_moves": g.n_moves, "n_splits": g.n_splits, "n_rollouts": g.n_rollouts,
+            "tolerance": tol,
             "reached": reached, "min_shard": m, "n_servers": S, "model": spec.name, "dtype": dtype,
             "imbalance_before": g.imbalance_before, "imbalance_after": g.imbalance(),
             "moved_bytes": g.moved_bytes, "guard": False}
