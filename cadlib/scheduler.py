@@ -67,10 +67,11 @@ def reference_greedy(chunks: np.ndarray, n_servers: int, tolerance: float, min_s
 
     (3) Even so, a donor that needs several moves can spend its cheapest material first (start
     shards, small tasks) and be left with a tail that costs more to move or fits no room. So a
-    **rollout** checks a partial move against peeling (``equal_flops``' move for this donor, ``mp``):
-    when they differ, both are played out for this donor alone, against the receivers as they are,
-    the move then peeling, and peeling, until its excess is cleared or it has no move. ``mp`` is
-    committed if its play-out is strictly better: ``(not cleared, excess left, bytes)`` is lower.
+    **rollout** checks each move against peeling (``equal_flops``' move for this donor, ``mp``): when
+    they differ, both are played out for this donor alone, against the receivers as they are, the
+    move then peeling, and peeling, until its excess is cleared or it has no move. ``mp`` is committed
+    if its play-out is strictly better: ``(not cleared, excess left, bytes)`` is lower. (Against
+    unchanged receivers the donor so ends no worse than peeling would from where it started.)
 
     ``equal_flops`` (``mode="flops"``) instead takes the largest ``P``, end shards to the emptiest
     receiver only. Receivers tried: those that hold or serve part of ``d``, and the emptiest receiver,
@@ -176,7 +177,7 @@ def reference_greedy(chunks: np.ndarray, n_servers: int, tolerance: float, min_s
         if c is None:
             stuck.add(s)
             continue
-        if mode == "bytes" and c.pairs < load[s] - U:            # partial: the rollout
+        if mode == "bytes":                                    # the rollout
             g = max(range(S), key=lambda i: (U - load[i], -i))
             mp = best([x for x in cands if x.receiver == g and x.side == 0], load[s] - U, True)
             if mp is not None and mp[2:6] != c[2:6] and play_out(s, mp) < play_out(s, c):

@@ -10,8 +10,8 @@ colocated value, overridden (``over_key``, ``over_end``) once a move changes it 
 
 A donor's tasks change only when it moves, so what the candidates of its tasks need from them (a
 :class:`cadlib.scheduler_views.DonorView`) is built for every donor at once when the greedy starts and
-updated after it has moved (:mod:`cadlib.scheduler_views`). A partial move is checked against peeling
-by a rollout (:mod:`cadlib.scheduler_rollout`). ``mode="flops"`` (``equal_flops``) does not price
+updated after it has moved (:mod:`cadlib.scheduler_views`). A move is checked against peeling by a
+rollout (:mod:`cadlib.scheduler_rollout`). ``mode="flops"`` (``equal_flops``) does not price
 moves: its forward bytes are those of its final tasks less the colocated ones, on the documents it
 touched, counted once at the end.
 """
@@ -220,7 +220,7 @@ class Greedy(Views):
         sd, c = divmod(int(best[0]), N)
         self.peel = None
         ng = int(np.count_nonzero(keep[-n:]))                     # the last ng rows: to g, tasks in order
-        if p[sd, c] < excess and ng:                              # partial: the peeling move too
+        if ng:                                                    # the peeling move too
             pe = np.where(valid[0, -ng:], p[0, -ng:], -1)
             e = int(pe.argmax())                                  # the largest; ties: the first task
             if pe[e] >= 0:
@@ -327,7 +327,7 @@ class Greedy(Views):
             if not live[s] > U:
                 break
             mv = self.best_move(s)
-            if mv is not None and self.mode == "bytes" and mv.pairs < load[s] - U:
+            if mv is not None and self.mode == "bytes":
                 mv = decide(self, s, mv, self.peel)
             if mv is None:
                 self.stuck.add(s)

@@ -1,20 +1,21 @@
-"""The rollout of the CAD greedy (:mod:`cadlib.scheduler_engine`): before a donor commits a move that
-leaves part of its excess, it plays out the rest.
+"""The rollout of the CAD greedy (:mod:`cadlib.scheduler_engine`): before a donor commits a move, it
+plays out the rest.
 
 The greedy scores a move one step ahead; a donor that needs several moves can spend its cheapest
 material first (start shards, small tasks) and be left with a tail that costs more to move, or fits
-no room. So when the greedy's move ``mv`` is partial and differs from the **peeling** move ``mp``
-(``equal_flops``' move for this donor: its largest valid end shard to the emptiest receiver), both
-are played out for this donor alone, against the receivers as they are: ``mv`` then peeling, and
-peeling from ``mp``, each until the donor's excess is cleared or it has no move. The greedy commits
-``mp`` if its rollout is strictly better: it clears the excess and the other does not, or it leaves
-less excess, or the same and it moves fewer bytes; else ``mv``. A rollout is a handful of scalar
-steps (a peeling step cuts one to three tasks in integer arithmetic, :func:`cadlib.shards.end_cut`),
-so it costs ~10 µs a step, not an engine pass.
+no room. So when the greedy's move ``mv`` differs from the **peeling** move ``mp`` (``equal_flops``'
+move for this donor: its largest valid end shard to the emptiest receiver), both are played out for
+this donor alone, against the receivers as they are: ``mv`` then peeling, and ``mp`` then peeling,
+each until the donor's excess is cleared or it has no move. The greedy commits ``mp`` if its play-out
+is strictly better: it clears the excess and the other does not, or it leaves less excess, or the same
+and it moves fewer bytes; else ``mv``. A play-out is a handful of scalar steps (a peeling step cuts
+one to three tasks in integer arithmetic, :func:`cadlib.shards.end_cut`), ~3 µs each, not an engine
+pass; a move that clears the excess needs none.
 
-Peeling is the base policy: a move is only replaced by peeling when peeling from here does better,
-so for the donor, against the same receivers, the greedy with its rollout never does worse than
-peeling alone (the rollout argument: each committed move keeps the best of the played-out totals).
+Peeling is the rollout's base policy. Against unchanged receivers, the donor ends no worse than
+peeling from where it started: each committed move's play-out is at most the peeling one from there,
+and when ``mp`` is committed, peeling from the next state is the rest of that same play-out. (Other
+donors' moves change the receivers in between: ``KNOWN_LOSSES`` in tests/test_scheduler_greedy.py.)
 """
 from __future__ import annotations
 
@@ -32,11 +33,17 @@ def decide(g, s: int, mv, mp):
     if mp is None or (mp.at, mp.receiver, mp.k, mp.from_end) == (mv.at, mv.receiver, mv.k, mv.from_end):
         return mv
     g.n_rollouts += 1
-    p = _Donor(g, s, g.views[s])
-    q = p.copy()
-    p.apply(mp.at, mp.receiver, mp.k, mp.pairs, True)
-    q.apply(mv.at, mv.receiver, mv.k, mv.pairs, mv.from_end)
-    return mp if p.finish() < q.finish() else mv
+    load, base, out = int(g.load[s]), None, []
+    for m in (mp, mv):
+        if load - m.pairs <= g.U:                              # clears: nothing left to play out
+            out.append((False, 0.0, m.bytes))
+            continue
+        if base is None:
+            base = _Donor(g, s, g.views[s])
+        d = base.copy()
+        d.apply(m.at, m.receiver, m.k, m.pairs, m.from_end)
+        out.append(d.finish())
+    return mp if out[0] < out[1] else mv
 
 
 def _doc(g, d: int):
