@@ -39,7 +39,7 @@ def decide(g, s: int, mv, mp):
             out.append((False, 0.0, m.bytes))
             continue
         if base is None:
-            base = _Donor(g, s, g.views[s])
+            base = _Donor.start(g, s)
         d = base.copy()
         d.apply(m.at, m.receiver, m.k, m.pairs, m.from_end)
         out.append(d.finish())
@@ -66,22 +66,24 @@ def _doc(g, d: int):
 
 
 class _Donor:
-    """One donor's rollout state: its tasks (lists), the servers' loads (a heap of ``(load,
-    server)`` with the current load per server in ``cur``), the prefix ends the moves set."""
+    """One donor's rollout state: its tasks (lists), the servers' loads (``loads`` as the greedy has
+    them, in ascending order ``by_load``, shared; the ones the play-out changed in ``cur``, also on a
+    heap of ``(load, server)``: the emptiest server is the first of either that the play-out did not
+    change, or the heap's top), the prefix ends the moves set."""
 
-    __slots__ = ("g", "s", "v", "a", "b", "doc", "home", "T", "order", "alive", "cur", "heap",
-                 "need", "load", "bytes", "same")
+    __slots__ = ("g", "s", "v", "a", "b", "doc", "home", "T", "order", "alive", "loads", "by_load",
+                 "next", "cur", "heap", "need", "load", "bytes", "same")
 
-    def __init__(self, g, s: int, v):
+    def __init__(self, g, s: int, v, loads: list[int], by_load: list[int]):
         self.g, self.s, self.v = g, s, v
         self.a, self.b = v.a.tolist(), v.b.tolist()
         self.doc, self.home = v.doc.tolist(), v.home.tolist()
         self.T = v.pairs.tolist()
         self.order = np.argsort(-v.pairs, kind="stable").tolist()   # most pairs first, ties: first task
         self.alive = [True] * len(self.a)
-        self.cur = loads = g.load.tolist()
-        self.heap = list(zip(loads, range(len(loads))))
-        heapq.heapify(self.heap)
+        self.loads, self.by_load, self.next = loads, by_load, 0
+        self.cur: dict[int, int] = {}
+        self.heap: list[tuple[int, int]] = []
         self.need: dict[tuple[int, int], int] = {}
         self.load = loads[s]                                    # the donor's (an integer: exact)
         self.bytes = 0
@@ -89,11 +91,17 @@ class _Donor:
         for i in np.flatnonzero(v.other > 0).tolist():
             self.same.setdefault(self.doc[i], []).append(i)
 
+    @classmethod
+    def start(cls, g, s: int) -> "_Donor":
+        """Donor ``s`` of the greedy ``g`` as it is now."""
+        return cls(g, s, g.views[s], g.load.tolist(), np.argsort(g.load, kind="stable").tolist())
+
     def copy(self) -> "_Donor":
         c = _Donor.__new__(_Donor)
         c.g, c.s, c.v, c.doc, c.home, c.same = self.g, self.s, self.v, self.doc, self.home, self.same
         c.a, c.b, c.T, c.order, c.alive = self.a[:], self.b[:], self.T[:], self.order[:], self.alive[:]
-        c.cur, c.heap, c.need = self.cur[:], self.heap[:], dict(self.need)
+        c.loads, c.by_load, c.next = self.loads, self.by_load, self.next
+        c.cur, c.heap, c.need = dict(self.cur), self.heap[:], dict(self.need)
         c.load, c.bytes = self.load, self.bytes
         return c
 
@@ -140,7 +148,7 @@ class _Donor:
                 order.insert(q, i)
                 del order[at]
         self.load -= pairs
-        load = self.cur[r] + pairs
+        load = self.cur.get(r, self.loads[r]) + pairs
         self.cur[r] = load
         heapq.heappush(self.heap, (load, r))
         self.bytes += byt
@@ -149,10 +157,13 @@ class _Donor:
     def peel_step(self) -> bool:
         """Apply the peeling move (the largest valid end shard to the emptiest server, ties: the first
         task); False when there is none."""
-        U, heap, cur = self.g.U, self.heap, self.cur
-        while heap[0][0] != cur[heap[0][1]]:                 # stale entries
+        U, heap, cur, by_load = self.g.U, self.heap, self.cur, self.by_load
+        while heap and heap[0][0] != cur[heap[0][1]]:         # stale entries
             heapq.heappop(heap)
-        load, r = heap[0]
+        while self.next < len(by_load) and by_load[self.next] in cur:
+            self.next += 1
+        first = (self.loads[by_load[self.next]], by_load[self.next]) if self.next < len(by_load) else None
+        load, r = heap[0] if heap and (first is None or heap[0] < first) else first
         if load >= U or self.load <= U:
             return False
         room = U - load

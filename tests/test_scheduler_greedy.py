@@ -147,7 +147,7 @@ def test_rollout_bytes_are_the_moves_bytes(monkeypatch):
     def decide(g, s, mv, mp):
         if mp is not None and mp != mv:
             for m in (mv, mp):
-                d = scheduler_rollout._Donor(g, s, g.views[s])
+                d = scheduler_rollout._Donor.start(g, s)
                 assert d.apply(m.at, m.receiver, m.k, m.pairs, m.from_end) == m.bytes
             seen.append(s)
         return scheduler_rollout.decide(g, s, mv, mp)
