@@ -195,3 +195,22 @@ def test_greedy_alone_loses_rarely_on_random_layouts():
         elif not raw.meta["reached"]:
             count["peak"] += raw.server_pairs().max() > eq.server_pairs().max()
     assert count["bytes"] <= 5 and count["miss"] <= 2 and count["peak"] <= 15, count
+
+
+def test_greedy_alone_never_loses_with_one_donor():
+    """With one donor, ``equal_flops`` is peeling from the start, and the rollout argument (each move
+    kept only if its play-out is no worse than peeling's, which continues where the last left off)
+    makes the greedy alone end no worse: on every random layout with a single donor it reaches the
+    tolerance whenever ``equal_flops`` does, with no more bytes, and otherwise no higher peak."""
+    from cadlib.scheduler_engine import Greedy
+
+    n = 0
+    for layout, S, tol, m in _random_cases(1500, 9):
+        ch = layout.chunk_array()
+        g = Greedy(ch, layout.n_docs, S, tol, m, QB, KVB, "bytes")
+        if int((g.load > g.U).sum()) != 1:
+            continue
+        n += 1
+        ranks = [[tuple(c) for c in r] for r in layout.ranks]
+        assert _greedy_wins(ranks, layout.doc_lens, S, tol, m), (ranks, layout.doc_lens, S, tol, m)
+    assert n > 300
