@@ -1,5 +1,5 @@
 """Benchmark the CAD scheduler against the colocated placement and the bytes-blind equal-FLOPs
-water-filling, in three parts:
+water-filling, in four parts:
 
 * **scale** (default): imbalance (max/mean attention pairs per server) before and after, forward
   dispatch bytes (Q + KV, one layer, bf16, llama3-8b), tasks, moves and planning time at 8, 64, 512
