@@ -2,8 +2,8 @@
 water-filling, in four parts:
 
 * **scale** (default): imbalance (max/mean attention pairs per server) before and after, forward
-  dispatch bytes (Q + KV, one layer, bf16, llama3-8b), tasks, moves and planning time at 8, 64, 512
-  servers x 128K, 512K tokens per rank, for ``pretrain``, ``prolong`` and long documents
+  dispatch bytes (Q + KV, one layer, bf16, llama3-8b), tasks, moves, rollouts and planning time at 8,
+  64, 512 servers x 128K, 512K tokens per rank, for ``pretrain``, ``prolong`` and long documents
   (``pretrain-x4``: pretrain elongated 4x, as DistCA's 512K runs), sequentially packed, plus DistCA's
   head/tail chunks (``zigzag``: each document in 2R chunks, rank r holding chunks r and 2R-1-r).
   ``plan_ms`` covers layout -> arrays, the greedy and the equal-FLOPs guard, wall clock;
