@@ -65,6 +65,14 @@ def reference_greedy(chunks: np.ndarray, n_servers: int, tolerance: float, min_s
         priority = cost / P                  if P >= X, or if no candidate clears X
                  = (cost + C) / X            otherwise, C = the lowest cost of a clearing candidate
 
+    (3) Even so, a donor that needs several moves can spend its cheapest material first (start
+    shards, small tasks) and be left with a tail that costs more to move or fits no room. So a
+    **rollout** checks each move against peeling (``equal_flops``' move for this donor, ``mp``): when
+    they differ, both are played out for this donor alone, against the receivers as they are, the
+    move then peeling, and peeling, until its excess is cleared or it has no move. ``mp`` is committed
+    if its play-out is strictly better: ``(not cleared, excess left, bytes)`` is lower. (Against
+    unchanged receivers the donor so ends no worse than peeling would from where it started.)
+
     ``equal_flops`` (``mode="flops"``) instead takes the largest ``P``, end shards to the emptiest
     receiver only. Receivers tried: those that hold or serve part of ``d``, and the emptiest receiver,
     which stands for all others (a receiver with nothing of ``d`` pays ``e`` KV tokens whatever it is;
@@ -72,25 +80,91 @@ def reference_greedy(chunks: np.ndarray, n_servers: int, tolerance: float, min_s
     receiver, end before start."""
     S, m = n_servers, int(min_shard)
     tasks = [Task(int(d), int(a), int(b), int(h), int(h) % S) for d, a, b, h in chunks]
-    by_doc: dict[int, list[Task]] = {}
     held: dict[tuple[int, int], list[tuple[int, int]]] = {}    # (rank, doc) -> its token ranges
     for t in tasks:
-        by_doc.setdefault(t.doc, []).append(t)
         held.setdefault((t.home, t.doc), []).append((t.a, t.b))
-    holders: dict[int, set[int]] = {d: set() for d in by_doc}   # doc -> ranks holding part of it
-    for h, d in held:
-        if h < S:
-            holders[d].add(h)
+    holders = {d: {h for h, d2 in held if d2 == d and h < S} for d in {t.doc for t in tasks}}
     load = [0] * S
     for t in tasks:
         load[t.server] += causal_pairs(t.a, t.b)
     U = (1.0 + tolerance) * sum(load) / S
 
-    def kv(g, d, skip=None, end=0):
+    def kv(tasks, g, d, skip=None, end=0):
         """KV tokens server ``g`` fetches for ``d``: its tasks' prefix (task ``skip`` replaced by one
         ending at ``end``) minus what rank ``g`` holds of it."""
-        e = max([end] + [t.b for t in by_doc[d] if t.server == g and t is not skip])
+        e = max([end] + [t.b for t in tasks if t.doc == d and t.server == g and t is not skip])
         return e - sum(max(0, min(hi, e) - lo) for lo, hi in held.get((g, d), ()))
+
+    def candidates(tasks, load, s, flops):
+        """Donor ``s``'s moves, scored; ``flops``: end shards to the emptiest receiver only."""
+        receivers = [r for r in range(S) if load[r] < U]
+        g = max(receivers, key=lambda i: (U - load[i], -i)) if receivers else None
+        out: list[Candidate] = []
+        for ti, t in enumerate(tasks):
+            if t.server != s:
+                continue
+            d, a, b, h = t.doc, t.a, t.b, t.home
+            mine = [t2 for t2 in tasks if t2.doc == d]
+            near = {t2.server for t2 in mine} | holders[d]     # servers serving or holding part of d
+            avail = sum(min(causal_pairs(t2.a, t2.b), load[t2.server] - U) for t2 in mine
+                        if load[t2.server] > U)                 # pairs of d that donors could shed
+            for r in [g] * (g is not None) if flops else [r for r in receivers if r in near or r == g]:
+                room = U - load[r]
+                x, y = max(1, math.ceil(min(load[s] - U, room))), math.floor(room)
+                k, p = cut_shards([a], [b], [x], [y], m)
+                for side, from_end in enumerate((True, False)):
+                    kk, P = int(k[side, 0]), int(p[side, 0])
+                    if kk == 0 or P > y or (flops and not from_end):
+                        continue
+                    e = b if from_end else a + kk                      # the shard's KV prefix end
+                    left = b - kk if from_end else b                   # end of what s keeps of t
+                    kv_r = kv(tasks, r, d, end=e) - kv(tasks, r, d)
+                    kv_s = kv(tasks, s, d, skip=t, end=0 if kk == b - a else left) - kv(tasks, s, d)
+                    byt = q_bytes * kk * ((h != r) - (h != s)) + kv_bytes * (kv_r + kv_s)
+                    bundle = max(min(room, avail), P)
+                    cost = max(byt - kv_bytes * kv_r + kv_bytes * kv_r * P / bundle, min(byt, 0))
+                    out.append(Candidate(cost, P, ti, r, kk, side, byt))
+        return out
+
+    def best(cands, excess, flops):
+        """The lowest-priority candidate (None if there is none)."""
+        clear = min((c.cost for c in cands if c.pairs >= excess), default=None)
+        key = None
+        for c in cands:
+            if flops:
+                prio = -c.pairs
+            elif clear is None or c.pairs >= excess:
+                prio = c.cost / c.pairs
+            else:
+                prio = (c.cost + clear) / excess
+            if key is None or (prio, -c.pairs, c.index, c.receiver, c.side) < key:
+                key, out = (prio, -c.pairs, c.index, c.receiver, c.side), c
+        return out if key is not None else None
+
+    def apply(tasks, load, c):
+        """Commit move ``c`` of the donor serving ``tasks[c.index]``."""
+        t = tasks[c.index]
+        s, a, b = t.server, t.a, t.b
+        if c.k == b - a:
+            t.server = c.receiver
+        else:
+            tasks.append(Task(t.doc, b - c.k, b, t.home, c.receiver) if c.side == 0
+                         else Task(t.doc, a, a + c.k, t.home, c.receiver))
+            t.a, t.b = (a, b - c.k) if c.side == 0 else (a + c.k, b)
+        load[s] -= c.pairs
+        load[c.receiver] += c.pairs
+
+    def play_out(s, first):
+        """Donor ``s`` alone: ``first``, then peeling, on a copy of the state: ``(not cleared, excess
+        left, bytes)``."""
+        ts, ld = [Task(t.doc, t.a, t.b, t.home, t.server) for t in tasks], load[:]
+        apply(ts, ld, first)
+        total = first.bytes
+        while ld[s] > U and (c := best(candidates(ts, ld, s, True), ld[s] - U, True)) is not None:
+            apply(ts, ld, c)
+            total += c.bytes
+        left = max(ld[s] - U, 0.0)
+        return left > 0, left, total
 
     stuck: set[int] = set()
     while True:
@@ -98,60 +172,17 @@ def reference_greedy(chunks: np.ndarray, n_servers: int, tolerance: float, min_s
         if not donors:
             break
         s = max(donors, key=lambda i: (load[i], -i))          # the most loaded donor moves
-        receivers = [r for r in range(S) if load[r] < U]
-        g = max(receivers, key=lambda i: (U - load[i], -i)) if receivers else None
-        cands: list[Candidate] = []
-        for ti, t in enumerate(tasks):
-            if t.server != s:
-                continue
-            d, a, b, h = t.doc, t.a, t.b, t.home
-            near = {t2.server for t2 in by_doc[d]} | holders[d]   # servers serving or holding part of d
-            avail = sum(min(causal_pairs(t2.a, t2.b), load[t2.server] - U) for t2 in by_doc[d]
-                        if load[t2.server] > U)                 # pairs of d that donors could shed
-            rs = [r for r in receivers if r in near or r == g] if mode == "bytes" else [g] * (g is not None)
-            for r in rs:
-                room = U - load[r]
-                x, y = max(1, math.ceil(min(load[s] - U, room))), math.floor(room)
-                k, p = cut_shards([a], [b], [x], [y], m)
-                for side, from_end in enumerate((True, False)):
-                    kk, P = int(k[side, 0]), int(p[side, 0])
-                    if kk == 0 or P > y or (mode == "flops" and not from_end):
-                        continue
-                    e = b if from_end else a + kk                      # the shard's KV prefix end
-                    left = b - kk if from_end else b                   # end of what s keeps of t
-                    kv_r = kv(r, d, end=e) - kv(r, d)
-                    kv_s = kv(s, d, skip=t, end=0 if kk == b - a else left) - kv(s, d)
-                    byt = q_bytes * kk * ((h != r) - (h != s)) + kv_bytes * (kv_r + kv_s)
-                    bundle = max(min(room, avail), P)
-                    cost = max(byt - kv_bytes * kv_r + kv_bytes * kv_r * P / bundle, min(byt, 0))
-                    cands.append(Candidate(cost, P, ti, t, r, kk, side))
-        excess = load[s] - U
-        clear = min((c.cost for c in cands if c.pairs >= excess), default=None)
-        best, best_key = None, None
-        for c in cands:
-            if mode == "flops":
-                prio = -c.pairs
-            elif clear is None or c.pairs >= excess:
-                prio = c.cost / c.pairs
-            else:
-                prio = (c.cost + clear) / excess
-            key = (prio, -c.pairs, c.index, c.receiver, c.side)
-            if best is None or key < best_key:
-                best, best_key = c, key
-        if best is None:
+        cands = candidates(tasks, load, s, mode == "flops")
+        c = best(cands, load[s] - U, mode == "flops")
+        if c is None:
             stuck.add(s)
             continue
-        t, r, k, from_end = best.task, best.receiver, best.k, best.side == 0
-        a, b = t.a, t.b
-        if k == b - a:
-            t.server = r
-        else:
-            new = Task(t.doc, b - k, b, t.home, r) if from_end else Task(t.doc, a, a + k, t.home, r)
-            t.a, t.b = (a, b - k) if from_end else (a + k, b)
-            tasks.append(new)
-            by_doc[t.doc].append(new)
-        load[s] -= best.pairs
-        load[r] += best.pairs
+        if mode == "bytes":                                    # the rollout
+            g = max(range(S), key=lambda i: (U - load[i], -i))
+            mp = best([x for x in cands if x.receiver == g and x.side == 0], load[s] - U, True)
+            if mp is not None and mp[2:6] != c[2:6] and play_out(s, mp) < play_out(s, c):
+                c = mp
+        apply(tasks, load, c)
         if load[s] < U:
             stuck.clear()                                      # a new receiver: retry stuck donors
     return [[t.doc, t.a, t.b, t.home, t.server] for t in tasks], all(v <= U for v in load)
@@ -170,16 +201,17 @@ class Task:
 
 
 class Candidate(NamedTuple):
-    """A scored move of ``reference_greedy``: ``k`` query tokens of ``task`` (the ``index``-th task)
-    to ``receiver``, from its end (``side`` 0) or its start (1), moving ``pairs`` at ``cost``."""
+    """A scored move of ``reference_greedy``: ``k`` query tokens of the ``index``-th task to
+    ``receiver``, from its end (``side`` 0) or its start (1), moving ``pairs`` at ``cost`` (its forward
+    bytes: ``bytes``)."""
 
     cost: float
     pairs: int
     index: int
-    task: Task
     receiver: int
     k: int
     side: int
+    bytes: int
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -221,7 +253,8 @@ def place(layout: Layout, method: str = "cad", n_servers: int | None = None, mod
     reports how often. ``equal_flops``' plan is computed by :class:`cadlib.scheduler_fill.WaterFill`
     (its arrays only when it is returned).
     ``meta['moved_bytes']``: the forward bytes the moves added to the colocated placement's, exact
-    (tracked move by move; ``plan.forward_bytes(model)`` gives the total).
+    (tracked move by move; ``plan.forward_bytes(model)`` gives the total); ``meta['n_rollouts']``: the
+    greedy's moves checked against peeling by a rollout (:mod:`cadlib.scheduler_rollout`).
 
     ``min_shard`` None: ``MIN_SHARD_TOKENS``, or with ``cost_model`` (a
     :class:`cadlib.measured.MeasuredCost`) its :meth:`~cadlib.measured.MeasuredCost.min_shard`; the
@@ -251,7 +284,8 @@ def place(layout: Layout, method: str = "cad", n_servers: int | None = None, mod
     t1 = time.perf_counter()
     reached = g.run() if method != "colocated" else g.reached()
     t2 = time.perf_counter()
-    meta = {"method": method, "n_moves": g.n_moves, "n_splits": g.n_splits, "tolerance": tol,
+    meta = {"method": method, "n_moves": g.n_moves, "n_splits": g.n_splits, "n_rollouts": g.n_rollouts,
+            "tolerance": tol,
             "reached": reached, "min_shard": m, "n_servers": S, "model": spec.name, "dtype": dtype,
             "imbalance_before": g.imbalance_before, "imbalance_after": g.imbalance(),
             "moved_bytes": g.moved_bytes, "guard": False}

@@ -9,19 +9,24 @@ doc) the prefix end ``need`` the server fetches (``max q_end`` of its tasks of t
 colocated value, overridden (``over_key``, ``over_end``) once a move changes it (bytes mode only).
 
 A donor's tasks change only when it moves, so what the candidates of its tasks need from them (a
-:class:`DonorView`) is built for every donor at once when the greedy starts and again for a donor after
-it has moved. ``mode="flops"`` (``equal_flops``) does not price moves: its forward bytes are those of
-its final tasks less the colocated ones, on the documents it touched, counted once at the end.
+:class:`cadlib.scheduler_views.DonorView`) is built for every donor at once when the greedy starts and
+updated after it has moved (:mod:`cadlib.scheduler_views`). A move is checked against peeling by a
+rollout (:mod:`cadlib.scheduler_rollout`). ``mode="flops"`` (``equal_flops``) does not price
+moves: its forward bytes are those of its final tasks less the colocated ones, on the documents it
+touched, counted once at the end.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
 from .cost import imbalance
-from .scheduler_index import ChunkIndex, other_ends
-from .shards import cut_shards
+from .scheduler_index import ChunkIndex
+from .scheduler_rollout import decide
+from .scheduler_views import DonorView, Views
+from .shards import cut_near, cut_shards, end_cut
 
 
 @dataclass
@@ -36,33 +41,6 @@ class TaskArrays:
 
 
 @dataclass
-class DonorView:
-    """A donor's live tasks (plan indices ``tasks`` and their fields) and the pairs of each task's
-    smallest valid move (``min_pairs``); bytes mode also: the donor's prefix end for the task's document
-    without the task (``other``), the KV tokens the donor fetches for that document now (``kv_now``),
-    and the chunks of the task's document (``rep``: which task, ``chunk``, its ``holder`` rank or -1
-    when that rank is not a server); ``rows``: :meth:`Greedy.candidate_rows`, ``None`` until computed
-    and again when a document of the view gets a new shard server."""
-
-    tasks: np.ndarray
-    doc: np.ndarray
-    a: np.ndarray
-    b: np.ndarray
-    home: np.ndarray
-    min_pairs: np.ndarray
-    other: np.ndarray | None = None
-    kv_now: np.ndarray | None = None
-    rep: np.ndarray | None = None
-    chunk: np.ndarray | None = None
-    holder: np.ndarray | None = None
-    rows: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
-
-
-_PER_TASK = {"flops": ("tasks", "doc", "a", "b", "home", "min_pairs"),
-             "bytes": ("tasks", "doc", "a", "b", "home", "min_pairs", "other", "kv_now")}
-
-
-@dataclass
 class Move:
     task: int
     receiver: int
@@ -73,7 +51,7 @@ class Move:
     at: int = -1                  # the task's place in the donor's view
 
 
-class Greedy:
+class Greedy(Views):
     """``mode="bytes"``: ``schedule``'s priority (bytes per pair); ``mode="flops"``: ``equal_flops``."""
 
     def __init__(self, chunks: np.ndarray, n_docs: int, n_servers: int, tolerance: float, min_shard: int,
@@ -112,7 +90,7 @@ class Greedy:
         self.stuck: set[int] = set()
         self.views: dict[int, DonorView] = {}
         self.touched: set[int] = set()                         # documents the moves changed
-        self.n_moves = self.n_splits = 0
+        self.n_moves = self.n_splits = self.n_rollouts = 0
         self.moved_bytes = 0                                   # forward bytes added by the moves (exact)
 
     def prepare(self, index: ChunkIndex | None = None) -> None:
@@ -120,13 +98,16 @@ class Greedy:
         chunks and servers) and build every donor's view."""
         if self.server.base is not None:
             self.server = self.server.copy()                   # servers change from now on
-        self.ix = index or ChunkIndex(self.doc, self.a, self.b, self.home, self.server, self.n_docs, self.S)
+        c = self.chunks                                        # (a, b as they are before any move)
+        self.ix = index or ChunkIndex(self.doc, c[:, 1], c[:, 2], self.home, self.server, self.n_docs, self.S)
         self.over_key = self.over_end = np.zeros(0, dtype=np.int64)    # changed prefix ends (bytes mode)
+        self.need_at: dict[tuple[int, int], int] = {}          # need1's answers
         donors = np.flatnonzero(self.load > self.U).tolist()
         p = self.srv_ptr
         self.live = {s: (np.arange(p[s], p[s + 1]) if self.by_srv is None else self.by_srv[p[s]:p[s + 1]])
                      for s in donors}
         self.build_views(donors)
+        self.doc_cache: dict = {}                              # the rollouts' (scheduler_rollout._doc)
 
     def need(self, g: np.ndarray, d: np.ndarray) -> np.ndarray:
         """The prefix end server ``g`` fetches of document ``d`` (0 if it serves none), elementwise."""
@@ -139,15 +120,21 @@ class Greedy:
         return out
 
     def need1(self, g: int, d: int) -> int:
-        """``need`` of one server and document."""
-        key = g * self.n_docs + d
+        """``need`` of one server and document (remembered until it changes)."""
+        e = self.need_at.get((g, d))
+        if e is not None:
+            return e
+        key, e = g * self.n_docs + d, 0
         for k, end in ((self.over_key, self.over_end), (self.ix.need_key, self.ix.need_end)):
             i = int(k.searchsorted(key))
             if i < k.size and k[i] == key:
-                return int(end[i])
-        return 0
+                e = int(end[i])
+                break
+        self.need_at[(g, d)] = e
+        return e
 
     def set_need(self, g: int, d: int, end: int) -> None:
+        self.need_at[(g, d)] = end
         key = g * self.n_docs + d
         i = int(self.over_key.searchsorted(key))
         if i < self.over_key.size and self.over_key[i] == key:
@@ -161,39 +148,6 @@ class Greedy:
 
     def reached(self) -> bool:
         return bool(self.load.max(initial=0) <= self.U)
-
-    # -- donor views ------------------------------------------------------------------------------
-    def build_views(self, servers: list[int]) -> None:
-        """The :class:`DonorView` of each of ``servers`` (donors), from one numpy pass over their
-        tasks."""
-        idx = [self.live[s][self.server[self.live[s]] == s] for s in servers]
-        for s, i in zip(servers, idx):
-            self.live[s] = i
-        cnt = np.array([i.size for i in idx], dtype=np.int64)
-        idx = np.concatenate(idx) if idx else np.zeros(0, dtype=np.int64)
-        d, a, b = self.doc[idx], self.a[idx], self.b[idx]
-        e = np.where(b - a >= 2 * self.m, a + self.m, b)             # smallest valid move: m start tokens
-        mp = (e * (e + 1) - a * (a + 1)) // 2
-        cols = {"tasks": idx, "doc": d, "a": a, "b": b, "home": self.home[idx], "min_pairs": mp}
-        ends = np.cumsum(cnt)
-        if self.mode == "bytes":
-            srv = np.repeat(np.asarray(servers, dtype=np.int64), cnt)
-            other = other_ends(srv * self.n_docs + d, b)
-            cols["other"] = other
-            cols["kv_now"] = self.ix.kv(srv, d, np.maximum(other, b))
-            lo, n_ch = self.ix.doc_ptr[d], self.ix.doc_ptr[d + 1] - self.ix.doc_ptr[d]
-            rep = np.repeat(np.arange(idx.size), n_ch)
-            pos = np.repeat(lo - np.cumsum(n_ch) + n_ch, n_ch) + np.arange(rep.size)
-            chunk, holder = self.ix.by_doc[pos], self.ix.holder_of[pos]
-            rep_at = np.r_[0, np.cumsum(n_ch)][np.r_[0, ends]].tolist()
-        ends = np.r_[0, ends].tolist()
-        for j, s in enumerate(servers):
-            lo, hi = ends[j], ends[j + 1]
-            v = DonorView(**{k: c[lo:hi] for k, c in cols.items()})
-            if self.mode == "bytes":
-                r0, r1 = rep_at[j], rep_at[j + 1]
-                v.rep, v.chunk, v.holder = rep[r0:r1] - lo, chunk[r0:r1], holder[r0:r1]
-            self.views[s] = v
 
     # -- one move ---------------------------------------------------------------------------------
     def best_move(self, s: int) -> Move | None:
@@ -211,28 +165,32 @@ class Greedy:
             return None
         if self.mode == "flops":
             return self.largest_move(s, g, v)
-        n = v.tasks.size
-        room = np.floor(U - load)
-        srv = self.server[v.chunk]
+        n, nr = v.tasks.size, v.rep.size
         if v.rows is None:
             v.rows = self.candidate_rows(s, v)
-        task, mp, recv = v.rows                                   # rows: chunk servers, the rest, g
-        recv = np.concatenate((srv, recv, np.full(n, g)))
-        keep = (recv != s) & (mp <= room[recv])                   # room for the smallest valid move
-        col, recv = task[keep], recv[keep]                        # (a pair twice scores twice: same move)
-        if not col.size:
+        F = v.rows                                                # rows: chunk servers, the rest, g
+        recv = F[1]
+        recv[:nr] = self.server[v.chunk]                          # (chunks move)
+        recv[-n:] = g
+        srv = recv[:nr]
+        room = U - load[recv]
+        yf = np.floor(room)
+        keep = (recv != s) & (F[6] <= yf)                         # room for the smallest valid move
+        excess = load[s] - U
+        if excess > yf[-1]:                                       # no move clears: a bound prunes rows
+            self.prune(v, F, keep, excess, room[-1])
+        F = F[:, keep]                                            # (a pair twice scores twice: same move)
+        if not F.shape[1]:
             return None
+        col, recv, d, a, b, h, _, _, other, kv_now, _ = F
         # pairs of each task's document that donors could shed: sum over its chunks on donors of
         # min(pairs, the donor's excess)
         avail = np.bincount(v.rep, weights=np.minimum(np.maximum(load[srv] - U, 0), self.pairs[v.chunk]),
                             minlength=n)
-        d, a, b, h = v.doc[col], v.a[col], v.b[col], v.home[col]
         need_r = self.need(recv, d)
-        room = U - load[recv]
-        excess = load[s] - U
+        room, y = room[keep], yf[keep].astype(np.int64)
         x = np.maximum(np.ceil(np.minimum(excess, room)), 1).astype(np.int64)
-        y = np.floor(room).astype(np.int64)
-        k, p = cut_shards(a, b, x, y, self.m)                     # [2, N]: end row, start row
+        k, p = cut_near(a, b, x, y, self.m)                       # [2, N]: end row, start row (x <= y + 1)
         valid = (k > 0) & (p <= y)
         # KV of the receiver after (its prefix end grows to the shard's, b or a + k) and before; of the
         # donor after (its prefix end is the other tasks' or what it keeps, b - k or b; 0 if whole)
@@ -241,9 +199,9 @@ class Greedy:
         left = np.concatenate((b - k[0], b)).reshape(2, N) * (k != b - a)
         kvs = self.ix.kv(np.concatenate((recv, recv, recv, np.full(2 * N, s))), np.concatenate((d,) * 5),
                          np.concatenate((np.maximum(need_r, e).ravel(), need_r,
-                                         np.maximum(v.other[col], left).ravel()))).reshape(5, N)
+                                         np.maximum(other, left).ravel()))).reshape(5, N)
         kv_r = kvs[:2] - kvs[2]                                   # [end, start] x N
-        kv_s = kvs[3:] - v.kv_now[col]
+        kv_s = kvs[3:] - kv_now
         byt = self.qb * k * ((h != recv).astype(np.int64) - (h != s)) + self.kvb * (kv_r + kv_s)
         bundle = np.maximum(np.minimum(room, avail[col]), p)
         kvb_r = self.kvb * kv_r
@@ -260,8 +218,36 @@ class Greedy:
             side, c = np.divmod(best, N)
             best = best[np.lexsort((side, recv[c], v.tasks[col[c]], -p.ravel()[best]))]
         sd, c = divmod(int(best[0]), N)
+        self.peel = None
+        ng = int(np.count_nonzero(keep[-n:]))                     # the last ng rows: to g, tasks in order
+        if ng:                                                    # the peeling move too
+            pe = np.where(valid[0, -ng:], p[0, -ng:], -1)
+            e = int(pe.argmax())                                  # the largest; ties: the first task
+            if pe[e] >= 0:
+                e += N - ng
+                self.peel = Move(int(v.tasks[col[e]]), g, int(k[0, e]), int(p[0, e]), True, int(byt[0, e]),
+                                 int(col[e]))
         return Move(task=int(v.tasks[col[c]]), receiver=int(recv[c]), k=int(k[sd, c]),
                     pairs=int(p[sd, c]), from_end=sd == 0, bytes=int(byt[sd, c]), at=int(col[c]))
+
+    def prune(self, v: DonorView, F: np.ndarray, keep: np.ndarray, excess: float, room: float) -> None:
+        """Drop from ``keep`` the rows that cannot be the best move, when no move can clear the
+        ``excess`` (a move carries at most the floor of its receiver's room, and the emptiest
+        receiver's, ``room``, is the largest), so that every priority is ``cost / P``. A move of ``k``
+        tokens of a task ending at ``b`` carries at most ``k b`` pairs; served off its home, it costs
+        at least ``q_bytes k`` (less the bundle's promise, which only discounts the receiver's KV, and
+        the donor's KV saving, 0 when the donor fetches no KV for the task), so at least ``q_bytes / b``
+        per pair. The largest task's end shard to the emptiest receiver (``k0`` tokens, ``p0`` pairs,
+        its end ``b0``) costs at most ``q_bytes k0 + kv_bytes b0``: rows of such tasks with
+        ``q_bytes / b`` above that per pair are worse than it. Tasks with fewer pairs than ``p0`` only:
+        the peeling move (the largest end shard to the emptiest receiver) stays among the rows kept."""
+        n = v.tasks.size
+        i = int(F[7, -n:].argmax())                               # the task with the most pairs
+        x, y = max(math.ceil(min(excess, room)), 1), math.floor(room)    # as best_move's
+        k0, p0 = end_cut(v.a.item(i), v.b.item(i), x, y, self.m)
+        if p0 > 0:
+            bmax = (self.qb * p0 - 1) // (self.qb * k0 + self.kvb * v.b.item(i))   # q_bytes / b > bound
+            keep &= (F[10] > bmax) | (F[7] >= p0)
 
     def largest_move(self, s: int, g: int, v: DonorView) -> Move | None:
         """``equal_flops``: donor ``s``'s largest valid end shard to the emptiest receiver ``g`` (ties:
@@ -278,9 +264,10 @@ class Greedy:
         return Move(int(v.tasks[i]), g, int(k[i]), int(p[i]), True, 0, i)
 
     def apply(self, s: int, mv: Move) -> None:
-        t, r, k = mv.task, mv.receiver, mv.k
-        d, a, b, h = int(self.doc[t]), int(self.a[t]), int(self.b[t]), int(self.home[t])
-        if k == b - a:
+        t, r, k, i = mv.task, mv.receiver, mv.k, mv.at
+        d, a, b, h = self.doc.item(t), self.a.item(t), self.b.item(t), self.home.item(t)
+        whole = k == b - a
+        if whole:
             self.server[t] = r
             e = b
         else:
@@ -297,9 +284,9 @@ class Greedy:
             self.has_shard[d] = True
             self.pairs[t] -= mv.pairs
             if mv.from_end:
-                self.b[t] = b - k
+                self.b[t] = b = b - k
             else:
-                self.a[t] = a + k
+                self.a[t] = a = a + k
             e = hi
             self.n_splits += 1
         self.touched.add(d)
@@ -307,60 +294,24 @@ class Greedy:
         self.load[r] += mv.pairs
         self.n_moves += 1
         v = self.views.pop(s)
+        mine = None
         if self.mode == "bytes":
             self.moved_bytes += mv.bytes
-            mine = v.tasks[v.doc == d]
+            sel = np.flatnonzero(v.doc == d)                   # s's tasks of d, and their ends after the move
+            ends = v.b[sel].tolist()
+            sel = sel.tolist()
+            j = sel.index(i)
+            if whole:
+                del sel[j], ends[j]
+            else:
+                ends[j] = b
+            mine = sel, ends
             self.set_need(r, d, max(self.need1(r, d), e))
-            self.set_need(s, d, int(self.b[mine[self.server[mine] == s]].max(initial=0)))
+            self.set_need(s, d, max(ends, default=0))
         if self.load[s] > self.U:                              # still a donor: its view, updated
-            self.views[s] = self.shrink_view(s, v, mv.at, k == b - a, d)
+            self.views[s] = self.shrink_view(s, v, i, whole, d, a, b, mine)
         if self.load[s] < self.U:
             self.stuck.clear()                                 # a new receiver: retry stuck donors
-
-    def shrink_view(self, s: int, v: DonorView, i: int, whole: bool, d: int) -> DonorView:
-        """Donor ``s``'s view ``v`` after its ``i``-th task (of document ``d``) moved (``whole``) or
-        shrank."""
-        if whole:
-            keep = np.arange(v.tasks.size) != i
-            w = DonorView(**{f: getattr(v, f)[keep] for f in _PER_TASK[self.mode]})
-            if self.mode == "bytes":
-                kc = v.rep != i
-                w.rep, w.chunk, w.holder = v.rep[kc], v.chunk[kc], v.holder[kc]
-                w.rep -= w.rep > i
-            v = w
-        else:
-            t = int(v.tasks[i])
-            a, b = int(self.a[t]), int(self.b[t])
-            v.a[i], v.b[i] = a, b
-            e = a + self.m if b - a >= 2 * self.m else b
-            v.min_pairs[i] = (e * (e + 1) - a * (a + 1)) // 2
-        if self.mode == "bytes":
-            sel = np.flatnonzero(v.doc == d)                   # its tasks of d: the others' prefix ends
-            bs = v.b[sel].tolist()
-            top = max(bs, default=0)
-            second = max((x for x in bs if x != top), default=0) if bs.count(top) == 1 else top
-            for j, bj in zip(sel.tolist(), bs):
-                v.other[j] = second if bj == top else top
-            v.kv_now[sel] = top - self.ix.owned1(s, d, top)
-            v.rows = None
-        return v
-
-    def candidate_rows(self, s: int, v: DonorView) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The (task, receiver) rows of donor ``s``'s candidates, as ``(task, its min_pairs, recv)``:
-        ``task`` is the rows of its document's chunks' servers (found per move: they move), of the
-        holders that are other servers and of the servers given shards of the document (``recv``),
-        then of the emptiest receiver (per move)."""
-        h = (v.holder >= 0) & (v.holder != s)
-        task, recv = [v.rep, v.rep[h]], [v.holder[h]]
-        if self.shard_servers:
-            extra = [(i, r) for i in np.flatnonzero(self.has_shard[v.doc]).tolist()
-                     for r in self.shard_servers[int(v.doc[i])]]
-            if extra:
-                et, er = np.array(extra, dtype=np.int64).T
-                task.append(et)
-                recv.append(er)
-        task = np.concatenate((*task, np.arange(v.tasks.size)))
-        return task, v.min_pairs[task], np.concatenate(recv)
 
     def run(self) -> bool:
         """Move until no donor can: the most loaded donor first. Returns ``reached``."""
@@ -376,6 +327,8 @@ class Greedy:
             if not live[s] > U:
                 break
             mv = self.best_move(s)
+            if mv is not None and self.mode == "bytes":
+                mv = decide(self, s, mv, self.peel)
             if mv is None:
                 self.stuck.add(s)
             else:

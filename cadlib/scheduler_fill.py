@@ -6,7 +6,7 @@ Each move the most loaded donor sends its largest valid end shard to the empties
 donor's first task in chunk order). A shard of a task carries at most the task's pairs ``T``, so once
 one task's shard ``P0`` is known, only tasks with ``T >= P0`` can beat or tie it. The task with the
 largest ``T`` gives ``P0``; the few tasks with ``T >= P0`` (one to three on realistic batches) are
-then cut one at a time in exact integer arithmetic (:func:`end_cut`, the end row of
+then cut one at a time in exact integer arithmetic (:func:`cadlib.shards.end_cut`, the end row of
 :func:`cadlib.shards.cut_shards`). When ``P0`` is not valid or more than :data:`SCALAR_MAX` tasks
 remain, the move falls back to ``cut_shards`` over all the donor's tasks, as the engine does.
 
@@ -24,38 +24,9 @@ import numpy as np
 
 from .cost import imbalance
 from .scheduler_engine import Greedy, TaskArrays
-from .shards import cut_shards
+from .shards import cut_shards, end_cut
 
 SCALAR_MAX = 16          # tasks cut one at a time per move; more: one numpy pass
-
-
-def end_cut(a: int, b: int, x: int, y: int, m: int) -> tuple[int, int]:
-    """``(k, pairs)`` of the end shard ``[b-k, b)`` of task ``[a, b)`` that ``cut_shards`` picks (row
-    0, same rules: at least ``x`` pairs with the fewest valid tokens, else the most with at most
-    ``y``), in exact integer arithmetic; ``(0, -1)`` when it is not a valid move (``k == 0``, more
-    than ``y`` pairs, or the task's smallest valid move above ``y``)."""
-    n, bb = b - a, b * (b + 1)
-    v = bb - 2 * x
-    up = b - ((math.isqrt(4 * v + 1) - 1) // 2 if v > 0 else 0)      # fewest tokens with >= x pairs
-    if up < m:
-        up = m
-    if up > n - m:
-        up = n
-    k = up
-    p = (k * (2 * b + 1 - k)) >> 1
-    if p > y:                                          # most valid tokens with <= y pairs
-        v = bb - 2 * y - 1
-        raw = b - ((math.isqrt(4 * v + 1) - 1) // 2 + 1 if v >= 0 else 0)
-        k = min(raw, n - m)
-        if k < m:
-            k = 0
-        if raw >= n:
-            k = n
-        p = (k * (2 * b + 1 - k)) >> 1
-    e = a + m if n >= 2 * m else b                     # the smallest valid move: m start tokens
-    if k <= 0 or p > y or (e * (e + 1) - a * (a + 1)) // 2 > y:
-        return 0, -1
-    return k, p
 
 
 class WaterFill:
@@ -161,15 +132,16 @@ class WaterFill:
     def reached(self) -> bool:
         return bool(self.load.max(initial=0) <= self.U)
 
-    def _columns(self) -> tuple[np.ndarray, np.ndarray]:
-        """``b`` and ``server`` of every chunk after the moves."""
-        b = self.chunks[:, 2].copy()
-        home = self.chunks[:, 3]
-        srv = home % self.S
-        for c, e in self.b_mod.items():
-            b[c] = e
-        for c, r in self.srv_mod.items():
-            srv[c] = r
+    def _columns(self, c: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """``b`` and ``server`` of every chunk after the moves, or of chunks ``c`` (which hold every
+        chunk the moves changed)."""
+        ch = self.chunks if c is None else self.chunks[c]
+        b, srv = ch[:, 2].copy(), ch[:, 3] % self.S
+        at = None if c is None else dict(zip(c.tolist(), range(c.size)))
+        for x, e in self.b_mod.items():
+            b[x if at is None else at[x]] = e
+        for x, r in self.srv_mod.items():
+            srv[x if at is None else at[x]] = r
         return b, srv
 
     def touched_bytes(self) -> int:
@@ -178,8 +150,8 @@ class WaterFill:
         docs = np.fromiter(self.touched, dtype=np.int64, count=len(self.touched))
         c = self.ix.doc_chunks(docs)
         ch = self.chunks[c]
-        b, srv = self._columns()
-        cols = [ch[:, 0], ch[:, 1], b[c], ch[:, 3], srv[c]]
+        b, srv = self._columns(c)
+        cols = [ch[:, 0], ch[:, 1], b, ch[:, 3], srv]
         return self.ix.moved_bytes(ch, cols, self.shards, self.S, self.qb, self.kvb)
 
     def task_arrays(self) -> TaskArrays:

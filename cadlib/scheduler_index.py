@@ -20,30 +20,40 @@ class ChunkIndex:
 
     def __init__(self, doc: np.ndarray, a: np.ndarray, b: np.ndarray, home: np.ndarray, server: np.ndarray,
                  n_docs: int, n_servers: int):
+        # (a, b must not change later: they are kept when already in order. Few full-size temporaries:
+        # each is fresh memory, page faults, at 10^4-10^5 chunks.)
         self.n_docs = n_docs
         self.by_doc = np.argsort(doc, kind="stable")
         self.doc_ptr = np.zeros(n_docs + 1, dtype=np.int64)
         np.cumsum(np.bincount(doc, minlength=n_docs), out=self.doc_ptr[1:])
+        homes_are_servers = not home.size or int(home.max()) < n_servers    # then server is home
         holder = home[self.by_doc]
-        self.holder_of = np.where(holder < n_servers, holder, -1)
+        self.holder_of = holder if homes_are_servers else np.where(holder < n_servers, holder, -1)
         self.big = int(b.max(initial=0)) + 1
-        self.own_grp = home * n_docs + doc
-        if _ascending(self.own_grp, a):                        # rank-major chunk arrays are sorted already
-            self.own_a, self.own_b = a.copy(), b.copy()        # (the greedy's a, b change later)
+        grp = self.own_grp = home * n_docs
+        grp += doc
+        ordered = _ascending(grp, a)
+        if ordered:                                            # rank-major chunk arrays are sorted already
+            self.own_a, self.own_b = a, b
         else:
             o = np.lexsort((a, doc, home))
-            self.own_grp, self.own_a, self.own_b = self.own_grp[o], a[o], b[o]
-        self.own_key = self.own_grp * self.big + self.own_a
+            self.own_grp, self.own_a, self.own_b = grp[o], a[o], b[o]
+        self.own_key = self.own_grp * self.big
+        self.own_key += self.own_a
         self.own_cum = np.zeros(a.size + 1, dtype=np.int64)
         np.cumsum(self.own_b - self.own_a, out=self.own_cum[1:])
-        self.need_key, self.need_end = self.prefix_ends(server * n_docs + doc, b)
+        if homes_are_servers and ordered:                      # the colocated keys are the holders' keys
+            self.need_key, self.need_end = self.prefix_ends(grp, b, ordered=True)
+        else:
+            self.need_key, self.need_end = self.prefix_ends(server * n_docs + doc, b)
 
     @staticmethod
-    def prefix_ends(key: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The distinct ``key``s, sorted, and the largest ``b`` of each."""
+    def prefix_ends(key: np.ndarray, b: np.ndarray, ordered: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """The distinct ``key``s, sorted, and the largest ``b`` of each (``ordered``: ``key`` is
+        sorted)."""
         if not key.size:
             return key, key
-        if not bool((key[1:] >= key[:-1]).all()):              # rank-major chunk arrays: sorted already
+        if not ordered and not bool((key[1:] >= key[:-1]).all()):   # rank-major chunk arrays: sorted
             o = np.argsort(key, kind="stable")
             key, b = key[o], b[o]
         first = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])

@@ -8,6 +8,8 @@ quadratic, done exactly in integers (:func:`tri_floor`, :func:`tri_ceil`).
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 _TRI_EXACT = 2 ** 46
@@ -77,10 +79,70 @@ def cut_shards(a, b, x, y, min_shard: int, sides: int = 2) -> tuple[np.ndarray, 
     return np.where(ok, up, dn), np.where(ok, p[:h], p[h:])
 
 
+def cut_near(a: np.ndarray, b: np.ndarray, x: np.ndarray, y: np.ndarray, min_shard: int
+             ) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`cut_shards` (both sides) when ``1 <= x <= y + 1``, as the engine's moves have them (``x``
+    is the ceiling of at most the room, ``y`` its floor), from the fewest-token roots alone: the most
+    tokens with at most ``y`` pairs are then one less than the fewest with at least ``x``
+    (``pairs(kf - 1) < x <= y + 1``), wherever ``cut_shards`` falls back to them (the fewest valid
+    tokens, ``max(kf, m)`` or the whole task, carry more than ``y``). Half the roots and a dozen fewer
+    numpy calls. ``a, b, x, y``: int64 arrays; returns ``(k, pairs)``, each ``[2, N]`` (end, start)."""
+    m = int(min_shard)
+    n = b - a
+    ab = np.concatenate((b, a)).reshape(2, -1)
+    v = ab * (ab + 1)                                  # end: b(b+1) - 2x; start: a(a+1) + 2x - 1
+    v += _NEAR_X * x
+    v -= _NEAR_C
+    r = (np.sqrt(np.maximum(v, 0) + 0.25) - 0.5).astype(np.int64)
+    if v.size and v.max() >= _TRI_EXACT:
+        r = tri_floor(v)
+    kf = r - ab                                        # fewest tokens with >= x pairs: b - r, r + 1 - a
+    kf *= _NEAR_SIGN
+    kf += _NEAR_C
+    nm = n - m
+    up = np.maximum(kf, m)                             # fewest valid tokens
+    np.copyto(up, n, where=up > nm)
+    dn = np.minimum(kf - 1, nm)                        # most valid tokens with <= y pairs
+    dn *= dn >= m
+    t = 2 * ab + 1
+    k = np.where((up * (t + _NEAR_SIGN * up)) >> 1 <= y, up, dn)
+    return k, (k * (t + _NEAR_SIGN * k)) >> 1
+
+
+def end_cut(a: int, b: int, x: int, y: int, m: int) -> tuple[int, int]:
+    """``(k, pairs)`` of the end shard ``[b-k, b)`` of task ``[a, b)`` that ``cut_shards`` picks (row
+    0, same rules: at least ``x`` pairs with the fewest valid tokens, else the most with at most
+    ``y``), in exact integer arithmetic; ``(0, -1)`` when it is not a valid move (``k == 0``, more
+    than ``y`` pairs, or the task's smallest valid move above ``y``)."""
+    n, bb = b - a, b * (b + 1)
+    v = bb - 2 * x
+    up = b - ((math.isqrt(4 * v + 1) - 1) // 2 if v > 0 else 0)      # fewest tokens with >= x pairs
+    if up < m:
+        up = m
+    if up > n - m:
+        up = n
+    k = up
+    p = (k * (2 * b + 1 - k)) >> 1
+    if p > y:                                          # most valid tokens with <= y pairs
+        v = bb - 2 * y - 1
+        raw = b - ((math.isqrt(4 * v + 1) - 1) // 2 + 1 if v >= 0 else 0)
+        k = min(raw, n - m)
+        if k < m:
+            k = 0
+        if raw >= n:
+            k = n
+        p = (k * (2 * b + 1 - k)) >> 1
+    e = a + m if n >= 2 * m else b                     # the smallest valid move: m start tokens
+    if k <= 0 or p > y or (e * (e + 1) - a * (a + 1)) // 2 > y:
+        return 0, -1
+    return k, p
+
+
 # rows fewest (end, start), most (end, start): the end shard counts down from b, the start one up from a
 _SIGN = {2: np.array([[-1], [1], [-1], [1]]), 1: np.array([[-1], [-1]])}
 _SIGN2 = {h: 2 * s for h, s in _SIGN.items()}
 _CEIL = {2: np.array([[0], [1], [1], [0]]), 1: np.array([[0], [1]])}
+_NEAR_X, _NEAR_C, _NEAR_SIGN = np.array([[-2], [2]]), np.array([[0], [1]]), np.array([[-1], [1]])
 
 
 def _rows(*arrays) -> np.ndarray:

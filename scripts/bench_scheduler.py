@@ -1,9 +1,9 @@
 """Benchmark the CAD scheduler against the colocated placement and the bytes-blind equal-FLOPs
-water-filling, in three parts:
+water-filling, in four parts:
 
 * **scale** (default): imbalance (max/mean attention pairs per server) before and after, forward
-  dispatch bytes (Q + KV, one layer, bf16, llama3-8b), tasks, moves and planning time at 8, 64, 512
-  servers x 128K, 512K tokens per rank, for ``pretrain``, ``prolong`` and long documents
+  dispatch bytes (Q + KV, one layer, bf16, llama3-8b), tasks, moves, rollouts and planning time at 8,
+  64, 512 servers x 128K, 512K tokens per rank, for ``pretrain``, ``prolong`` and long documents
   (``pretrain-x4``: pretrain elongated 4x, as DistCA's 512K runs), sequentially packed, plus DistCA's
   head/tail chunks (``zigzag``: each document in 2R chunks, rank r holding chunks r and 2R-1-r).
   ``plan_ms`` covers layout -> arrays, the greedy and the equal-FLOPs guard, wall clock;
@@ -17,6 +17,11 @@ water-filling, in three parts:
   released): bytes, imbalance, and ``cadm``, the scheduler at DistCA's reached imbalance where that is
   tighter than the tolerance (matched balance).
   ``results/bench_scheduler_grid_distca.json`` is this part alone (``--grid --out ...``).
+* **random** (``--random N``): the greedy alone against equal-FLOPs on N random tiny layouts (the
+  generator of ``tests/test_scheduler.py``, seed 0: 1-8 ranks, 1-9 documents of 1-399 tokens cut at
+  random, 1-8 servers, tolerance 0/0.02/0.1/0.3, min_shard 1/8/32): how often it moves more bytes
+  where both reach the tolerance, misses the tolerance equal-FLOPs reaches, or ends with a higher peak
+  where neither reaches it (``random_summary``).
 * **host path** (``--host-path``, written to ``results/bench_host_path.json``): one training step's
   host work per rank at 64 x 512K: the layout (``Layout.from_chunks`` on the packer's chunk array,
   validated; ``layout_lists_ms``: ``Layout`` from per-rank lists of ``Chunk`` objects instead) ->
@@ -32,7 +37,8 @@ water-filling, in three parts:
     python scripts/bench_scheduler.py                 # scale
     python scripts/bench_scheduler.py --grid --out results/bench_scheduler_grid_distca.json   # the grid
     python scripts/bench_scheduler.py --host-path     # per-step host time
-    python scripts/bench_scheduler.py --all           # all three
+    python scripts/bench_scheduler.py --random 3000   # random tiny layouts, printed (--all records them)
+    python scripts/bench_scheduler.py --all           # scale, grid, random and host path
     python scripts/bench_scheduler.py --quick         # scale at 8, 64 servers x 128K, 1 run
 """
 from __future__ import annotations
@@ -49,7 +55,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from cadlib.cost import ModelSpec  # noqa: E402
 from cadlib.dispatch import build_dispatch  # noqa: E402
 from cadlib.packing import pack  # noqa: E402
-from cadlib.plan import Layout  # noqa: E402
+from cadlib.plan import Layout, layout_from_lists  # noqa: E402
 from cadlib.results import save_result  # noqa: E402
 from cadlib.scheduler import place  # noqa: E402
 from cadlib.sim import zigzag_layout  # noqa: E402
@@ -91,7 +97,8 @@ def scale_case(dist, n, tpr, layout_kind, args, model):
         p, wall, cpu = timed(lambda: place(layout, method, n, model, args.tolerance, args.min_shard, "bf16",
                                            chunks=ch, guard=guard), 1 if method == "colocated" else args.runs)
         r = {"imbalance": p.imbalance(), "n_tasks": p.n_tasks, "n_moves": p.meta["n_moves"],
-             "n_splits": p.meta["n_splits"], "reached": p.meta["reached"], "guard_used": p.meta["guard"],
+             "n_splits": p.meta["n_splits"], "n_rollouts": p.meta["n_rollouts"],
+             "reached": p.meta["reached"], "guard_used": p.meta["guard"],
              "plan_ms": wall * 1e3, "plan_cpu_ms": cpu * 1e3, "loop_ms": p.meta["loop_seconds"] * 1e3,
              "dispatch_gb": p.forward_bytes(model) / 1e9}
         if n * tpr <= args.validate_max_tokens:
@@ -213,6 +220,45 @@ def _distca_summary(rows) -> dict:
                         "least as balanced as DistCA's plan"}
 
 
+def random_layout(rng: np.random.Generator) -> tuple[Layout, int]:
+    """A random tiny layout and server count (``tests/test_scheduler.py``'s ``_random_layout``)."""
+    R = int(rng.integers(1, 9))
+    lens = rng.integers(1, 400, int(rng.integers(1, 10))).tolist()
+    ranks = [[] for _ in range(R)]
+    for d, n in enumerate(lens):
+        cuts = sorted({int(c) for c in rng.integers(1, max(2, n), int(rng.integers(0, 4))) if 0 < c < n})
+        bounds = [0, *cuts, n]
+        for s, e in zip(bounds[:-1], bounds[1:]):
+            ranks[int(rng.integers(R))].append((d, s, e))
+    return layout_from_lists(ranks, lens), int(rng.integers(1, 9))
+
+
+def run_random(n: int, model) -> dict:
+    """The greedy alone vs equal-FLOPs on ``n`` random tiny layouts (seed 0): loss counts."""
+    rng = np.random.default_rng(0)
+    out = {"layouts": n, "bytes": 0, "miss": 0, "peak": 0, "peak_at_tolerance_0": 0, "rollouts": 0}
+    for _ in range(n):
+        layout, S = random_layout(rng)
+        tol, m = float(rng.choice([0.0, 0.02, 0.1, 0.3])), int(rng.choice([1, 8, 32]))
+        ch = layout.chunk_array()
+        eq = place(layout, "equal_flops", S, model, tol, m, chunks=ch)
+        raw = place(layout, "cad", S, model, tol, m, chunks=ch, guard=False)
+        out["rollouts"] += raw.meta["n_rollouts"]
+        if eq.meta["reached"]:
+            if not raw.meta["reached"]:
+                out["miss"] += 1
+            elif raw.forward_bytes(model) > eq.forward_bytes(model):
+                out["bytes"] += 1
+        elif not raw.meta["reached"] and raw.server_pairs().max() > eq.server_pairs().max():
+            out["peak"] += 1
+            out["peak_at_tolerance_0"] += tol == 0
+    out["what"] = ("the greedy alone (no guard) against equal_flops: bytes = more forward bytes where both "
+                   "reach the tolerance; miss = equal_flops reaches it and the greedy does not; peak = "
+                   "neither reaches it and the greedy's peak is higher")
+    print("random:", out)
+    return out
+
+
 def _metadata(plan, r):
     """Rank ``r``'s device metadata on the host: the dispatch, the merged call's metadata and both
     packed for the device (``to``: the runs in one buffer; on CUDA pinned and copied ``non_blocking``,
@@ -295,7 +341,9 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="8 and 64 servers at 128K tokens/rank, one run")
     ap.add_argument("--grid", action="store_true", help="only the bytes grid")
     ap.add_argument("--host-path", action="store_true", help="only the per-step host path")
-    ap.add_argument("--all", action="store_true", help="scale, grid and host path")
+    ap.add_argument("--random", type=int, default=0, metavar="N",
+                    help="only the greedy alone vs equal-FLOPs on N random tiny layouts")
+    ap.add_argument("--all", action="store_true", help="scale, grid, random (3000) and host path")
     ap.add_argument("--servers", type=int, nargs="+", default=[8, 64, 512])
     ap.add_argument("--tokens-per-rank", type=int, nargs="+", default=[128 * 1024, 512 * 1024])
     ap.add_argument("--dists", nargs="+", default=list(DISTS))
@@ -314,10 +362,13 @@ def main(argv=None):
     if args.quick:
         args.servers, args.tokens_per_rank, args.runs = [8, 64], [128 * 1024], 1
     model = ModelSpec.from_name("llama3-8b")
-    do_scale = args.all or not (args.grid or args.host_path)
+    do_scale = args.all or not (args.grid or args.host_path or args.random)
     config = {k: v for k, v in vars(args).items() if k not in ("out", "host_out")} | {
         "model": model.name, "dtype": "bf16", "loadavg_at_start": list(os.getloadavg())}
     t_all = time.perf_counter()
+    if args.random and not (do_scale or args.grid or args.host_path):
+        run_random(args.random, model)                         # printed only; --all records it
+        return
     if do_scale or args.grid or args.all:
         extra = {"target": {"servers": 64, "tokens_per_rank": 512 * 1024, "plan_ms": 10.0}}
         if do_scale:
@@ -326,6 +377,8 @@ def main(argv=None):
         scale = run_scale(args, model) if do_scale else []
         if args.grid or args.all:
             extra["grid"], extra["grid_summary"] = run_grid(args, model)
+        if args.random or args.all:
+            extra["random_summary"] = run_random(args.random or 3000, model)
         extra["wall_s"] = round(time.perf_counter() - t_all, 1)
         save_result(args.out, config, scale, **extra)
         print(f"wrote {args.out}")

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from cadlib.cost import ModelSpec, causal_pairs
 from cadlib.plan import Layout, layout_from_lists
-from cadlib.shards import cut_shards, tri_floor
+from cadlib.shards import cut_near, cut_shards, tri_floor
 from cadlib.scheduler import colocated, equal_flops, place, reference_greedy, schedule
 from cadlib.scheduler_engine import Greedy
 
@@ -140,6 +140,30 @@ def test_cut_matches_token_search(a, n, xf, yf, m, from_end):
     assert int(k[0]) == want
     if want:
         assert int(p[0]) == pairs(want)
+    if y >= x - 1:                                      # the engine's case: cut_near, the same cut
+        kn, pn = cut_near(np.array([a]), np.array([b]), np.array([x]), np.array([y]), m)
+        assert int(kn[0 if from_end else 1, 0]) == want
+        if want:
+            assert int(pn[0 if from_end else 1, 0]) == pairs(want)
+
+
+def test_cut_near_is_cut_shards_where_x_is_at_most_y_plus_one():
+    """``cut_near`` (the fewest-token roots alone) equals ``cut_shards`` for ``1 <= x <= y + 1`` as the
+    engine forms them (``x`` the ceiling of at most the room, ``y`` its floor), also past ``2**46``."""
+    rng = np.random.default_rng(3)
+    for _ in range(2000):
+        N = int(rng.integers(1, 40))
+        hi = int(rng.choice([50, 400, 10 ** 5, 2 ** 24]))
+        a = rng.integers(0, hi, N)
+        b = a + rng.integers(1, hi, N)
+        T = (b * (b + 1) - a * (a + 1)) // 2
+        room = np.maximum(rng.random(N) * (2 * T + 2) * rng.choice([0.01, 0.3, 1, 3]), 1e-3)
+        excess = rng.random() * (2 * T.max() + 2) * rng.choice([0.01, 0.3, 1, 3])
+        x = np.maximum(np.ceil(np.minimum(excess, room)), 1).astype(np.int64)
+        y = np.floor(room).astype(np.int64)
+        m = int(rng.choice([1, 8, 32, 512, int(rng.integers(1, hi))]))
+        for want, got in zip(cut_shards(a, b, x, y, m), cut_near(a, b, x, y, m)):
+            assert np.array_equal(want, got)
 
 
 def test_hand_computed_cut():
@@ -324,8 +348,9 @@ def _random_layout(rng) -> tuple[Layout, int]:
 
 def test_engine_matches_reference_greedy():
     """The vectorised engine makes exactly the reference greedy's moves on 200 random layouts (both
-    modes, several tolerances, shard sizes and server counts)."""
+    modes, several tolerances, shard sizes and server counts), rollouts included."""
     rng = np.random.default_rng(0)
+    rollouts = 0
     for _ in range(200):
         layout, S = _random_layout(rng)
         tol, m = float(rng.choice([0.0, 0.02, 0.1, 0.3])), int(rng.choice([1, 8, 32]))
@@ -334,9 +359,11 @@ def test_engine_matches_reference_greedy():
             ref, ref_reached = reference_greedy(ch, S, tol, m, QB, KVB, mode)
             g = Greedy(ch, layout.n_docs, S, tol, m, QB, KVB, mode)
             reached = g.run()
+            rollouts += g.n_rollouts
             t = g.task_arrays()
             got = sorted(zip(*(c.tolist() for c in (t.doc, t.q_start, t.q_end, t.home, t.server))))
             assert got == sorted(map(tuple, ref)) and reached == ref_reached
+    assert rollouts > 100                                  # measured 528
 
 
 GRID_SUBSET = [(dist, pk, seed) for dist in ("distca-pretrain", "prolong")

@@ -2,7 +2,7 @@
 known layouts on which it alone loses to the bytes-blind ``equal_flops`` (the final guard in ``place``
 then returns ``equal_flops``' plan). Those are strict xfails, one per cause (see ``docs/design.md``,
 "What the greedy alone misses"): fixing a cause turns its case into an XPASS, a failure, so the list
-stays true."""
+stays true. The causes the rollout fixed keep their layouts as regular tests (``ROLLOUT_WINS``)."""
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from cadlib.plan import layout_from_lists
 from cadlib.scheduler import colocated, place, reference_greedy
 
-from test_scheduler import KVB, MODEL, QB, _check_plan, layouts, reference_token_matrices
+from test_scheduler import KVB, MODEL, QB, _check_plan, _random_layout, layouts, reference_token_matrices
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -50,9 +50,20 @@ def test_guarded_plan_never_worse_than_equal_flops(layout, tol, min_shard, serve
         assert cad.server_pairs().max() <= eq.server_pairs().max()
 
 
-# (ranks, doc_lens, servers, tolerance, min_shard), the smallest of each cause among 3,000 random
-# layouts (tests/test_scheduler.py's _random_layout, seed 0)
-KNOWN_LOSSES = {
+def _greedy_wins(ranks, lens, S, tol, m) -> bool:
+    """The greedy alone reaches the tolerance whenever ``equal_flops`` does, then with no more bytes;
+    neither reaching it, with no higher peak."""
+    layout = layout_from_lists(ranks, lens)
+    raw = place(layout, "cad", S, MODEL, tol, m, guard=False)
+    eq = place(layout, "equal_flops", S, MODEL, tol, m)
+    if eq.meta["reached"]:
+        return raw.meta["reached"] and raw.forward_bytes(MODEL) <= eq.forward_bytes(MODEL)
+    return raw.meta["reached"] or raw.server_pairs().max() <= eq.server_pairs().max()
+
+
+# (ranks, doc_lens, servers, tolerance, min_shard): layouts the greedy lost without its rollout, the
+# smallest of each cause among 3,000 random layouts (tests/test_scheduler.py's _random_layout, seed 0)
+ROLLOUT_WINS = {
     # start shards to fresh receivers: each is cheaper per pair than an end shard, but the donor keeps
     # the dense tail, so the next shards carry more query tokens and end further in the document
     "start-shards-bytes": ([[], [(0, 0, 44), (0, 44, 147)], [], [], [], []], [147], 7, 0.1, 8),
@@ -76,19 +87,38 @@ KNOWN_LOSSES = {
 }
 
 
+@pytest.mark.parametrize("cause", list(ROLLOUT_WINS))
+def test_rollout_wins_where_the_one_step_greedy_lost(cause):
+    """Each of these lost to ``equal_flops`` before the rollout (docs/design.md, "What the greedy
+    alone misses"); the rollout plays the partial move and peeling out for the donor and keeps the
+    better, and the greedy alone now wins."""
+    assert _greedy_wins(*ROLLOUT_WINS[cause])
+
+
+# What the rollout cannot see: it plays one donor out alone, against the receivers as they are. The
+# smallest of each cause among the same 3,000 random layouts.
+KNOWN_LOSSES = {
+    # other donors take the rooms the rollout counted on: the donor, having spent start shards (its
+    # rollout said it could peel the rest into the empty receivers), is left with a coarse tail and
+    # tiny rooms; at tolerance 0 a higher peak ...
+    "other-donors-take-the-rooms-tol0": ([[], [], [(0, 0, 5), (0, 32, 47)], [(0, 5, 32)], []], [47],
+                                         8, 0.0, 1),
+    # ... or a missed tolerance
+    "other-donors-take-the-rooms": ([[(0, 0, 1), (0, 57, 167)], [], [(0, 35, 57)],
+                                     [(1, 0, 122), (1, 122, 133)], [], [(0, 1, 35)], []], [167, 133],
+                                    6, 0.02, 8),
+    # another donor's later shard extends the receiver's prefix, so the shorter prefix of the start
+    # shard that won the move saves nothing and its extra query tokens are lost
+    "other-donor-extends-the-prefix": ([[(0, 0, 224), (1, 162, 353)], [], [],
+                                        [(1, 0, 162), (1, 353, 385)]], [224, 385], 5, 0.1, 32),
+}
+
+
 @pytest.mark.xfail(strict=True, raises=AssertionError,
                    reason="known: the greedy alone loses to equal_flops here (docs/design.md)")
 @pytest.mark.parametrize("cause", list(KNOWN_LOSSES))
 def test_greedy_alone_known_losses(cause):
-    ranks, lens, S, tol, m = KNOWN_LOSSES[cause]
-    layout = layout_from_lists(ranks, lens)
-    raw = place(layout, "cad", S, MODEL, tol, m, guard=False)
-    eq = place(layout, "equal_flops", S, MODEL, tol, m)
-    if eq.meta["reached"]:
-        assert raw.meta["reached"]
-        assert raw.forward_bytes(MODEL) <= eq.forward_bytes(MODEL)
-    else:
-        assert raw.server_pairs().max() <= eq.server_pairs().max()
+    assert _greedy_wins(*KNOWN_LOSSES[cause])
 
 
 def test_known_losses_are_caught_by_the_guard():
@@ -97,3 +127,90 @@ def test_known_losses_are_caught_by_the_guard():
         cad, eq = place(layout, "cad", S, MODEL, tol, m), place(layout, "equal_flops", S, MODEL, tol, m)
         assert cad.meta["guard"] and cad.forward_bytes(MODEL) == eq.forward_bytes(MODEL)
         assert np.array_equal(cad.server_pairs(), eq.server_pairs())
+
+
+def _random_cases(n, seed):
+    rng = np.random.default_rng(seed)
+    for _ in range(n):
+        layout, S = _random_layout(rng)
+        yield layout, S, float(rng.choice([0.0, 0.02, 0.1, 0.3])), int(rng.choice([1, 8, 32]))
+
+
+def test_rollout_bytes_are_the_moves_bytes(monkeypatch):
+    """A rollout's first move costs what the engine charges for it (the rollout's scalar accounting
+    and the engine's vectorised one agree), on random layouts."""
+    import cadlib.scheduler_engine as engine
+    from cadlib import scheduler_rollout
+
+    seen = []
+
+    def decide(g, s, mv, mp):
+        if mp is not None and mp != mv:
+            for m in (mv, mp):
+                d = scheduler_rollout._Donor.start(g, s)
+                assert d.apply(m.at, m.receiver, m.k, m.pairs, m.from_end) == m.bytes
+            seen.append(s)
+        return scheduler_rollout.decide(g, s, mv, mp)
+
+    monkeypatch.setattr(engine, "decide", decide)
+    for layout, S, tol, m in _random_cases(300, 7):
+        place(layout, "cad", S, MODEL, tol, m, guard=False)
+    assert len(seen) > 100
+
+
+def test_pruning_changes_no_move(monkeypatch):
+    """``Greedy.prune`` drops only rows that cannot be the best move: the plans with and without it
+    are the same, on random layouts where it drops rows."""
+    from cadlib.scheduler_engine import Greedy
+
+    prune, dropped = Greedy.prune, []
+
+    def counting(self, v, F, keep, excess, room):
+        before = int(keep.sum())
+        prune(self, v, F, keep, excess, room)
+        dropped.append(before - int(keep.sum()))
+
+    cases = list(_random_cases(300, 8))
+    monkeypatch.setattr(Greedy, "prune", counting)
+    pruned = [place(lay, "cad", S, MODEL, tol, m, guard=False).tasks for lay, S, tol, m in cases]
+    monkeypatch.setattr(Greedy, "prune", lambda *args: None)
+    for (lay, S, tol, m), tasks in zip(cases, pruned):
+        assert sorted(place(lay, "cad", S, MODEL, tol, m, guard=False).tasks) == sorted(tasks)
+    assert sum(x > 0 for x in dropped) > 50
+
+
+def test_greedy_alone_loses_rarely_on_random_layouts():
+    """The greedy alone against ``equal_flops`` on 1,000 random tiny layouts (the causes left are the
+    KNOWN_LOSSES): measured 3 byte losses, 1 missed tolerance, 10 higher peaks (all at tolerance 0);
+    before the rollout 48, 10 and 55."""
+    count = {"bytes": 0, "miss": 0, "peak": 0}
+    for layout, S, tol, m in _random_cases(1000, 0):
+        ch = layout.chunk_array()
+        raw = place(layout, "cad", S, MODEL, tol, m, chunks=ch, guard=False)
+        eq = place(layout, "equal_flops", S, MODEL, tol, m, chunks=ch)
+        if eq.meta["reached"] and not raw.meta["reached"]:
+            count["miss"] += 1
+        elif eq.meta["reached"]:
+            count["bytes"] += raw.forward_bytes(MODEL) > eq.forward_bytes(MODEL)
+        elif not raw.meta["reached"]:
+            count["peak"] += raw.server_pairs().max() > eq.server_pairs().max()
+    assert count["bytes"] <= 5 and count["miss"] <= 2 and count["peak"] <= 15, count
+
+
+def test_greedy_alone_never_loses_with_one_donor():
+    """With one donor, ``equal_flops`` is peeling from the start, and the rollout argument (each move
+    kept only if its play-out is no worse than peeling's, which continues where the last left off)
+    makes the greedy alone end no worse: on every random layout with a single donor it reaches the
+    tolerance whenever ``equal_flops`` does, with no more bytes, and otherwise no higher peak."""
+    from cadlib.scheduler_engine import Greedy
+
+    n = 0
+    for layout, S, tol, m in _random_cases(1500, 9):
+        ch = layout.chunk_array()
+        g = Greedy(ch, layout.n_docs, S, tol, m, QB, KVB, "bytes")
+        if int((g.load > g.U).sum()) != 1:
+            continue
+        n += 1
+        ranks = [[tuple(c) for c in r] for r in layout.ranks]
+        assert _greedy_wins(ranks, layout.doc_lens, S, tol, m), (ranks, layout.doc_lens, S, tol, m)
+    assert n > 300

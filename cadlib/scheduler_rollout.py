@@ -1,0 +1,201 @@
+"""The rollout of the CAD greedy (:mod:`cadlib.scheduler_engine`): before a donor commits a move, it
+plays out the rest.
+
+The greedy scores a move one step ahead; a donor that needs several moves can spend its cheapest
+material first (start shards, small tasks) and be left with a tail that costs more to move, or fits
+no room. So when the greedy's move ``mv`` differs from the **peeling** move ``mp`` (``equal_flops``'
+move for this donor: its largest valid end shard to the emptiest receiver), both are played out for
+this donor alone, against the receivers as they are: ``mv`` then peeling, and ``mp`` then peeling,
+each until the donor's excess is cleared or it has no move. The greedy commits ``mp`` if its play-out
+is strictly better: it clears the excess and the other does not, or it leaves less excess, or the same
+and it moves fewer bytes; else ``mv``. A play-out is a handful of scalar steps (a peeling step cuts
+one to three tasks in integer arithmetic, :func:`cadlib.shards.end_cut`), ~3 µs each, not an engine
+pass; a move that clears the excess needs none.
+
+Peeling is the rollout's base policy. Against unchanged receivers, the donor ends no worse than
+peeling from where it started: each committed move's play-out is at most the peeling one from there,
+and when ``mp`` is committed, peeling from the next state is the rest of that same play-out. (Other
+donors' moves change the receivers in between: ``KNOWN_LOSSES`` in tests/test_scheduler_greedy.py.)
+"""
+from __future__ import annotations
+
+import heapq
+import math
+
+import numpy as np
+
+from .shards import end_cut
+
+
+def decide(g, s: int, mv, mp):
+    """The move donor ``s`` of the greedy ``g`` (a :class:`cadlib.scheduler_engine.Greedy` in bytes
+    mode) commits: its greedy move ``mv`` or its peeling move ``mp`` (None when it has none)."""
+    if mp is None or (mp.at, mp.receiver, mp.k, mp.from_end) == (mv.at, mv.receiver, mv.k, mv.from_end):
+        return mv
+    g.n_rollouts += 1
+    load, base, out = int(g.load[s]), None, []
+    for m in (mp, mv):
+        if load - m.pairs <= g.U:                              # clears: nothing left to play out
+            out.append((False, 0.0, m.bytes))
+            continue
+        if base is None:
+            base = _Donor.start(g, s)
+        d = base.copy()
+        d.apply(m.at, m.receiver, m.k, m.pairs, m.from_end)
+        out.append(d.finish())
+    return mp if out[0] < out[1] else mv
+
+
+def _doc(g, d: int):
+    """What the layout says of document ``d`` and never changes, cached in ``g.doc_cache``: per rank
+    the token ranges it holds (sorted), per server the prefix end it fetches when colocated."""
+    out = g.doc_cache.get(d)
+    if out is None:
+        ix = g.ix
+        c = ix.by_doc[ix.doc_ptr[d]:ix.doc_ptr[d + 1]]
+        held: dict[int, list[tuple[int, int]]] = {}
+        need0: dict[int, int] = {}
+        for h, a, b in zip(g.home[c].tolist(), g.chunks[c, 1].tolist(), g.chunks[c, 2].tolist()):
+            held.setdefault(h, []).append((a, b))
+            if b > need0.get(h % g.S, 0):
+                need0[h % g.S] = b
+        for r in held.values():
+            r.sort()
+        out = g.doc_cache[d] = (held, need0)
+    return out
+
+
+class _Donor:
+    """One donor's rollout state: its tasks (lists), the servers' loads (``loads`` as the greedy has
+    them, in ascending order ``by_load``, shared; the ones the play-out changed in ``cur``, also on a
+    heap of ``(load, server)``: the emptiest server is the first of either that the play-out did not
+    change, or the heap's top), the prefix ends the moves set."""
+
+    __slots__ = ("g", "s", "v", "a", "b", "doc", "home", "T", "order", "alive", "loads", "by_load",
+                 "next", "cur", "heap", "need", "load", "bytes", "same")
+
+    def __init__(self, g, s: int, v, loads: list[int], by_load: list[int]):
+        self.g, self.s, self.v = g, s, v
+        self.a, self.b = v.a.tolist(), v.b.tolist()
+        self.doc, self.home = v.doc.tolist(), v.home.tolist()
+        self.T = v.pairs.tolist()
+        self.order = np.argsort(-v.pairs, kind="stable").tolist()   # most pairs first, ties: first task
+        self.alive = [True] * len(self.a)
+        self.loads, self.by_load, self.next = loads, by_load, 0
+        self.cur: dict[int, int] = {}
+        self.heap: list[tuple[int, int]] = []
+        self.need: dict[tuple[int, int], int] = {}
+        self.load = loads[s]                                    # the donor's (an integer: exact)
+        self.bytes = 0
+        self.same: dict[int, list[int]] = {}                    # doc -> its tasks, where s has several
+        for i in np.flatnonzero(v.other > 0).tolist():
+            self.same.setdefault(self.doc[i], []).append(i)
+
+    @classmethod
+    def start(cls, g, s: int) -> "_Donor":
+        """Donor ``s`` of the greedy ``g`` as it is now."""
+        return cls(g, s, g.views[s], g.load.tolist(), np.argsort(g.load, kind="stable").tolist())
+
+    def copy(self) -> "_Donor":
+        c = _Donor.__new__(_Donor)
+        c.g, c.s, c.v, c.doc, c.home, c.same = self.g, self.s, self.v, self.doc, self.home, self.same
+        c.a, c.b, c.T, c.order, c.alive = self.a[:], self.b[:], self.T[:], self.order[:], self.alive[:]
+        c.loads, c.by_load, c.next = self.loads, self.by_load, self.next
+        c.cur, c.heap, c.need = dict(self.cur), self.heap[:], dict(self.need)
+        c.load, c.bytes = self.load, self.bytes
+        return c
+
+    def apply(self, i: int, r: int, k: int, pairs: int, from_end: bool) -> int:
+        """Move ``k`` tokens of task ``i`` to ``r`` (the engine's ``Greedy.apply``, on this state);
+        returns the move's forward bytes, exact (as ``reference_greedy`` computes them)."""
+        g, s = self.g, self.s
+        a, b, d, h = self.a[i], self.b[i], self.doc[i], self.home[i]
+        oth = 0                                                 # the prefix end of s's other tasks of d
+        if d in self.same:
+            for j in self.same[d]:
+                if j != i and self.alive[j] and self.b[j] > oth:
+                    oth = self.b[j]
+        whole = k == b - a
+        e = b if from_end else a + k
+        left = 0 if whole else (b - k if from_end else b)
+        held, need0 = _doc(g, d)
+        nr = self.need.get((r, d))                              # r's prefix end: set here, by the greedy,
+        if nr is None:                                          # or colocated
+            nr = g.need_at.get((r, d))
+            if nr is None:
+                nr = need0.get(r, 0)
+        ne = nr if nr > e else e
+        hr, hs = held.get(r), held.get(s)
+        s0, s1 = max(oth, b), max(oth, left)                    # s's prefix end before and after
+        kv = ne - nr - _owned(hr, ne) + _owned(hr, nr) + s1 - s0 - _owned(hs, s1) + _owned(hs, s0)
+        byt = g.qb * k * ((h != r) - (h != s)) + g.kvb * kv
+        self.need[(r, d)] = ne
+        order, T = self.order, self.T
+        at = order.index(i)
+        if whole:
+            self.alive[i] = False
+            del order[at]
+        else:
+            if from_end:
+                self.b[i] = b - k
+            else:
+                self.a[i] = a + k
+            t = T[i] = T[i] - pairs                             # fewer pairs: later in the order
+            q, n = at + 1, len(order)
+            while q < n and (T[order[q]] > t or (T[order[q]] == t and order[q] < i)):
+                q += 1
+            if q > at + 1:
+                order.insert(q, i)
+                del order[at]
+        self.load -= pairs
+        load = self.cur.get(r, self.loads[r]) + pairs
+        self.cur[r] = load
+        heapq.heappush(self.heap, (load, r))
+        self.bytes += byt
+        return byt
+
+    def peel_step(self) -> bool:
+        """Apply the peeling move (the largest valid end shard to the emptiest server, ties: the first
+        task); False when there is none."""
+        U, heap, cur, by_load = self.g.U, self.heap, self.cur, self.by_load
+        while heap and heap[0][0] != cur[heap[0][1]]:         # stale entries
+            heapq.heappop(heap)
+        while self.next < len(by_load) and by_load[self.next] in cur:
+            self.next += 1
+        first = (self.loads[by_load[self.next]], by_load[self.next]) if self.next < len(by_load) else None
+        load, r = heap[0] if heap and (first is None or heap[0] < first) else first
+        if load >= U or self.load <= U:
+            return False
+        room = U - load
+        y, x, m = math.floor(room), max(math.ceil(min(self.load - U, room)), 1), self.g.m
+        best, T, a, b = None, self.T, self.a, self.b
+        for i in self.order:                                    # a shard carries at most its task's pairs
+            if best is not None and T[i] < best[0]:
+                break
+            k, p = end_cut(a[i], b[i], x, y, m)
+            if p >= 0 and (best is None or p > best[0] or (p == best[0] and i < best[1])):
+                best = (p, i, k)
+        if best is None:
+            return False
+        p, i, k = best
+        self.apply(i, r, k, p, True)
+        return True
+
+    def finish(self) -> tuple[bool, float, int]:
+        """Peel until the excess is cleared or there is no move: ``(not cleared, excess left,
+        bytes)``."""
+        while self.load > self.g.U and self.peel_step():
+            pass
+        ex = max(self.load - self.g.U, 0.0)
+        return ex > 0, ex, self.bytes
+
+
+def _owned(ranges, e: int) -> int:
+    """Tokens of ``[0, e)`` in ``ranges`` (sorted token ranges, or None)."""
+    own = 0
+    if ranges:
+        for lo, hi in ranges:
+            if lo >= e:
+                break
+            own += (hi if hi < e else e) - lo
+    return own
