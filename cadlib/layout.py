@@ -259,3 +259,19 @@ class Layout:
 def layout_from_lists(ranks: Sequence[Sequence[Sequence[int]]], doc_lens: Sequence[int]) -> Layout:
     """Build a layout from plain nested lists ``[[(doc, start, end), ...], ...]``."""
     return Layout([[Chunk(*c) for c in r] for r in ranks], list(doc_lens))
+
+
+def random_tiny_layout(rng: np.random.Generator) -> tuple[Layout, int]:
+    """A random tiny layout and a server count, for property checks of the scheduler: 1-8 ranks, 1-9
+    documents of 1-399 tokens, each cut at up to 3 random points into chunks on random ranks (ranks
+    may hold nothing); 1-8 servers. The tests and ``scripts/bench_scheduler.py --random`` draw the
+    same layouts from the same seeds."""
+    R = int(rng.integers(1, 9))
+    lens = rng.integers(1, 400, int(rng.integers(1, 10))).tolist()
+    ranks: list[list[tuple[int, int, int]]] = [[] for _ in range(R)]
+    for d, n in enumerate(lens):
+        cuts = sorted({int(c) for c in rng.integers(1, max(2, n), int(rng.integers(0, 4))) if 0 < c < n})
+        bounds = [0, *cuts, n]
+        for s, e in zip(bounds[:-1], bounds[1:]):
+            ranks[int(rng.integers(R))].append((d, s, e))
+    return layout_from_lists(ranks, lens), int(rng.integers(1, 9))

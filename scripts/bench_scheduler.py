@@ -55,7 +55,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from cadlib.cost import ModelSpec  # noqa: E402
 from cadlib.dispatch import build_dispatch  # noqa: E402
 from cadlib.packing import pack  # noqa: E402
-from cadlib.plan import Layout, layout_from_lists  # noqa: E402
+from cadlib.layout import random_tiny_layout  # noqa: E402
+from cadlib.plan import Layout  # noqa: E402
 from cadlib.results import save_result  # noqa: E402
 from cadlib.scheduler import place  # noqa: E402
 from cadlib.sim import zigzag_layout  # noqa: E402
@@ -220,25 +221,12 @@ def _distca_summary(rows) -> dict:
                         "least as balanced as DistCA's plan"}
 
 
-def random_layout(rng: np.random.Generator) -> tuple[Layout, int]:
-    """A random tiny layout and server count (``tests/test_scheduler.py``'s ``_random_layout``)."""
-    R = int(rng.integers(1, 9))
-    lens = rng.integers(1, 400, int(rng.integers(1, 10))).tolist()
-    ranks = [[] for _ in range(R)]
-    for d, n in enumerate(lens):
-        cuts = sorted({int(c) for c in rng.integers(1, max(2, n), int(rng.integers(0, 4))) if 0 < c < n})
-        bounds = [0, *cuts, n]
-        for s, e in zip(bounds[:-1], bounds[1:]):
-            ranks[int(rng.integers(R))].append((d, s, e))
-    return layout_from_lists(ranks, lens), int(rng.integers(1, 9))
-
-
 def run_random(n: int, model) -> dict:
     """The greedy alone vs equal-FLOPs on ``n`` random tiny layouts (seed 0): loss counts."""
     rng = np.random.default_rng(0)
     out = {"layouts": n, "bytes": 0, "miss": 0, "peak": 0, "peak_at_tolerance_0": 0, "rollouts": 0}
     for _ in range(n):
-        layout, S = random_layout(rng)
+        layout, S = random_tiny_layout(rng)
         tol, m = float(rng.choice([0.0, 0.02, 0.1, 0.3])), int(rng.choice([1, 8, 32]))
         ch = layout.chunk_array()
         eq = place(layout, "equal_flops", S, model, tol, m, chunks=ch)

@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cadlib.cost import ModelSpec, causal_pairs
+from cadlib.layout import random_tiny_layout
 from cadlib.plan import Layout, layout_from_lists
 from cadlib.shards import cut_near, cut_shards, tri_floor
 from cadlib.scheduler import colocated, equal_flops, place, reference_greedy, schedule
@@ -334,25 +335,13 @@ def test_cad_moves_no_more_bytes_than_equal_flops_on_prolong(tokens_per_rank):
     assert cad.forward_bytes(MODEL) <= eq.forward_bytes(MODEL)
 
 
-def _random_layout(rng) -> tuple[Layout, int]:
-    R = int(rng.integers(1, 9))
-    lens = rng.integers(1, 400, int(rng.integers(1, 10))).tolist()
-    ranks = [[] for _ in range(R)]
-    for d, n in enumerate(lens):
-        cuts = sorted({int(c) for c in rng.integers(1, max(2, n), int(rng.integers(0, 4))) if 0 < c < n})
-        bounds = [0, *cuts, n]
-        for s, e in zip(bounds[:-1], bounds[1:]):
-            ranks[int(rng.integers(R))].append((d, s, e))
-    return layout_from_lists(ranks, lens), int(rng.integers(1, 9))
-
-
 def test_engine_matches_reference_greedy():
     """The vectorised engine makes exactly the reference greedy's moves on 200 random layouts (both
     modes, several tolerances, shard sizes and server counts), rollouts included."""
     rng = np.random.default_rng(0)
     rollouts = 0
     for _ in range(200):
-        layout, S = _random_layout(rng)
+        layout, S = random_tiny_layout(rng)
         tol, m = float(rng.choice([0.0, 0.02, 0.1, 0.3])), int(rng.choice([1, 8, 32]))
         ch = layout.chunk_array()
         for mode in ("bytes", "flops"):
@@ -396,7 +385,7 @@ def test_forward_bytes_of_moves_are_exact():
     show), in both modes."""
     rng = np.random.default_rng(5)
     for _ in range(30):
-        layout, S = _random_layout(rng)
+        layout, S = random_tiny_layout(rng)
         base = colocated(layout, S).forward_bytes(MODEL)
         for method in ("cad", "equal_flops"):
             plan = place(layout, method, S, MODEL, 0.05, 8, guard=False)

@@ -3,13 +3,14 @@ the same plan, loads, moves and bytes, with the scalar path and with its numpy f
 import numpy as np
 import pytest
 
+from cadlib.layout import random_tiny_layout
 from cadlib.packing import pack
 from cadlib.scheduler_engine import Greedy
 from cadlib.scheduler_fill import WaterFill, end_cut
 from cadlib.shards import cut_shards
 from cadlib.workload import sample_docs, sample_kwargs
 
-from test_scheduler import KVB, QB, _random_layout
+from test_scheduler import KVB, QB
 
 FIELDS = ("doc", "q_start", "q_end", "home", "server")
 
@@ -53,7 +54,7 @@ def test_fill_matches_engine_on_random_layouts(scalar_max, monkeypatch):
     monkeypatch.setattr("cadlib.scheduler_fill.SCALAR_MAX", scalar_max)
     rng = np.random.default_rng(0)
     for _ in range(300):
-        layout, S = _random_layout(rng)
+        layout, S = random_tiny_layout(rng)
         tol, m = float(rng.choice([0.0, 0.02, 0.1, 0.3])), int(rng.choice([1, 8, 32]))
         _same(layout.chunk_array(), layout.n_docs, S, tol, m)
 
