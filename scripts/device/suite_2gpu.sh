@@ -15,7 +15,7 @@
 # 64K over the inter-node-like link, ~2.5 min); server (the attention server on its own: kernel
 # composability, merged KV vs the kernel, 16K and 64K documents, on GPU 0 beside the overhead
 # benchmark on GPU 1, then the overhead benchmark on both GPUs, ~3 min); e2e128 (the three 128K NVLink
-# settings only, ~11 min); nccl (pretrain 64K with NCCL_MAX_NCHANNELS 4 and 8, ~5 min); tol64 / tol128 (one
+# settings only, ~11 min); nccl (pretrain 64K with NCCL_MAX_NCHANNELS 4 and 8, or the list in $NCCL_CHANNELS, ~2.5 min each); tol64 / tol128 (one
 # half of tolerance each); comp (the composability benchmark with its bracketed reference on GPU 0 beside
 # FlexAttention's cells that the kernels stage's time budget left out, on GPU 1, ~3 min); e2e:DIST:TOKENS
 # (one NVLink setting, e.g. e2e:prolong:131072).
@@ -50,7 +50,7 @@ st_e2e() {
 st_e2e64() { e2e pretrain 65536 240; e2e uniform 65536 240; e2e prolong 65536 240; }
 st_e2e128() { e2e pretrain 131072 330; e2e prolong 131072 330; e2e uniform 131072 330; }
 st_nccl() {         # fewer NCCL channels: do the all-to-alls then slow the GEMMs beside them less?
-  for ch in 4 8; do
+  for ch in ${NCCL_CHANNELS:-4 8}; do
     stage "e2e pretrain 65536 NCCL_MAX_NCHANNELS=$ch start"
     if [ "$SMOKE" = 1 ]; then args="--smoke"; else args="--nproc 2 --tokens 65536 --dists pretrain --timeout 220"; fi
     NCCL_MAX_NCHANNELS=$ch timeout -k 15 240 $PY scripts/bench_e2e.py $args --tag _nch$ch --quiet --out results >> "$OUT/e2e.log" 2>&1
