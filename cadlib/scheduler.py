@@ -73,7 +73,7 @@ def reference_greedy(chunks: np.ndarray, n_servers: int, tolerance: float, min_s
     move then peeling, and peeling, until its excess is cleared or it has no move. ``mp`` is committed
     if its play-out is strictly better: ``(not cleared, excess left, bytes)`` is lower. (Against
     unchanged receivers the donor so ends no worse than peeling would from where it started.) Other
-    donors take rooms too: when 2 to ``scheduler_rollout.MULTI_DONORS`` (8) servers have excess, each
+    donors take rooms too: when 2 to ``scheduler_rollout.MULTI_DONORS`` (4) servers have excess, each
     is also played out for every donor (the move, then peeling, the most loaded donor first, as
     ``equal_flops`` would), and that play-out's ``(not cleared, the largest excess left)`` leads the
     key; the bytes compared stay the donor's own play-out's.

@@ -23,8 +23,9 @@ receiver: ``equal_flops`` from there), and that play-out's ``(not cleared, the l
 leads the comparison, before the donor's own ``(not cleared, excess left, bytes)``. Its bytes are not
 compared: the other donors' peeling moves are not the greedy's, and comparing them made the grid's
 plans worse (72 of 432 cases more bytes, 57 fewer). ``MULTI_DONORS`` bounds the cost: such a play-out
-peels every donor (~30 steps at 64 servers), so at 64 x 512K it runs only near the end of the
-greedy; a donor's lists are kept (``Greedy.rollout_donors``) until it moves. (Bytes lost to another
+peels every donor (~30 steps at 64 servers); with 8, 64 x 128K ``prolong`` took 8.2 -> 14.6 ms, with 4
+it runs 1-3 times per plan at 64 servers. A donor's lists are kept (``Greedy.rollout_donors``) until
+it moves. (Bytes lost to another
 donor's moves remain: ``KNOWN_LOSSES`` in tests/test_scheduler_greedy.py.)
 """
 from __future__ import annotations
@@ -36,7 +37,7 @@ import numpy as np
 
 from .shards import end_cut
 
-MULTI_DONORS = 8          # play out every donor when 2 to MULTI_DONORS servers have excess
+MULTI_DONORS = 4          # play out every donor when 2 to MULTI_DONORS servers have excess
 
 
 def decide(g, s: int, mv, mp):
@@ -45,7 +46,9 @@ def decide(g, s: int, mv, mp):
     if mp is None or (mp.at, mp.receiver, mp.k, mp.from_end) == (mv.at, mv.receiver, mv.k, mv.from_end):
         return mv
     g.n_rollouts += 1
-    donors = np.flatnonzero(g.load > g.U).tolist()
+    donors = [s]                                               # (every donor has a view)
+    if 1 < len(g.views) <= MULTI_DONORS:
+        donors = np.flatnonzero(g.load > g.U).tolist()
     every = 1 < len(donors) <= MULTI_DONORS                   # play out every donor, not s alone
     load, base, out = int(g.load[s]), {}, []
     for m in (mp, mv):
@@ -88,7 +91,7 @@ class _Play:
     a heap of ``(load, server)``: the emptiest server is the first of either that the play-out did not
     change, or the heap's top), the prefix ends the moves set, the bytes they moved."""
 
-    __slots__ = ("g", "donors", "loads", "by_load", "next", "cur", "heap", "need", "bytes")
+    __slots__ = ("g", "donors", "many", "loads", "by_load", "next", "cur", "heap", "need", "bytes")
 
     @classmethod
     def start(cls, g, s: int, donors: list[int]) -> "_Play":
@@ -97,7 +100,7 @@ class _Play:
         p.g, p.loads = g, g.load.tolist()
         p.by_load, p.next = np.argsort(g.load, kind="stable").tolist(), 0
         p.cur, p.heap, p.need, p.bytes = {}, [], {}, 0
-        p.donors = {}
+        p.donors, p.many = {}, len(donors) > 1
         for i in donors:
             if i not in g.views:
                 g.build_views([i])
@@ -109,7 +112,7 @@ class _Play:
 
     def copy(self) -> "_Play":
         c = _Play.__new__(_Play)
-        c.g, c.loads, c.by_load, c.next = self.g, self.loads, self.by_load, self.next
+        c.g, c.many, c.loads, c.by_load, c.next = self.g, self.many, self.loads, self.by_load, self.next
         c.cur, c.heap, c.need, c.bytes = dict(self.cur), self.heap[:], dict(self.need), self.bytes
         c.donors = {i: d.copy() for i, d in self.donors.items()}
         return c
@@ -128,6 +131,12 @@ class _Play:
         """Peel, the most loaded donor first (one with no move waits for a new receiver), until no donor
         has excess or a move: ``(not cleared, the largest excess left, bytes)``."""
         U, donors, wait = self.g.U, self.donors, []
+        if not self.many:                                       # one donor: peel it
+            d, = donors.values()
+            while d.load > U and d.peel_step(self):
+                pass
+            ex = max(d.load - U, 0.0)
+            return ex > 0, ex, self.bytes
         heap = [(-d.load, i) for i, d in donors.items() if d.load > U]     # the most loaded first
         heapq.heapify(heap)
         while heap:
@@ -197,7 +206,7 @@ class _Donor:
         kv = ne - nr - _owned(hr, ne) + _owned(hr, nr) + s1 - s0 - _owned(hs, s1) + _owned(hs, s0)
         byt = g.qb * k * ((h != r) - (h != s)) + g.kvb * kv
         need[(r, d)] = ne
-        need[(s, d)] = s1                                       # (s may receive once below U)
+        need[(s, d)] = s1
         order, T = self.order, self.T
         at = order.index(i)
         if whole:
@@ -216,8 +225,9 @@ class _Donor:
                 order.insert(q, i)
                 del order[at]
         self.load -= pairs
-        play.cur[s] = self.load
-        heapq.heappush(play.heap, (self.load, s))
+        if play.many:                                           # (s may receive once below U)
+            play.cur[s] = self.load
+            heapq.heappush(play.heap, (self.load, s))
         load = play.cur.get(r, play.loads[r]) + pairs
         play.cur[r] = load
         heapq.heappush(play.heap, (load, r))
