@@ -28,6 +28,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .cost import MIN_SHARD_TOKENS, as_model, causal_pairs
+from . import scheduler_rollout
 from .plan import Layout, Plan
 from .shards import cut_shards
 
@@ -71,7 +72,11 @@ def reference_greedy(chunks: np.ndarray, n_servers: int, tolerance: float, min_s
     they differ, both are played out for this donor alone, against the receivers as they are, the
     move then peeling, and peeling, until its excess is cleared or it has no move. ``mp`` is committed
     if its play-out is strictly better: ``(not cleared, excess left, bytes)`` is lower. (Against
-    unchanged receivers the donor so ends no worse than peeling would from where it started.)
+    unchanged receivers the donor so ends no worse than peeling would from where it started.) Other
+    donors take rooms too: when 2 to ``scheduler_rollout.MULTI_DONORS`` (4) servers have excess, each
+    is also played out for every donor (the move, then peeling, the most loaded donor first, as
+    ``equal_flops`` would), and that play-out's ``(not cleared, the largest excess left)`` leads the
+    key; the bytes compared stay the donor's own play-out's.
 
     ``equal_flops`` (``mode="flops"``) instead takes the largest ``P``, end shards to the emptiest
     receiver only. Receivers tried: those that hold or serve part of ``d``, and the emptiest receiver,
@@ -154,17 +159,34 @@ def reference_greedy(chunks: np.ndarray, n_servers: int, tolerance: float, min_s
         load[s] -= c.pairs
         load[c.receiver] += c.pairs
 
-    def play_out(s, first):
-        """Donor ``s`` alone: ``first``, then peeling, on a copy of the state: ``(not cleared, excess
+    def play_out(s, first, every):
+        """``first``, then peeling, on a copy of the state: donor ``s`` alone, or (``every``) every
+        donor, the most loaded first, as ``equal_flops`` would. ``(not cleared, the largest excess
         left, bytes)``."""
         ts, ld = [Task(t.doc, t.a, t.b, t.home, t.server) for t in tasks], load[:]
         apply(ts, ld, first)
-        total = first.bytes
-        while ld[s] > U and (c := best(candidates(ts, ld, s, True), ld[s] - U, True)) is not None:
+        total, wait = first.bytes, set()
+        while True:
+            live = [i for i in (range(S) if every else [s]) if ld[i] > U and i not in wait]
+            if not live:
+                break
+            i = max(live, key=lambda j: (ld[j], -j))
+            c = best(candidates(ts, ld, i, True), ld[i] - U, True)
+            if c is None:
+                wait.add(i)
+                continue
             apply(ts, ld, c)
             total += c.bytes
-        left = max(ld[s] - U, 0.0)
+            if ld[i] < U:
+                wait.clear()
+        left = max(max(ld[i] for i in (range(S) if every else [s])) - U, 0.0)
         return left > 0, left, total
+
+    def score(s, first, every):
+        """The rollout's key of ``first`` (lower is better): donor ``s``'s play-out, led (``every``)
+        by every donor's ``(not cleared, the largest excess left)``."""
+        one = play_out(s, first, False)
+        return play_out(s, first, True)[:2] + one if every else one
 
     stuck: set[int] = set()
     while True:
@@ -180,7 +202,8 @@ def reference_greedy(chunks: np.ndarray, n_servers: int, tolerance: float, min_s
         if mode == "bytes":                                    # the rollout
             g = max(range(S), key=lambda i: (U - load[i], -i))
             mp = best([x for x in cands if x.receiver == g and x.side == 0], load[s] - U, True)
-            if mp is not None and mp[2:6] != c[2:6] and play_out(s, mp) < play_out(s, c):
+            every = 1 < sum(v > U for v in load) <= scheduler_rollout.MULTI_DONORS
+            if mp is not None and mp[2:6] != c[2:6] and score(s, mp, every) < score(s, c, every):
                 c = mp
         apply(tasks, load, c)
         if load[s] < U:

@@ -108,6 +108,7 @@ class Greedy(Views):
                      for s in donors}
         self.build_views(donors)
         self.doc_cache: dict = {}                              # the rollouts' (scheduler_rollout._doc)
+        self.rollout_donors: dict = {}                         # the rollouts' donors (until they move)
 
     def need(self, g: np.ndarray, d: np.ndarray) -> np.ndarray:
         """The prefix end server ``g`` fetches of document ``d`` (0 if it serves none), elementwise."""
@@ -294,6 +295,7 @@ class Greedy(Views):
         self.load[r] += mv.pairs
         self.n_moves += 1
         v = self.views.pop(s)
+        self.rollout_donors.pop(s, None)
         mine = None
         if self.mode == "bytes":
             self.moved_bytes += mv.bytes

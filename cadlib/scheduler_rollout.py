@@ -14,8 +14,19 @@ pass; a move that clears the excess needs none.
 
 Peeling is the rollout's base policy. Against unchanged receivers, the donor ends no worse than
 peeling from where it started: each committed move's play-out is at most the peeling one from there,
-and when ``mp`` is committed, peeling from the next state is the rest of that same play-out. (Other
-donors' moves change the receivers in between: ``KNOWN_LOSSES`` in tests/test_scheduler_greedy.py.)
+and when ``mp`` is committed, peeling from the next state is the rest of that same play-out.
+
+Other donors' moves change the receivers in between: they take the rooms the donor's play-out counted
+on. So when 2 to ``MULTI_DONORS`` servers have excess, each move is also played out for **every**
+donor (the move, then peeling, the most loaded donor first, one with no move waiting for a new
+receiver: ``equal_flops`` from there), and that play-out's ``(not cleared, the largest excess left)``
+leads the comparison, before the donor's own ``(not cleared, excess left, bytes)``. Its bytes are not
+compared: the other donors' peeling moves are not the greedy's, and comparing them made the grid's
+plans worse (72 of 432 cases more bytes, 57 fewer). ``MULTI_DONORS`` bounds the cost: such a play-out
+peels every donor (~30 steps at 64 servers); with 8, 64 x 128K ``prolong`` took 8.2 -> 14.6 ms, with 4
+it runs 1-3 times per plan at 64 servers. A donor's lists are kept (``Greedy.rollout_donors``) until
+it moves. (Bytes lost to another
+donor's moves remain: ``KNOWN_LOSSES`` in tests/test_scheduler_greedy.py.)
 """
 from __future__ import annotations
 
@@ -26,6 +37,8 @@ import numpy as np
 
 from .shards import end_cut
 
+MULTI_DONORS = 4          # play out every donor when 2 to MULTI_DONORS servers have excess
+
 
 def decide(g, s: int, mv, mp):
     """The move donor ``s`` of the greedy ``g`` (a :class:`cadlib.scheduler_engine.Greedy` in bytes
@@ -33,16 +46,23 @@ def decide(g, s: int, mv, mp):
     if mp is None or (mp.at, mp.receiver, mp.k, mp.from_end) == (mv.at, mv.receiver, mv.k, mv.from_end):
         return mv
     g.n_rollouts += 1
-    load, base, out = int(g.load[s]), None, []
+    donors = [s]                                               # (every donor has a view)
+    if 1 < len(g.views) <= MULTI_DONORS:
+        donors = np.flatnonzero(g.load > g.U).tolist()
+    every = 1 < len(donors) <= MULTI_DONORS                   # play out every donor, not s alone
+    load, base, out = int(g.load[s]), {}, []
     for m in (mp, mv):
-        if load - m.pairs <= g.U:                              # clears: nothing left to play out
-            out.append((False, 0.0, m.bytes))
-            continue
-        if base is None:
-            base = _Donor.start(g, s)
-        d = base.copy()
-        d.apply(m.at, m.receiver, m.k, m.pairs, m.from_end)
-        out.append(d.finish())
+        score = ()
+        for many in (True, False) if every else (False,):
+            if not many and load - m.pairs <= g.U:             # clears: nothing left to play out
+                score += (False, 0.0, m.bytes)
+                continue
+            if many not in base:
+                base[many] = _Play.start(g, s, donors if many else [s])
+            p = base[many].copy()
+            p.donors[s].apply(p, m.at, m.receiver, m.k, m.pairs, m.from_end)
+            score += p.finish()[:2] if many else p.finish()
+        out.append(score)
     return mp if out[0] < out[1] else mv
 
 
@@ -65,50 +85,106 @@ def _doc(g, d: int):
     return out
 
 
+class _Play:
+    """A play-out's state: its donors (:class:`_Donor`), the servers' loads (``loads`` as the greedy
+    has them, in ascending order ``by_load``, shared; the ones the play-out changed in ``cur``, also on
+    a heap of ``(load, server)``: the emptiest server is the first of either that the play-out did not
+    change, or the heap's top), the prefix ends the moves set, the bytes they moved."""
+
+    __slots__ = ("g", "donors", "many", "loads", "by_load", "next", "cur", "heap", "need", "bytes")
+
+    @classmethod
+    def start(cls, g, s: int, donors: list[int]) -> "_Play":
+        """Donors ``donors`` (``s`` among them) of the greedy ``g`` as they are now."""
+        p = cls.__new__(cls)
+        p.g, p.loads = g, g.load.tolist()
+        p.by_load, p.next = np.argsort(g.load, kind="stable").tolist(), 0
+        p.cur, p.heap, p.need, p.bytes = {}, [], {}, 0
+        p.donors, p.many = {}, len(donors) > 1
+        for i in donors:
+            if i not in g.views:
+                g.build_views([i])
+            d = g.rollout_donors.get(i)                         # a donor's lists, until it moves
+            if d is None:
+                d = g.rollout_donors[i] = _Donor(i, g.views[i], p.loads[i])
+            p.donors[i] = d
+        return p
+
+    def copy(self) -> "_Play":
+        c = _Play.__new__(_Play)
+        c.g, c.many, c.loads, c.by_load, c.next = self.g, self.many, self.loads, self.by_load, self.next
+        c.cur, c.heap, c.need, c.bytes = dict(self.cur), self.heap[:], dict(self.need), self.bytes
+        c.donors = {i: d.copy() for i, d in self.donors.items()}
+        return c
+
+    def emptiest(self) -> tuple[int, int]:
+        """``(load, server)`` of the emptiest server (ties: the first)."""
+        heap, cur, by_load = self.heap, self.cur, self.by_load
+        while heap and heap[0][0] != cur[heap[0][1]]:         # stale entries
+            heapq.heappop(heap)
+        while self.next < len(by_load) and by_load[self.next] in cur:
+            self.next += 1
+        first = (self.loads[by_load[self.next]], by_load[self.next]) if self.next < len(by_load) else None
+        return heap[0] if heap and (first is None or heap[0] < first) else first
+
+    def finish(self) -> tuple[bool, float, int]:
+        """Peel, the most loaded donor first (one with no move waits for a new receiver), until no donor
+        has excess or a move: ``(not cleared, the largest excess left, bytes)``."""
+        U, donors, wait = self.g.U, self.donors, []
+        if not self.many:                                       # one donor: peel it
+            d, = donors.values()
+            while d.load > U and d.peel_step(self):
+                pass
+            ex = max(d.load - U, 0.0)
+            return ex > 0, ex, self.bytes
+        heap = [(-d.load, i) for i, d in donors.items() if d.load > U]     # the most loaded first
+        heapq.heapify(heap)
+        while heap:
+            load, i = heapq.heappop(heap)
+            d = donors[i]
+            if -load != d.load:                                 # stale
+                continue
+            if not d.peel_step(self):
+                wait.append(i)
+            elif d.load > U:
+                heapq.heappush(heap, (-d.load, i))
+            elif d.load < U and wait:                           # a new receiver: the waiting retry
+                for j in wait:
+                    heapq.heappush(heap, (-donors[j].load, j))
+                wait = []
+        ex = max(max(d.load for d in donors.values()) - U, 0.0)
+        return ex > 0, ex, self.bytes
+
+
 class _Donor:
-    """One donor's rollout state: its tasks (lists), the servers' loads (``loads`` as the greedy has
-    them, in ascending order ``by_load``, shared; the ones the play-out changed in ``cur``, also on a
-    heap of ``(load, server)``: the emptiest server is the first of either that the play-out did not
-    change, or the heap's top), the prefix ends the moves set."""
+    """One donor's tasks in a play-out (lists) and its load. (No reference to the greedy: the greedy
+    keeps these, and a reference cycle would keep its arrays until a garbage collection.)"""
 
-    __slots__ = ("g", "s", "v", "a", "b", "doc", "home", "T", "order", "alive", "loads", "by_load",
-                 "next", "cur", "heap", "need", "load", "bytes", "same")
+    __slots__ = ("s", "a", "b", "doc", "home", "T", "order", "alive", "load", "same")
 
-    def __init__(self, g, s: int, v, loads: list[int], by_load: list[int]):
-        self.g, self.s, self.v = g, s, v
+    def __init__(self, s: int, v, load: int):
+        self.s = s
         self.a, self.b = v.a.tolist(), v.b.tolist()
         self.doc, self.home = v.doc.tolist(), v.home.tolist()
         self.T = v.pairs.tolist()
         self.order = np.argsort(-v.pairs, kind="stable").tolist()   # most pairs first, ties: first task
         self.alive = [True] * len(self.a)
-        self.loads, self.by_load, self.next = loads, by_load, 0
-        self.cur: dict[int, int] = {}
-        self.heap: list[tuple[int, int]] = []
-        self.need: dict[tuple[int, int], int] = {}
-        self.load = loads[s]                                    # the donor's (an integer: exact)
-        self.bytes = 0
+        self.load = load                                        # the donor's (an integer: exact)
         self.same: dict[int, list[int]] = {}                    # doc -> its tasks, where s has several
         for i in np.flatnonzero(v.other > 0).tolist():
             self.same.setdefault(self.doc[i], []).append(i)
 
-    @classmethod
-    def start(cls, g, s: int) -> "_Donor":
-        """Donor ``s`` of the greedy ``g`` as it is now."""
-        return cls(g, s, g.views[s], g.load.tolist(), np.argsort(g.load, kind="stable").tolist())
-
     def copy(self) -> "_Donor":
         c = _Donor.__new__(_Donor)
-        c.g, c.s, c.v, c.doc, c.home, c.same = self.g, self.s, self.v, self.doc, self.home, self.same
+        c.s, c.doc, c.home, c.same = self.s, self.doc, self.home, self.same
         c.a, c.b, c.T, c.order, c.alive = self.a[:], self.b[:], self.T[:], self.order[:], self.alive[:]
-        c.loads, c.by_load, c.next = self.loads, self.by_load, self.next
-        c.cur, c.heap, c.need = dict(self.cur), self.heap[:], dict(self.need)
-        c.load, c.bytes = self.load, self.bytes
+        c.load = self.load
         return c
 
-    def apply(self, i: int, r: int, k: int, pairs: int, from_end: bool) -> int:
-        """Move ``k`` tokens of task ``i`` to ``r`` (the engine's ``Greedy.apply``, on this state);
+    def apply(self, play: _Play, i: int, r: int, k: int, pairs: int, from_end: bool) -> int:
+        """Move ``k`` tokens of task ``i`` to ``r`` (the engine's ``Greedy.apply``, in ``play``);
         returns the move's forward bytes, exact (as ``reference_greedy`` computes them)."""
-        g, s = self.g, self.s
+        g, s, need = play.g, self.s, play.need
         a, b, d, h = self.a[i], self.b[i], self.doc[i], self.home[i]
         oth = 0                                                 # the prefix end of s's other tasks of d
         if d in self.same:
@@ -119,7 +195,7 @@ class _Donor:
         e = b if from_end else a + k
         left = 0 if whole else (b - k if from_end else b)
         held, need0 = _doc(g, d)
-        nr = self.need.get((r, d))                              # r's prefix end: set here, by the greedy,
+        nr = need.get((r, d))                                   # r's prefix end: set here, by the greedy,
         if nr is None:                                          # or colocated
             nr = g.need_at.get((r, d))
             if nr is None:
@@ -129,7 +205,8 @@ class _Donor:
         s0, s1 = max(oth, b), max(oth, left)                    # s's prefix end before and after
         kv = ne - nr - _owned(hr, ne) + _owned(hr, nr) + s1 - s0 - _owned(hs, s1) + _owned(hs, s0)
         byt = g.qb * k * ((h != r) - (h != s)) + g.kvb * kv
-        self.need[(r, d)] = ne
+        need[(r, d)] = ne
+        need[(s, d)] = s1
         order, T = self.order, self.T
         at = order.index(i)
         if whole:
@@ -148,26 +225,24 @@ class _Donor:
                 order.insert(q, i)
                 del order[at]
         self.load -= pairs
-        load = self.cur.get(r, self.loads[r]) + pairs
-        self.cur[r] = load
-        heapq.heappush(self.heap, (load, r))
-        self.bytes += byt
+        if play.many:                                           # (s may receive once below U)
+            play.cur[s] = self.load
+            heapq.heappush(play.heap, (self.load, s))
+        load = play.cur.get(r, play.loads[r]) + pairs
+        play.cur[r] = load
+        heapq.heappush(play.heap, (load, r))
+        play.bytes += byt
         return byt
 
-    def peel_step(self) -> bool:
+    def peel_step(self, play: _Play) -> bool:
         """Apply the peeling move (the largest valid end shard to the emptiest server, ties: the first
         task); False when there is none."""
-        U, heap, cur, by_load = self.g.U, self.heap, self.cur, self.by_load
-        while heap and heap[0][0] != cur[heap[0][1]]:         # stale entries
-            heapq.heappop(heap)
-        while self.next < len(by_load) and by_load[self.next] in cur:
-            self.next += 1
-        first = (self.loads[by_load[self.next]], by_load[self.next]) if self.next < len(by_load) else None
-        load, r = heap[0] if heap and (first is None or heap[0] < first) else first
+        load, r = play.emptiest()
+        U = play.g.U
         if load >= U or self.load <= U:
             return False
         room = U - load
-        y, x, m = math.floor(room), max(math.ceil(min(self.load - U, room)), 1), self.g.m
+        y, x, m = math.floor(room), max(math.ceil(min(self.load - U, room)), 1), play.g.m
         best, T, a, b = None, self.T, self.a, self.b
         for i in self.order:                                    # a shard carries at most its task's pairs
             if best is not None and T[i] < best[0]:
@@ -178,16 +253,8 @@ class _Donor:
         if best is None:
             return False
         p, i, k = best
-        self.apply(i, r, k, p, True)
+        self.apply(play, i, r, k, p, True)
         return True
-
-    def finish(self) -> tuple[bool, float, int]:
-        """Peel until the excess is cleared or there is no move: ``(not cleared, excess left,
-        bytes)``."""
-        while self.load > self.g.U and self.peel_step():
-            pass
-        ex = max(self.load - self.g.U, 0.0)
-        return ex > 0, ex, self.bytes
 
 
 def _owned(ranges, e: int) -> int:
