@@ -18,7 +18,7 @@
 # settings only, ~11 min); nccl (pretrain 64K with NCCL_MAX_NCHANNELS 4 and 8, or the list in $NCCL_CHANNELS, ~2.5 min each); tol64 / tol128 (one
 # half of tolerance each); comp (the composability benchmark with its bracketed reference on GPU 0 beside
 # FlexAttention's cells that the kernels stage's time budget left out, on GPU 1, ~3 min); e2e:DIST:TOKENS
-# (one NVLink setting, e.g. e2e:prolong:131072).
+# (one NVLink setting, e.g. e2e:prolong:131072); verify (cadlib.verify, bf16, 2 GPUs, ~1 min).
 # Each stage has its own timeout, copies what it wrote to $OUT and logs a line to $OUT/stages.log;
 # $OUT/ALLDONE marks the end. Stages run in the order STAGES names them. Benchmarks write into this tree's results/, so the report stage (which
 # reads the committed results) sees the new end-to-end files.
@@ -76,6 +76,16 @@ st_cpcheck() {
   timeout -k 10 200 torchrun --standalone --nproc-per-node 2 -m cadlib.cp.check --suite layout,protocol $CK \
     --out results/cp_check_2gpu_bf16.json > "$OUT/cpcheck.log" 2>&1
   stage "cp.check rc=$?"; cp results/cp_check_2gpu_bf16.json "$OUT/" 2>/dev/null
+}
+st_verify() {   # CAD attention vs an fp32 per-document reference, bf16 over NCCL (results/verify_cad_2xh200_bf16.txt)
+  stage "verify start"
+  local args="--dtype bf16 --model llama3-8b --tokens-per-rank 8192 --case random,one-token,empty-rank,spanning --dist pretrain,prolong"
+  [ "$SMOKE" = 1 ] && args="--dtype fp32 --tokens-per-rank 64 --case random --dist pretrain"
+  { echo "# torchrun --standalone --nproc-per-node 2 -m cadlib.verify $args"
+    echo "# 2 GPUs, commit $CADLIB_COMMIT, $(date -u +%F)"
+    timeout -k 10 200 torchrun --standalone --nproc-per-node 2 -m cadlib.verify $args 2>&1 | grep -v "Warning\|exe_args"
+  } > "$OUT/verify_cad_2xh200_bf16.txt"
+  stage "verify rc=${PIPESTATUS[0]} ($(grep -c ' ok' "$OUT/verify_cad_2xh200_bf16.txt") ok lines)"
 }
 st_report() {
   if [ "$SMOKE" = 1 ]; then PROF=cpu; else PROF=h200x2; fi
