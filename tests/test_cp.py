@@ -203,3 +203,21 @@ def test_errors_of_an_exactly_zero_reference_stay_finite(tmp_path):
         assert _errors(got, ref, rows, None, torch.device("cpu"))["rel_err"]["dq"] > 1
     finally:
         dist.destroy_process_group()
+
+
+def test_allgather_metadata_is_freed_without_a_garbage_collection():
+    """The device copy refers to the host metadata, not the other way round: dropping the layout frees
+    both at once (a reference cycle kept every finished step's metadata until a full gc pass)."""
+    import gc
+    import weakref
+
+    layout = Layout([[(0, 0, 3), (1, 0, 2)]], [3, 2])
+    dm = prepare(layout, None, "cpu")
+    assert prepare(layout, None, "cpu") is dm                  # cached on the layout, per device
+    ref = weakref.ref(dm.meta)
+    gc.disable()
+    try:
+        del layout, dm
+        assert ref() is None
+    finally:
+        gc.enable()

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import contextlib
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -87,20 +87,19 @@ class GatherMeta:
     cu_k: np.ndarray                # int32 [n_chunks + 1]
     max_q: int
     max_k: int
-    _device_cache: dict = field(default_factory=dict, repr=False)
 
     @property
     def n_buf(self) -> int:
         return self.n_local + (self.world * self.pad if self.active else 0)
 
     def to(self, device) -> "DeviceGatherMeta":
-        key = str(device)
-        if key not in self._device_cache:
-            def t(a, dtype=torch.int64):
-                return torch.as_tensor(np.ascontiguousarray(a)).to(device=device, dtype=dtype)
-            self._device_cache[key] = DeviceGatherMeta(self, t(self.send_index), t(self.kv_rows),
-                                                       t(self.cu_q, torch.int32), t(self.cu_k, torch.int32))
-        return self._device_cache[key]
+        """The index maps on ``device`` (a new copy each call: :func:`prepare` caches it, on the layout,
+        so that the device copy refers to this object and not the other way round: a cycle would keep
+        every finished step's metadata alive until a full garbage collection)."""
+        def t(a, dtype=torch.int64):
+            return torch.as_tensor(np.ascontiguousarray(a)).to(device=device, dtype=dtype)
+        return DeviceGatherMeta(self, t(self.send_index), t(self.kv_rows), t(self.cu_q, torch.int32),
+                                t(self.cu_k, torch.int32))
 
 
 @dataclass
@@ -168,7 +167,10 @@ def prepare(layout: Layout, group, device, causal: bool = True) -> DeviceGatherM
     key = (rank, bool(causal))
     if key not in cache:
         cache[key] = build_meta(layout, rank, causal)
-    return cache[key].to(device)
+    dkey = (*key, str(device))
+    if dkey not in cache:
+        cache[dkey] = cache[key].to(device)
+    return cache[dkey]
 
 
 # ---------------------------------------------------------------------------------------------------
