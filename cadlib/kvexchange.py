@@ -119,7 +119,7 @@ def kv_map(S: SortedChunks, tdoc, tend, rank: int, n_local: int, R: int, off) ->
     a, b = int(k[:rank].sum()), int(k[:rank + 1].sum())        # my own pieces: o[a:b]
     row = np.empty_like(plen)
     po = plen[o]
-    cum = np.cumsum(po) - po
+    cum = excl(po)
     cum[b:] -= n_own                                             # owners' blocks one after another
     row[o[:a]], row[o[b:]] = n_local + cum[:a], n_local + cum[b:]
     mine = o[a:b]

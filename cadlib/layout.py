@@ -22,6 +22,8 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
+from .ranges import excl
+
 
 class Chunk(NamedTuple):
     """Tokens ``[start, end)`` of document ``doc``, held by one rank."""
@@ -249,7 +251,7 @@ class Layout:
         of :meth:`chunk_array`): O(its chunks), so that no rank pays for the others'."""
         lo, hi = self.rank_ptr()[rank:rank + 2]
         n = self._ch[lo:hi, 2] - self._ch[lo:hi, 1]
-        return np.cumsum(n) - n
+        return excl(n)
 
     def local_offsets(self) -> list[list[int]]:
         """Per rank, the offset of each chunk in that rank's packed local token buffer."""

@@ -56,7 +56,7 @@ class Ranges:
 
     def shifts(self) -> np.ndarray:
         """``starts`` minus each run's offset in the output: the expansion adds ``arange(size)``."""
-        return self.starts - (np.cumsum(self.lens) - self.lens)
+        return self.starts - excl(self.lens)
 
     def numpy(self) -> np.ndarray:
         """The expanded array on the host (computed once)."""

@@ -287,5 +287,5 @@ def composability_targets(rows, shard: int = 512, target: float = COMPOSABILITY_
     cols = ["doc", "shard", "commit", "file", "fwd_bwd", "fwd", "before_fwd_bwd", "target", "meets",
             "reference", "date"]
     t = pd.DataFrame(out, columns=cols).sort_values(["doc", "date"]).reset_index(drop=True)
-    t["latest"] = t.date == t.groupby("doc").date.transform("max") if len(t) else []
+    t["latest"] = t.date.eq(t.groupby("doc").date.transform("max"))
     return t

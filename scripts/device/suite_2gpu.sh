@@ -116,26 +116,25 @@ st_kernels() {
   CUDA_VISIBLE_DEVICES=1 timeout -k 10 170 $PY scripts/bench_kernels.py $KF --out "$OUT/bench_kernels_flex.json" > "$OUT/kernels_flex.log" 2>&1 &
   wait; stage "kernels done (combine with: python scripts/bench_kernels.py --combine results/bench_kernels.json $OUT/bench_kernels_*.json --out results/bench_kernels.json)"
 }
+composability() {  # limit_s name: the composability benchmark, merged KV vs the kernel alone, on GPU 0
+  local sv="--backends fa4 --warmup 2 --iters 5 --doc-lens 16384,65536 --shards 128,512,1024,2048"
+  [ "$SMOKE" = 1 ] && sv="--smoke --doc-lens 256 --shards 16,64"
+  CUDA_VISIBLE_DEVICES=0 timeout -k 10 "$1" $PY scripts/bench_attention_server.py --part composability $sv \
+    --kv-share merged,kernel --out "$OUT/bench_attention_server_composability_1gpu_$2.json" > "$OUT/server_comp.log" 2>&1
+}
 st_comp() {  # the composability reference bracketed (GPU 0) beside FlexAttention's untimed cells (GPU 1)
   stage "comp start"
-  if [ "$SMOKE" = 1 ]; then SV="--smoke --doc-lens 256 --shards 16,64"; KF="--smoke"; else
-    SV="--backends fa4 --warmup 2 --iters 5 --doc-lens 16384,65536 --shards 128,512,1024,2048"
+  if [ "$SMOKE" = 1 ]; then KF="--smoke"; else
     KF="--backends flex --seqlens 1024,2048,8192,24576,40960,49152 --time-budget-s 150 --masks block_causal_document,causal_document_long,full_document_long,global_sliding_window,prefix_lm_document,sliding_window,sliding_window_causal"
   fi
-  CUDA_VISIBLE_DEVICES=0 timeout -k 10 170 $PY scripts/bench_attention_server.py --part composability $SV \
-    --kv-share merged,kernel --out "$OUT/bench_attention_server_composability_1gpu_bracketed.json" > "$OUT/server_comp.log" 2>&1 &
+  composability 170 bracketed &
   CUDA_VISIBLE_DEVICES=1 timeout -k 10 200 $PY scripts/bench_kernels.py $KF --out "$OUT/bench_kernels_flex.json" > "$OUT/kernels_flex.log" 2>&1 &
   wait; stage "comp done"
 }
 st_server() {
   stage "server start"
-  if [ "$SMOKE" = 1 ]; then
-    SV="--smoke --doc-lens 256 --shards 16,64"; OV="--smoke"; NP=2
-  else
-    SV="--backends fa4 --warmup 2 --iters 5 --doc-lens 16384,65536 --shards 128,512,1024,2048"; OV=""; NP=2
-  fi
-  CUDA_VISIBLE_DEVICES=0 timeout -k 10 150 $PY scripts/bench_attention_server.py --part composability $SV \
-    --kv-share merged,kernel --out "$OUT/bench_attention_server_composability_1gpu_merged.json" > "$OUT/server_comp.log" 2>&1 &
+  if [ "$SMOKE" = 1 ]; then OV="--smoke"; else OV=""; fi; NP=2
+  composability 150 merged &
   CUDA_VISIBLE_DEVICES=1 timeout -k 10 150 $PY scripts/bench_attention_server.py --part overhead $OV \
     --out "$OUT/bench_attention_server_overhead_1gpu.json" > "$OUT/server_ovh1.log" 2>&1 &
   wait; stage "server 1-GPU parts done"
