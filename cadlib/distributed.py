@@ -95,6 +95,27 @@ def init_from_env(pg_backend: str | None = None) -> Dist:
     return Dist(dist.get_rank(group), dist.get_world_size(group), group, device)
 
 
+def comm_group(group, max_ctas: int | None = None):
+    """A process group of ``group``'s ranks for communication that overlaps compute (CAD's
+    all-to-alls under ping-pong). With NCCL and ``max_ctas``, its communicator runs on at most that
+    many thread blocks (``ncclConfig_t.maxCTAs``, what Megatron-LM sets per overlapped group): every
+    block NCCL holds is an SM the attention and GEMM kernels beside it cannot use. Without
+    ``max_ctas``, ``group`` itself; on gloo (which has no such setting) a plain group of the same
+    ranks, so CPU and GPU run the same code. Call it on every rank (a collective) before the first step."""
+    if max_ctas is not None and (isinstance(max_ctas, bool) or not isinstance(max_ctas, int) or max_ctas < 1):
+        raise ValueError(f"max_ctas must be a positive int (thread blocks per NCCL communicator) or None, "
+                         f"got {max_ctas!r}")
+    if max_ctas is None or not dist.is_initialized():
+        return group
+    ranks = dist.get_process_group_ranks(group)
+    opts = None
+    if dist.get_backend(group) == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts.config.max_ctas = max_ctas
+        opts.config.min_ctas = 1
+    return dist.new_group(ranks, pg_options=opts, backend=dist.get_backend(group))
+
+
 def barrier(group=None) -> None:
     """Wait for every rank of ``group`` (no-op when no process group exists)."""
     if dist.is_initialized():

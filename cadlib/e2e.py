@@ -163,12 +163,14 @@ used it."""
 def setting_label(config: dict) -> str:
     """``pretrain 64K nvlink x2`` (``... eps 0.02`` when the scheduler's tolerance is not
     ``DEFAULT_TOLERANCE``, ``... whole docs`` when ping-pong's nano-batches kept documents whole,
-    not ``DEFAULT_NANO_SPLIT``): what a committed result file measured."""
+    not ``DEFAULT_NANO_SPLIT``, ``... 4 CTAs`` when CAD's all-to-alls ran on at most 4 NCCL thread
+    blocks): what a committed result file measured."""
     link = f" {config['link']}" if config.get("link") else ""
     tol = config.get("tolerance", DEFAULT_TOLERANCE)
     eps = f" eps {tol:g}" if tol != DEFAULT_TOLERANCE else ""
     split = config.get("nano_split", "whole")
     eps += "" if split == DEFAULT_NANO_SPLIT else (" whole docs" if split == "whole" else f" nano {split}")
+    eps += f" {config['comm_ctas']} CTAs" if config.get("comm_ctas") else ""
     return f"{config['dist']} {config['tokens_per_rank'] // 1024}K{link} x{config.get('nproc', '?')}{eps}"
 
 

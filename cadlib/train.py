@@ -38,7 +38,7 @@ from . import scheduler
 from .cad import AllToAll, cad_attention, prepare
 from .cost import MODELS, as_model
 from .e2e import DEFAULT_NANO_SPLIT, DEFAULT_TOLERANCE, overlap
-from .distributed import destroy, init_from_env, log, report_progress, write_result
+from .distributed import comm_group, destroy, init_from_env, log, report_progress, write_result
 from .batches import positions, synthetic_tokens
 from .model import ChunkedCrossEntropy, Decoder
 from .packing import pack
@@ -216,6 +216,10 @@ def parse_args(argv=None):
     p.add_argument("--mlp-recompute", action="store_true")
     p.add_argument("--attn-backend", default=None)
     p.add_argument("--pg-backend", default=None)
+    p.add_argument("--comm-ctas", type=int, default=None,
+                   help="NCCL thread blocks (SMs) for CAD's all-to-alls, on a group of their own "
+                        "(default: NCCL's choice; ignored on gloo): fewer leave the attention and GEMM "
+                        "kernels beside them more SMs")
     p.add_argument("--colocated-impl", default="allgather", choices=("allgather", "all-to-all"),
                    help="per-document CP for colocated/wlb: all-gather (default) or CAD's all-to-all "
                         "with the colocated plan")
@@ -236,7 +240,8 @@ def parse_args(argv=None):
     for flag, val, lo in (("--tokens-per-rank", args.tokens_per_rank, 1), ("--steps", args.steps, 1),
                           ("--warmup", args.warmup, 0), ("--min-shard", args.min_shard, 1),
                           ("--ce-chunk", args.ce_chunk, 1), ("--layers", args.layers, 1),
-                          ("--doc-len", args.doc_len, 1), ("--max-doc-len", args.max_doc_len, 1)):
+                          ("--doc-len", args.doc_len, 1), ("--max-doc-len", args.max_doc_len, 1),
+                          ("--comm-ctas", args.comm_ctas, 1)):
         if val is not None and val < lo:
             p.error(f"{flag} must be >= {lo}, got {val}")
     if not (args.tolerance >= 0 and math.isfinite(args.tolerance)):
@@ -249,6 +254,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     env = init_from_env(args.pg_backend)
+    cad_group = comm_group(env.group, args.comm_ctas)   # CAD's all-to-alls; per-document CP keeps env.group
     torch.manual_seed(args.seed)
     model = Decoder(args.spec, dtype=DTYPES[args.dtype], device=env.device,
                     mlp_recompute=args.mlp_recompute, seed=args.seed)
@@ -265,14 +271,15 @@ def main(argv=None) -> int:
         for i in range(args.warmup + args.steps):
             b = i - args.warmup if i >= args.warmup else i      # warm-up reuses the first batches
             step = Step(method, batch_docs(args, b, env.world), args, model, env.rank, env.world,
-                        env.group, env.device)
+                        cad_group, env.device)
             if cuda:
                 torch.cuda.synchronize(env.device)
                 torch.cuda.reset_peak_memory_stats(env.device)
             dist.barrier(group=env.group)
             tl.origin()
             with tl.span("step", "forward"):
-                loss = forward(step, model, env.group, streams, tl, args, method == "signal-only")
+                loss = forward(step, model, env.group if method in ("colocated", "wlb") else cad_group,
+                               streams, tl, args, method == "signal-only")
             with tl.span("step", "backward"):
                 (loss / step.n_valid).backward()
             with tl.span("step", "allreduce"):

@@ -44,6 +44,8 @@ def run_setting(args, tokens: int, dist: str, link: str) -> dict:
         train_args += ["--mlp-recompute"]
     if args.attn_backend:
         train_args += ["--attn-backend", args.attn_backend]
+    if args.comm_ctas:
+        train_args += ["--comm-ctas", str(args.comm_ctas)]
     env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", **LINKS[link]}
     df = launch.run_torchrun("cadlib.train", args.nproc, train_args, timeout=args.timeout,
                              pg_backend=args.pg_backend, env=env, echo=False, progress=not args.quiet)
@@ -82,6 +84,8 @@ def main(argv=None) -> int:
     ap.add_argument("--mlp-recompute", action="store_true", default=True)
     ap.add_argument("--attn-backend", default=None)
     ap.add_argument("--pg-backend", default="auto")
+    ap.add_argument("--comm-ctas", type=int, default=None,
+                    help="NCCL thread blocks for CAD's all-to-alls (python -m cadlib.train --comm-ctas)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--lr", type=float, default=1e-5,
                     help="AdamW learning rate (timing only needs sane values)")

@@ -52,6 +52,14 @@ def test_nano_batches_keep_documents_whole(balance, seed):
         assert np.abs(ta - tb).sum() < np.abs(ta + tb).sum()                          # better than all-in-one
 
 
+def test_comm_group_rejects_bad_ctas():
+    from cadlib.distributed import comm_group
+    for bad in (0, -2, 2.5, True, "4"):
+        with pytest.raises(ValueError, match="max_ctas must be a positive int"):
+            comm_group(None, bad)
+    assert comm_group("g", None) == "g"               # no limit: the group itself
+
+
 def test_train_rejects_bad_flags(capsys):
     from cadlib import train
     for argv, fragment in ((["--methods", "cad,ringx"], "unknown method 'ringx'"),
@@ -59,7 +67,8 @@ def test_train_rejects_bad_flags(capsys):
                            (["--model", "gpt5"], "unknown model 'gpt5'"),
                            (["--dist", "prolog"], "unknown distribution 'prolog'"),
                            (["--tolerance", "-0.1"], "--tolerance"),
-                           (["--steps", "0"], "--steps must be >= 1")):
+                           (["--steps", "0"], "--steps must be >= 1"),
+                           (["--comm-ctas", "0"], "--comm-ctas must be >= 1")):
         with pytest.raises(SystemExit):
             train.parse_args(argv)
         assert fragment in capsys.readouterr().err
@@ -71,8 +80,9 @@ def test_methods_agree_on_loss_and_gradients(world, tmp_path):
     launch = pytest.importorskip("cadlib.launch")
     methods = ["colocated", "wlb", "cad", "cad-pingpong"]
     split = "whole" if world == 2 else "docs"          # ping-pong's nano-batches: both forms
+    own = ["--comm-ctas", "2"] if world == 4 else []    # CAD's all-to-alls on a group of their own
     df = launch.run_torchrun("cadlib.train", world,
-                             ["--methods", ",".join(methods), "--nano-split", split,
+                             own + ["--methods", ",".join(methods), "--nano-split", split,
                               "--tokens-per-rank", "256", "--max-doc-len", "400", "--min-shard", "16",
                               "--steps", "5", "--warmup", "0", "--dtype", "fp32",
                               "--dump-grads", str(tmp_path)],

@@ -15,10 +15,14 @@
 # 64K over the inter-node-like link, ~2.5 min); server (the attention server on its own: kernel
 # composability, merged KV vs the kernel, 16K and 64K documents, on GPU 0 beside the overhead
 # benchmark on GPU 1, then the overhead benchmark on both GPUs, ~3 min); e2e128 (the three 128K NVLink
-# settings only, ~11 min); nccl (pretrain 64K with NCCL_MAX_NCHANNELS 4 and 8, or the list in $NCCL_CHANNELS, ~2.5 min each); tol64 / tol128 (one
+# settings only, ~11 min); tol64 / tol128 (one
 # half of tolerance each); comp (the composability benchmark with its bracketed reference on GPU 0 beside
 # FlexAttention's cells that the kernels stage's time budget left out, on GPU 1, ~3 min); e2e:DIST:TOKENS
-# (one NVLink setting, e.g. e2e:prolong:131072); verify (cadlib.verify, bf16, 2 GPUs, ~1 min).
+# (one NVLink setting, e.g. e2e:prolong:131072); verify (cadlib.verify, bf16, 2 GPUs, ~1 min); probe
+# (scripts/probe_comm_overlap.py on both links, ~2 min); sdpaeff (SDPA's memory-efficient backend on the
+# cells the kernels stage's budget left out, one half per GPU, ~3.5 min). E2E_ARGS adds flags to every
+# e2e run (e.g. "--tolerance 0.02") and E2E_TAG its file-name tag (e.g. _eps0.02); after the probe
+# stage, each e2e run also takes the CTA limit it recommended for its link ($OUT/e2e_args_<link>).
 # Each stage has its own timeout, copies what it wrote to $OUT and logs a line to $OUT/stages.log;
 # $OUT/ALLDONE marks the end. Stages run in the order STAGES names them. Benchmarks write into this tree's results/, so the report stage (which
 # reads the committed results) sees the new end-to-end files.
@@ -35,10 +39,12 @@ for d in ${PYTHONPATH//:/ }; do
   [ -d "$d/share/jupyter" ] && export JUPYTER_PATH=${JUPYTER_PATH:+$JUPYTER_PATH:}$d/share/jupyter
 done
 stage() { echo "$(date +%T) $*" | tee -a "$OUT/stages.log"; }
+E2E_ARGS=${E2E_ARGS:-}; E2E_TAG=${E2E_TAG:-}   # extra bench_e2e flags for every e2e run, and its --tag
 e2e() {  # dist tokens limit_s
-  local name="bench_e2e_2x_$1_$(( $2 / 1024 ))k_nvlink.json" args
-  if [ "$SMOKE" = 1 ]; then args="--smoke --dists $1"; name="bench_e2e_smoke_2x_pretrain_0k_nvlink.json"
+  local name="bench_e2e_2x_$1_$(( $2 / 1024 ))k_nvlink$E2E_TAG.json" args
+  if [ "$SMOKE" = 1 ]; then args="--smoke --dists $1"; name="bench_e2e_smoke_2x_pretrain_0k_nvlink$E2E_TAG.json"
   else args="--nproc 2 --tokens $2 --dists $1 --link nvlink --timeout $(( $3 - 20 ))"; fi
+  args="$args $E2E_ARGS $(cat "$OUT/e2e_args_nvlink" 2>/dev/null) --tag=$E2E_TAG"   # the probe's CTA limit
   stage "e2e $1 $2 start"
   timeout -k 15 "$3" $PY scripts/bench_e2e.py $args --quiet --out results >> "$OUT/e2e.log" 2>&1
   local rc=$?; cp "results/$name" "$OUT/" 2>/dev/null; stage "e2e $1 $2 rc=$rc"
@@ -49,19 +55,36 @@ st_e2e() {
 }
 st_e2e64() { e2e pretrain 65536 240; e2e uniform 65536 240; e2e prolong 65536 240; }
 st_e2e128() { e2e pretrain 131072 330; e2e prolong 131072 330; e2e uniform 131072 330; }
-st_nccl() {         # fewer NCCL channels: do the all-to-alls then slow the GEMMs beside them less?
-  for ch in ${NCCL_CHANNELS:-4 8}; do
-    stage "e2e pretrain 65536 NCCL_MAX_NCHANNELS=$ch start"
-    if [ "$SMOKE" = 1 ]; then args="--smoke"; else args="--nproc 2 --tokens 65536 --dists pretrain --timeout 220"; fi
-    NCCL_MAX_NCHANNELS=$ch timeout -k 15 240 $PY scripts/bench_e2e.py $args --tag _nch$ch --quiet --out results >> "$OUT/e2e.log" 2>&1
-    stage "e2e pretrain 65536 NCCL_MAX_NCHANNELS=$ch rc=$?"; cp results/bench_e2e_*_nch$ch.json "$OUT/" 2>/dev/null
-  done
-}
 st_internode() {    # NCCL through host memory: about 25 ms per GiB, like an inter-node link
   stage "e2e pretrain 65536 inter-node-like start"
   if [ "$SMOKE" = 1 ]; then args="--smoke"; else args="--nproc 2 --tokens 65536 --dists pretrain --timeout 250"; fi
-  timeout -k 15 270 $PY scripts/bench_e2e.py $args --link inter-node-like --quiet --out results >> "$OUT/e2e.log" 2>&1
+  args="$args $E2E_ARGS $(cat "$OUT/e2e_args_inter-node-like" 2>/dev/null)"
+  timeout -k 15 270 $PY scripts/bench_e2e.py $args --tag=$E2E_TAG --link inter-node-like --quiet --out results \
+    >> "$OUT/e2e.log" 2>&1
   stage "e2e pretrain 65536 inter-node-like rc=$?"; cp results/bench_e2e_*inter-node-like*.json "$OUT/" 2>/dev/null
+}
+st_probe() {  # NCCL's all-to-all beside attention and GEMMs, per CTA limit, on both links (~1 min each)
+  local args="" sfx
+  [ "$SMOKE" = 1 ] && args="--smoke"
+  for link in nvlink inter-node-like; do
+    stage "probe $link start"; sfx=$link
+    env $([ $link = inter-node-like ] && echo NCCL_P2P_DISABLE=1) timeout -k 10 150 torchrun --standalone \
+      --nproc-per-node 2 scripts/probe_comm_overlap.py $args --out "$OUT/comm_overlap_probe_2xh200_$sfx.json" \
+      --recommend-out "$OUT/e2e_args_$sfx" > "$OUT/probe_$sfx.log" 2>&1
+    stage "probe $link rc=$? ($(grep -h 'recommended' "$OUT/probe_$sfx.log" | cut -c1-80))"
+  done
+}
+st_sdpaeff() {  # SDPA's memory-efficient backend on the 10 masks x 32K-48K its time budget left out (~3.5 min)
+  stage "sdpa_efficient start"
+  local half masks=(share_question,causal_blockwise,prefix_lm_causal,prefix_lm_document,sliding_window_causal
+                    sliding_window,global_sliding_window,block_causal_document,full_document_long,causal_document_long)
+  for half in 0 1; do
+    if [ "$SMOKE" = 1 ]; then KB="--smoke"; else
+      KB="--backends sdpa_efficient --seqlens 32768,40960,49152 --masks ${masks[$half]} --slow-ms 100000 --warmup 1 --reps 3"; fi
+    CUDA_VISIBLE_DEVICES=$half timeout -k 10 400 $PY scripts/bench_kernels.py $KB \
+      --out "$OUT/bench_kernels_sdpa_eff$half.json" > "$OUT/kernels_sdpa_eff$half.log" 2>&1 &
+  done
+  wait; stage "sdpa_efficient done (combine: python scripts/bench_kernels.py --combine results/bench_kernels.json $OUT/bench_kernels_sdpa_eff*.json --out results/bench_kernels.json)"
 }
 st_cp() {
   stage "bench_cp start"
