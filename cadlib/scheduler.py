@@ -78,6 +78,13 @@ def reference_greedy(chunks: np.ndarray, n_servers: int, tolerance: float, min_s
     ``equal_flops`` would), and that play-out's ``(not cleared, the largest excess left)`` leads the
     key; the bytes compared stay the donor's own play-out's.
 
+    (4) Those every-donor play-outs are complete, feasible plans from there, with exact bytes; once the
+    loop ends, what the greedy did from each such decision is known too. At the first decision where
+    the move not taken, then peeling, ends strictly better than both the committed move, then peeling,
+    and what the greedy did (``(not reached, the largest excess left, the total excess left, bytes
+    from there)`` lower), the greedy goes back to that state, takes that move and runs on (the
+    **fortification**, :mod:`cadlib.scheduler_fortify`).
+
     ``equal_flops`` (``mode="flops"``) instead takes the largest ``P``, end shards to the emptiest
     receiver only. Receivers tried: those that hold or serve part of ``d``, and the emptiest receiver,
     which stands for all others (a receiver with nothing of ``d`` pays ``e`` KV tokens whatever it is;
@@ -162,7 +169,7 @@ def reference_greedy(chunks: np.ndarray, n_servers: int, tolerance: float, min_s
     def play_out(s, first, every):
         """``first``, then peeling, on a copy of the state: donor ``s`` alone, or (``every``) every
         donor, the most loaded first, as ``equal_flops`` would. ``(not cleared, the largest excess
-        left, bytes)``."""
+        left, the total excess left, bytes)``."""
         ts, ld = [Task(t.doc, t.a, t.b, t.home, t.server) for t in tasks], load[:]
         apply(ts, ld, first)
         total, wait = first.bytes, set()
@@ -179,33 +186,51 @@ def reference_greedy(chunks: np.ndarray, n_servers: int, tolerance: float, min_s
             total += c.bytes
             if ld[i] < U:
                 wait.clear()
-        left = max(max(ld[i] for i in (range(S) if every else [s])) - U, 0.0)
-        return left > 0, left, total
+        mine = range(S) if every else [s]
+        left = max(max(ld[i] for i in mine) - U, 0.0)
+        return left > 0, left, sum(max(ld[i] - U, 0.0) for i in mine), total
 
     def score(s, first, every):
         """The rollout's key of ``first`` (lower is better): donor ``s``'s play-out, led (``every``)
-        by every donor's ``(not cleared, the largest excess left)``."""
+        by every donor's ``(not cleared, the largest excess left)``; and that every-donor play-out."""
         one = play_out(s, first, False)
-        return play_out(s, first, True)[:2] + one if every else one
+        if not every:
+            return one, None
+        full = play_out(s, first, True)
+        return full[:2] + one, full
 
     stuck: set[int] = set()
+    checks = []                  # (state, donor, the move not taken, its every-donor play-out, bytes)
+    moved = 0                    # the bytes the committed moves moved
     while True:
         donors = [s for s in range(S) if load[s] > U and s not in stuck]
-        if not donors:
-            break
-        s = max(donors, key=lambda i: (load[i], -i))          # the most loaded donor moves
-        cands = candidates(tasks, load, s, mode == "flops")
-        c = best(cands, load[s] - U, mode == "flops")
-        if c is None:
-            stuck.add(s)
-            continue
-        if mode == "bytes":                                    # the rollout
-            g = max(range(S), key=lambda i: (U - load[i], -i))
-            mp = best([x for x in cands if x.receiver == g and x.side == 0], load[s] - U, True)
-            every = 1 < sum(v > U for v in load) <= scheduler_rollout.MULTI_DONORS
-            if mp is not None and mp[2:6] != c[2:6] and score(s, mp, every) < score(s, c, every):
-                c = mp
+        if not donors:           # the fortification: back to the first move not taken that ended better
+            over, excess = max(max(load) - U, 0.0), sum(max(v - U, 0.0) for v in load)
+            back = [ck for ck in checks if ck[3] < (over > 0, over, excess, moved - ck[4])]
+            if not back:
+                break
+            (tasks, load, stuck, moved), s, c = back[0][:3]
+            checks = []
+        else:
+            s = max(donors, key=lambda i: (load[i], -i))      # the most loaded donor moves
+            cands = candidates(tasks, load, s, mode == "flops")
+            c = best(cands, load[s] - U, mode == "flops")
+            if c is None:
+                stuck.add(s)
+                continue
+            if mode == "bytes":                                # the rollout
+                g = max(range(S), key=lambda i: (U - load[i], -i))
+                mp = best([x for x in cands if x.receiver == g and x.side == 0], load[s] - U, True)
+                every = 1 < sum(v > U for v in load) <= scheduler_rollout.MULTI_DONORS
+                if mp is not None and mp[2:6] != c[2:6]:
+                    (kp, fp), (kc, fc) = score(s, mp, every), score(s, c, every)
+                    other, fo, c, fc = (c, fc, mp, fp) if kp < kc else (mp, fp, c, fc)
+                    if every and fo < fc:                      # it ended better: a state to go back to
+                        state = ([Task(t.doc, t.a, t.b, t.home, t.server) for t in tasks], load[:],
+                                 set(stuck), moved)
+                        checks.append((state, s, other, fo, moved))
         apply(tasks, load, c)
+        moved += c.bytes
         if load[s] < U:
             stuck.clear()                                      # a new receiver: retry stuck donors
     return [[t.doc, t.a, t.b, t.home, t.server] for t in tasks], all(v <= U for v in load)
@@ -277,7 +302,8 @@ def place(layout: Layout, method: str = "cad", n_servers: int | None = None, mod
     (its arrays only when it is returned).
     ``meta['moved_bytes']``: the forward bytes the moves added to the colocated placement's, exact
     (tracked move by move; ``plan.forward_bytes(model)`` gives the total); ``meta['n_rollouts']``: the
-    greedy's moves checked against peeling by a rollout (:mod:`cadlib.scheduler_rollout`).
+    greedy's moves checked against peeling by a rollout (:mod:`cadlib.scheduler_rollout`);
+    ``meta['n_backtracks']``: the times it went back to a move not taken (:mod:`cadlib.scheduler_fortify`).
 
     ``min_shard`` None: ``MIN_SHARD_TOKENS``, or with ``cost_model`` (a
     :class:`cadlib.measured.MeasuredCost`) its :meth:`~cadlib.measured.MeasuredCost.min_shard`; the
@@ -308,7 +334,7 @@ def place(layout: Layout, method: str = "cad", n_servers: int | None = None, mod
     reached = g.run() if method != "colocated" else g.reached()
     t2 = time.perf_counter()
     meta = {"method": method, "n_moves": g.n_moves, "n_splits": g.n_splits, "n_rollouts": g.n_rollouts,
-            "tolerance": tol,
+            "n_backtracks": g.n_backtracks, "tolerance": tol,
             "reached": reached, "min_shard": m, "n_servers": S, "model": spec.name, "dtype": dtype,
             "imbalance_before": g.imbalance_before, "imbalance_after": g.imbalance(),
             "moved_bytes": g.moved_bytes, "guard": False}

@@ -11,7 +11,8 @@ colocated value, overridden (``over_key``, ``over_end``) once a move changes it 
 A donor's tasks change only when it moves, so what the candidates of its tasks need from them (a
 :class:`cadlib.scheduler_views.DonorView`) is built for every donor at once when the greedy starts and
 updated after it has moved (:mod:`cadlib.scheduler_views`). A move is checked against peeling by a
-rollout (:mod:`cadlib.scheduler_rollout`). ``mode="flops"`` (``equal_flops``) does not price
+rollout (:mod:`cadlib.scheduler_rollout`); once no donor can move, the greedy may go back to a move the
+rollout did not take (:mod:`cadlib.scheduler_fortify`). ``mode="flops"`` (``equal_flops``) does not price
 moves: its forward bytes are those of its final tasks less the colocated ones, on the documents it
 touched, counted once at the end.
 """
@@ -24,6 +25,7 @@ import numpy as np
 
 from .cost import imbalance
 from .scheduler_index import ChunkIndex
+from .scheduler_fortify import Check, back_to, restore, snapshot
 from .scheduler_rollout import decide
 from .scheduler_views import DonorView, Views
 from .shards import cut_near, cut_shards, end_cut
@@ -90,7 +92,7 @@ class Greedy(Views):
         self.stuck: set[int] = set()
         self.views: dict[int, DonorView] = {}
         self.touched: set[int] = set()                         # documents the moves changed
-        self.n_moves = self.n_splits = self.n_rollouts = 0
+        self.n_moves = self.n_splits = self.n_rollouts = self.n_backtracks = 0
         self.moved_bytes = 0                                   # forward bytes added by the moves (exact)
 
     def prepare(self, index: ChunkIndex | None = None) -> None:
@@ -319,6 +321,22 @@ class Greedy(Views):
         """Move until no donor can: the most loaded donor first. Returns ``reached``."""
         if self.ix is None and np.any(self.load > self.U):
             self.prepare()
+        checks: list[Check] = []
+        while True:
+            self.moves(checks)
+            c = back_to(self, checks) if checks else None
+            if c is None:
+                break
+            restore(self, c.state)                             # the fortification: go back, take it
+            checks.clear()
+            self.n_backtracks += 1
+            self.apply(c.s, c.move)
+        if self.mode == "flops" and self.touched:
+            self.moved_bytes = self.touched_bytes()
+        return self.reached()
+
+    def moves(self, checks: list[Check]) -> None:
+        """The greedy's loop, from the state as it is; the moves it may go back to, to ``checks``."""
         load, U = self.load, self.U
         while True:
             live = load
@@ -330,14 +348,13 @@ class Greedy(Views):
                 break
             mv = self.best_move(s)
             if mv is not None and self.mode == "bytes":
-                mv = decide(self, s, mv, self.peel)
+                mv, other = decide(self, s, mv, self.peel)
+                if other is not None:
+                    checks.append(Check(snapshot(self), s, *other, self.moved_bytes))
             if mv is None:
                 self.stuck.add(s)
             else:
                 self.apply(s, mv)
-        if self.mode == "flops" and self.touched:
-            self.moved_bytes = self.touched_bytes()
-        return self.reached()
 
     def touched_bytes(self) -> int:
         """The forward bytes the moves added (flops mode): on the documents they touched, the final

@@ -21,12 +21,13 @@ on. So when 2 to ``MULTI_DONORS`` servers have excess, each move is also played 
 donor (the move, then peeling, the most loaded donor first, one with no move waiting for a new
 receiver: ``equal_flops`` from there), and that play-out's ``(not cleared, the largest excess left)``
 leads the comparison, before the donor's own ``(not cleared, excess left, bytes)``. Its bytes are not
-compared: the other donors' peeling moves are not the greedy's, and comparing them made the grid's
-plans worse (72 of 432 cases more bytes, 57 fewer). ``MULTI_DONORS`` bounds the cost: such a play-out
-peels every donor (~30 steps at 64 servers); with 8, 64 x 128K ``prolong`` took 8.2 -> 14.6 ms, with 4
-it runs 1-3 times per plan at 64 servers. A donor's lists are kept (``Greedy.rollout_donors``) until
-it moves. (Bytes lost to another
-donor's moves remain: ``KNOWN_LOSSES`` in tests/test_scheduler_greedy.py.)
+compared here: the other donors' peeling moves are not the greedy's, and comparing them made the grid's
+plans worse (72 of 432 cases more bytes, 57 fewer). They are a complete, feasible continuation,
+though: when the move not taken ends better in it than the committed move does, :func:`decide` returns
+it, and the fortification (:mod:`cadlib.scheduler_fortify`) goes back to it if the greedy's own
+continuation ends worse. ``MULTI_DONORS`` bounds the cost: such a play-out peels every donor (~30
+steps at 64 servers); with 8, 64 x 128K ``prolong`` took 8.2 -> 14.6 ms, with 4 it runs 1-3 times per
+plan at 64 servers. A donor's lists are kept (``Greedy.rollout_donors``) until it moves.
 """
 from __future__ import annotations
 
@@ -42,28 +43,37 @@ MULTI_DONORS = 4          # play out every donor when 2 to MULTI_DONORS servers 
 
 def decide(g, s: int, mv, mp):
     """The move donor ``s`` of the greedy ``g`` (a :class:`cadlib.scheduler_engine.Greedy` in bytes
-    mode) commits: its greedy move ``mv`` or its peeling move ``mp`` (None when it has none)."""
+    mode) commits, its greedy move ``mv`` or its peeling move ``mp`` (None when it has none), and
+    ``(the other move, its every-donor play-out)`` when every donor was played out and the other move's
+    play-out, ``(not cleared, the largest excess left, the total excess left, bytes)``, is the lower
+    (else None)."""
     if mp is None or (mp.at, mp.receiver, mp.k, mp.from_end) == (mv.at, mv.receiver, mv.k, mv.from_end):
-        return mv
+        return mv, None
     g.n_rollouts += 1
     donors = [s]                                               # (every donor has a view)
     if 1 < len(g.views) <= MULTI_DONORS:
         donors = np.flatnonzero(g.load > g.U).tolist()
     every = 1 < len(donors) <= MULTI_DONORS                   # play out every donor, not s alone
-    load, base, out = int(g.load[s]), {}, []
+    load, base, key, full = int(g.load[s]), {}, [], []
     for m in (mp, mv):
         score = ()
         for many in (True, False) if every else (False,):
             if not many and load - m.pairs <= g.U:             # clears: nothing left to play out
-                score += (False, 0.0, m.bytes)
+                score += (False, 0.0, 0.0, m.bytes)
                 continue
             if many not in base:
                 base[many] = _Play.start(g, s, donors if many else [s])
             p = base[many].copy()
             p.donors[s].apply(p, m.at, m.receiver, m.k, m.pairs, m.from_end)
-            score += p.finish()[:2] if many else p.finish()
-        out.append(score)
-    return mp if out[0] < out[1] else mv
+            f = p.finish()
+            if many:
+                full.append(f)
+            score += f[:2] if many else f
+        key.append(score)
+    i = 0 if key[0] < key[1] else 1                            # the committed move: mp (0) or mv (1)
+    if every and full[1 - i] < full[i]:
+        return (mp, mv)[i], ((mp, mv)[1 - i], full[1 - i])
+    return (mp, mv)[i], None
 
 
 def _doc(g, d: int):
@@ -127,16 +137,17 @@ class _Play:
         first = (self.loads[by_load[self.next]], by_load[self.next]) if self.next < len(by_load) else None
         return heap[0] if heap and (first is None or heap[0] < first) else first
 
-    def finish(self) -> tuple[bool, float, int]:
+    def finish(self) -> tuple[bool, float, float, int]:
         """Peel, the most loaded donor first (one with no move waits for a new receiver), until no donor
-        has excess or a move: ``(not cleared, the largest excess left, bytes)``."""
+        has excess or a move: ``(not cleared, the largest excess left, the total excess left, bytes)``
+        (the total summed in server order)."""
         U, donors, wait = self.g.U, self.donors, []
         if not self.many:                                       # one donor: peel it
             d, = donors.values()
             while d.load > U and d.peel_step(self):
                 pass
             ex = max(d.load - U, 0.0)
-            return ex > 0, ex, self.bytes
+            return ex > 0, ex, ex, self.bytes
         heap = [(-d.load, i) for i, d in donors.items() if d.load > U]     # the most loaded first
         heapq.heapify(heap)
         while heap:
@@ -153,7 +164,7 @@ class _Play:
                     heapq.heappush(heap, (-donors[j].load, j))
                 wait = []
         ex = max(max(d.load for d in donors.values()) - U, 0.0)
-        return ex > 0, ex, self.bytes
+        return ex > 0, ex, sum(max(d.load - U, 0.0) for d in donors.values()), self.bytes
 
 
 class _Donor:
