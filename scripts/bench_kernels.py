@@ -413,6 +413,10 @@ def _mask_of(rec: dict, cache: dict) -> Mask:
     return cache[key]
 
 
+def _flat(values: list) -> list:
+    return [x for v in values for x in (_flat(v) if isinstance(v, list) else [v])]
+
+
 def combine(paths: list[str], out: Path) -> list[dict]:
     """Merge result files of separate runs (e.g. one per GPU) into one; later files win on equal cells,
     except that a cell a later run did not reach (``-``) keeps an earlier run's result."""
@@ -437,9 +441,9 @@ def combine(paths: list[str], out: Path) -> list[dict]:
     res = json.loads(path.read_text())
     res["meta"]["combined_on"] = res["meta"].get("device")
     for key in ("device", "torch", "cuda", "commit", "date"):
-        vals = {json.dumps((m or {}).get(key)) for m in metas}
-        per_part = [(m or {}).get(key) for m in metas]
-        res["meta"][key] = per_part[0] if len(vals) == 1 else per_part
+        vals = _flat([(m or {}).get(key) for m in metas])     # (a part may itself be combined)
+        vals = list(dict.fromkeys(json.dumps(v) for v in vals))
+        res["meta"][key] = json.loads(vals[0]) if len(vals) == 1 else [json.loads(v) for v in vals]
     atomic_write_json(path, res)
     return merged
 
