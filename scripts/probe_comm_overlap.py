@@ -32,13 +32,21 @@ from cadlib.distributed import comm_group, destroy, init_from_env, log  # noqa: 
 from cadlib.results import save_result  # noqa: E402
 
 
-def _ms(fn, device, reps: int) -> float:
-    """Median milliseconds of ``fn`` over ``reps`` runs (CUDA events on GPU, wall clock on CPU)."""
+def _ms(fn, device, reps: int, before=None) -> float:
+    """Median milliseconds of ``fn`` over ``reps`` runs (CUDA events on GPU, wall clock on CPU). On
+    GPU the start event waits behind a ~10 ms device sleep, so that ``fn``'s kernels are queued before
+    it fires and the time is the device's alone: without it the host's launch time (FA4's is several
+    ms) was counted, and hidden when all-to-alls queued beside it made the kernels look faster.
+    ``before()`` runs after the sleep is queued and before the start event (it queues the all-to-alls
+    on another stream, to start with ``fn``)."""
     import time
     out = []
     for _ in range(reps):
         if device.type == "cuda":
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(20_000_000)                     # cycles: ~10 ms at the H200's clock
+            if before is not None:
+                before()
             a.record()
             fn()
             b.record()
@@ -98,14 +106,15 @@ def probe(args, env, ctas: int, work) -> dict:
         dist.barrier(group=env.group)
         alone = _ms(fn, device, args.reps)
         dist.barrier(group=env.group)
+        def queue_a2a():                                 # all-to-alls back to back on another stream
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                for _ in range(args.a2a_per_call):
+                    a2a()
+
         beside = []
         for _ in range(args.reps):
-            if side is not None:                         # all-to-alls back to back on another stream
-                side.wait_stream(torch.cuda.current_stream(device))
-                with torch.cuda.stream(side):
-                    for _ in range(args.a2a_per_call):
-                        a2a()
-            beside.append(_ms(fn, device, 1))
+            beside.append(_ms(fn, device, 1, queue_a2a if side is not None else None))
             if side is not None:
                 torch.cuda.current_stream(device).wait_stream(side)
             dist.barrier(group=env.group)
