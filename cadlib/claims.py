@@ -114,6 +114,7 @@ def e2e_ours(results_dir: str | os.PathLike | None = None) -> list[dict]:
     * ``distca.memory_divergence`` (files with ``wlb``): the worst batch's peak memory max/mean over ranks
       under WLB-ideal's variable-length packing (recorded by the end-to-end notebook).
     """
+    from .e2e import file_variant
     from .results import find_results, load_result
     rows = []
     for path in find_results(E2E_PATTERN, results_dir):
@@ -130,7 +131,7 @@ def e2e_ours(results_dir: str | os.PathLike | None = None) -> list[dict]:
         setting += f", {link} link"
         label = f"{dist}_{int(cfg.get('tokens_per_rank', 0)) // 1024}k_{cfg.get('nproc')}gpu_{link}"
         stem = pathlib.Path(path).stem
-        variant = stem.split(f"_{link}", 1)[1] if f"_{link}" in stem else ""   # _eps0.02, _nch4, _wholedocs
+        variant = file_variant(stem, link)                   # _eps0.05, _ncclctas, _wholedocs
         if variant:
             label += variant                  # a variant's claim must not replace the default run's
             setting += f" ({variant.lstrip('_')})"

@@ -44,8 +44,9 @@ def run_setting(args, tokens: int, dist: str, link: str) -> dict:
         train_args += ["--mlp-recompute"]
     if args.attn_backend:
         train_args += ["--attn-backend", args.attn_backend]
-    if args.comm_ctas:
-        train_args += ["--comm-ctas", str(args.comm_ctas)]
+    ctas = e2e.DEFAULT_COMM_CTAS.get(link) if args.comm_ctas is None else args.comm_ctas
+    if ctas:
+        train_args += ["--comm-ctas", str(ctas)]
     env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", **LINKS[link]}
     df = launch.run_torchrun("cadlib.train", args.nproc, train_args, timeout=args.timeout,
                              pg_backend=args.pg_backend, env=env, echo=False, progress=not args.quiet)
@@ -85,7 +86,8 @@ def main(argv=None) -> int:
     ap.add_argument("--attn-backend", default=None)
     ap.add_argument("--pg-backend", default="auto")
     ap.add_argument("--comm-ctas", type=int, default=None,
-                    help="NCCL thread blocks for CAD's all-to-alls (python -m cadlib.train --comm-ctas)")
+                    help="NCCL thread blocks for CAD's all-to-alls (python -m cadlib.train --comm-ctas); "
+                         f"default per link {e2e.DEFAULT_COMM_CTAS}, 0: NCCL's own choice")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--lr", type=float, default=1e-5,
                     help="AdamW learning rate (timing only needs sane values)")
@@ -94,6 +96,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tag", default="", help="appended to each file name (e.g. _eps0.02 for a tolerance "
                                               "other than the default); letters, digits, '.', '_', '-'")
     args = ap.parse_args(argv)
+    if args.comm_ctas is not None and args.comm_ctas < 0:
+        ap.error(f"--comm-ctas must be >= 0 (0: NCCL's own choice), got {args.comm_ctas}")
     if args.smoke:
         args.model, args.layers, args.tokens, args.dtype = "tiny", 2, "512", "fp32"
         args.dists, args.steps, args.warmup, args.min_shard = "pretrain", 2, 1, 32
