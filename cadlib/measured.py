@@ -319,9 +319,13 @@ def e2e_check(item: dict, cost: MeasuredCost) -> list[dict]:
                              f"is not the run's {cad[0]['plan_imbalance'][0]:.6f}")
         meas = np.array([r["attention_ms"] for r in cad])
         model = cost.server_seconds(plan, "fwd_bwd", spec) * spec.n_layers * 1e3
+        gathered = [gathered_rows(plan, r) for r in range(world)]
         row = {"setting": item["setting"], "file": item["file"], "batch": b, "measured": imb(meas),
                "pairs": float(plan.imbalance()), "model": imb(model),
-               "attention_ms_measured_max": float(meas.max()), "attention_ms_model_max": float(model.max())}
+               "attention_ms_measured_max": float(meas.max()), "attention_ms_model_max": float(model.max()),
+               "layers": spec.n_layers, "attention_ms_measured": meas.tolist(),
+               "attention_ms_model": model.tolist(),
+               "q_gathered_rows": [g[0] for g in gathered], "kv_gathered_rows": [g[1] for g in gathered]}
         col = sorted(recs.get(("colocated", b), []), key=lambda r: r["rank"])
         if item.get("kernel_only_spans", True) and len(col) == world and "speedup cad-pingpong" in pb:
             step, attn = max(r["step_ms"] for r in col), np.array([r["attention_ms"] for r in col])
@@ -340,6 +344,43 @@ def e2e_check(item: dict, cost: MeasuredCost) -> list[dict]:
                         "calibration": float(kappa)})
         rows.append(row)
     return rows
+
+
+def gathered_rows(plan, rank: int) -> tuple[int, int]:
+    """Rows server ``rank``'s fused call copies out of its buffers rather than reading them in place:
+    ``(query rows, KV rows)`` (0 when :class:`cadlib.dispatch.Dispatch` finds the query buffer, or
+    the merged KV, to be the buffer as it is). A server that sent some of its own rows away gathers
+    the rest, in forward and again in backward, and scatters their gradients back."""
+    from .dispatch import build_dispatch
+
+    d = build_dispatch(plan, rank)
+    sh = d.shared()
+    return (0 if d.q_identity else int(d.cu_q[-1])), (0 if sh.kv_identity else int(sh.cu_k[-1]))
+
+
+def server_overhead_fit(rows: list[dict]) -> dict:
+    """Least squares over every (batch, rank) of :func:`e2e_check`'s rows: the measured attention time
+    of ``cad`` against ``scale x`` the kernel model's plus a cost per gathered query row and per
+    gathered KV row (per layer, forward and backward). ``ns_per_q_row`` / ``ns_per_kv_row``, and the
+    root-mean-square error of the kernel model alone (scaled) and with the two terms, in ms and
+    relative to the measured time."""
+    meas, model, q, kv = (np.concatenate([np.asarray(r[k], dtype=float) * (r["layers"] if "rows" in k else 1)
+                                          for r in rows if k in r])
+                          for k in ("attention_ms_measured", "attention_ms_model", "q_gathered_rows",
+                                    "kv_gathered_rows"))
+    if meas.size < 4:
+        raise ValueError(f"rows: need per-rank attention times of at least 4 (batch, rank) pairs, "
+                         f"got {meas.size}")
+    scale = float(model @ meas / (model @ model))
+    coef = np.linalg.lstsq(np.c_[model, q / 1e6, kv / 1e6], meas, rcond=None)[0]
+    err0, err1 = meas - scale * model, meas - np.c_[model, q / 1e6, kv / 1e6] @ coef
+
+    def rms(e):
+        return float(np.sqrt(np.mean(e ** 2)))
+    return {"points": int(meas.size), "scale_alone": scale, "rms_ms_alone": rms(err0),
+            "rms_rel_alone": rms(err0 / meas),
+            "scale": float(coef[0]), "ns_per_q_row": float(coef[1]), "ns_per_kv_row": float(coef[2]),
+            "rms_ms": rms(err1), "rms_rel": rms(err1 / meas)}
 
 
 def e2e_check_summary(rows: list[dict]) -> list[dict]:

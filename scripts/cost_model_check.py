@@ -11,7 +11,10 @@ plan's imbalance is checked against the one the run recorded) and compared
   ``results/kernel_profile_h200.json``);
 * CAD with ping-pong: the measured speedup over colocated against the committed prediction
   (``predicted_speedup``: pairs at colocated's measured seconds per FLOP) and the same prediction
-  with the attention priced by the kernel table on ping-pong's two nano-batch plans.
+  with the attention priced by the kernel table on ping-pong's two nano-batch plans;
+* the server's time outside its kernel (:func:`cadlib.measured.server_overhead_fit`): the measured
+  attention of every (batch, rank) against the kernel model plus a cost per query and KV row the
+  server gathers (a server that sent rows away gathers the rest; one that did not reads in place).
 
 Host only (CPU, a few seconds).
 
@@ -27,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cadlib.e2e import load_committed  # noqa: E402
-from cadlib.measured import MeasuredCost, e2e_check, e2e_check_summary  # noqa: E402
+from cadlib.measured import MeasuredCost, e2e_check, e2e_check_summary, server_overhead_fit  # noqa: E402
 from cadlib.results import REPO_ROOT, RESULTS_DIR, save_result  # noqa: E402
 
 SPEEDUP_TARGET = 0.10
@@ -64,6 +67,12 @@ def main(argv=None):
                      f"(max {s['speedup_err_default_max']:.2%}), measured model "
                      f"{s['speedup_err_model_mean']:.2%} (max {s['speedup_err_model_max']:.2%})")
         print(line)
+    fit = server_overhead_fit(rows)
+    print(f"measured attention per rank vs the kernel model: rms {fit['rms_ms_alone']:.1f} ms "
+          f"({fit['rms_rel_alone']:.1%}); with {fit['ns_per_q_row']:.0f} ns per gathered query row and "
+          f"{fit['ns_per_kv_row']:.0f} ns per gathered KV row (per layer, fwd+bwd): "
+          f"rms {fit['rms_ms']:.1f} ms "
+          f"({fit['rms_rel']:.1%}), over {fit['points']} (batch, rank) pairs")
     within = all(s.get(f"speedup_err_{k}_max", 0) <= SPEEDUP_TARGET
                  for s in summary for k in ("default", "model"))
     print(f"every batch's speedup within {SPEEDUP_TARGET:.0%} of the measured one, both models: {within}")
@@ -73,7 +82,8 @@ def main(argv=None):
               + [table],
               "speedup_target": SPEEDUP_TARGET}
     path = Path(args.out) if args.out else RESULTS_DIR / "cost_model_check.json"
-    save_result(path, config, {"summary": summary, "per_batch": rows, "speedups_within_target": within})
+    save_result(path, config, {"summary": summary, "per_batch": rows, "speedups_within_target": within,
+                               "server_overhead_fit": fit})
     print(f"wrote {path}")
 
 

@@ -235,3 +235,33 @@ def test_cost_model_check_script_writes_its_json(tmp_path):
     assert res["meta"]["commit"] and len(res["results"]["per_batch"]) == 10
     s = res["results"]["summary"][0]
     assert s["mae_imbalance_model"] < 0.05 and s["speedup_err_model_max"] < 0.1
+
+
+def test_server_overhead_fit_recovers_a_per_row_cost():
+    from cadlib.measured import server_overhead_fit
+    rng = np.random.default_rng(0)
+    rows = []
+    for _ in range(12):
+        model = rng.uniform(50, 300, 2)
+        q, kv = rng.integers(0, 200_000, 2), rng.integers(0, 100_000, 2)
+        meas = 0.95 * model + 4 * (30 * q + 20 * kv) / 1e6          # 4 layers, ns per row per layer
+        rows.append({"attention_ms_measured": meas.tolist(), "attention_ms_model": model.tolist(),
+                     "q_gathered_rows": q.tolist(), "kv_gathered_rows": kv.tolist(), "layers": 4})
+    fit = server_overhead_fit(rows)
+    assert fit["points"] == 24 and fit["rms_ms"] < 1e-6 < fit["rms_ms_alone"]
+    assert np.allclose([fit["scale"], fit["ns_per_q_row"], fit["ns_per_kv_row"]], [0.95, 30, 20])
+    with pytest.raises(ValueError, match="at least 4"):
+        server_overhead_fit(rows[:1])
+
+
+def test_gathered_rows_only_where_a_server_sent_rows_away():
+    from cadlib.measured import gathered_rows
+    from cadlib.plan import layout_from_lists
+    from cadlib.scheduler import colocated, schedule
+    layout = layout_from_lists([[(0, 0, 900)], [(1, 0, 100)]], [900, 100])
+    assert [gathered_rows(colocated(layout), r) for r in range(2)] == [(0, 0), (0, 0)]
+    plan = schedule(layout, n_servers=2, tolerance=0.05, min_shard=16)
+    assert any(t.home == 0 and t.server == 1 for t in plan.tasks)          # rank 0 sends work away
+    q, kv = gathered_rows(plan, 0)
+    assert 0 < q < 900 and 0 < kv <= 900
+    assert gathered_rows(plan, 1)[0] == 0                             # the receiver reads in place
