@@ -17,9 +17,12 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_fn(fn, device, warmup: int, iters: int, group=None) -> dict:
+def time_fn(fn, device, warmup: int, iters: int, group=None, ahead: bool = False, before=None) -> dict:
     """Median (and min) milliseconds of ``fn()``: CUDA events on a GPU, perf_counter on the CPU.
-    With ``group``, every rank passes a barrier before each timed call."""
+    With ``group``, every rank passes a barrier before each timed call. ``ahead`` (GPU): the start
+    event waits behind a ~10 ms device sleep, so ``fn``'s kernels are queued before it fires and the
+    time is the device's alone (else a kernel with a slow host launch, as FA4's, is timed with its
+    launch). ``before()`` runs after that sleep is queued, before the start event."""
     for _ in range(warmup):
         fn()
     sync(device)
@@ -30,12 +33,18 @@ def time_fn(fn, device, warmup: int, iters: int, group=None) -> dict:
         sync(device)
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if ahead:
+                torch.cuda._sleep(20_000_000)                 # cycles: ~10 ms at an H200's clock
+            if before is not None:
+                before()
             start.record()
             fn()
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end))
         else:
+            if before is not None:
+                before()
             t0 = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e3)

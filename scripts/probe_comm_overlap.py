@@ -26,37 +26,12 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from benchutil import time_fn  # noqa: E402
 from cadlib import kernels  # noqa: E402
 from cadlib.distributed import comm_group, destroy, init_from_env, log  # noqa: E402
 from cadlib.results import save_result  # noqa: E402
-
-
-def _ms(fn, device, reps: int, before=None) -> float:
-    """Median milliseconds of ``fn`` over ``reps`` runs (CUDA events on GPU, wall clock on CPU). On
-    GPU the start event waits behind a ~10 ms device sleep, so that ``fn``'s kernels are queued before
-    it fires and the time is the device's alone: without it the host's launch time (FA4's is several
-    ms) was counted, and hidden when all-to-alls queued beside it made the kernels look faster.
-    ``before()`` runs after the sleep is queued and before the start event (it queues the all-to-alls
-    on another stream, to start with ``fn``)."""
-    import time
-    out = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda._sleep(20_000_000)                     # cycles: ~10 ms at the H200's clock
-            if before is not None:
-                before()
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            out.append(a.elapsed_time(b))
-        else:
-            t = time.perf_counter()
-            fn()
-            out.append(1e3 * (time.perf_counter() - t))
-    return statistics.median(out)
 
 
 def workloads(args, device, dtype):
@@ -98,13 +73,19 @@ def probe(args, env, ctas: int, work) -> dict:
     for _ in range(3):
         a2a()
     dist.barrier(group=env.group)
-    rec = {"ctas": ctas or "nccl default", "mib_per_rank": args.mib, "a2a_ms": _ms(a2a, device, args.reps)}
+    def ms(fn, reps, before=None):
+        """Device milliseconds of ``fn`` (median): its kernels queued behind a device sleep, so that
+        their host launch time (FA4's is several ms) is not counted; ``before`` queues the all-to-alls
+        beside it after that sleep."""
+        return time_fn(fn, device, 0, reps, ahead=True, before=before)["median_ms"]
+
+    rec = {"ctas": ctas or "nccl default", "mib_per_rank": args.mib, "a2a_ms": ms(a2a, args.reps)}
     rec["a2a_gbps"] = args.mib * 2**20 * (world - 1) / world / rec["a2a_ms"] / 1e6
     side = torch.cuda.Stream(device) if device.type == "cuda" else None
     for name, fn in work.items():
         fn()
         dist.barrier(group=env.group)
-        alone = _ms(fn, device, args.reps)
+        alone = ms(fn, args.reps)
         dist.barrier(group=env.group)
         def queue_a2a():                                 # all-to-alls back to back on another stream
             side.wait_stream(torch.cuda.current_stream(device))
@@ -114,7 +95,7 @@ def probe(args, env, ctas: int, work) -> dict:
 
         beside = []
         for _ in range(args.reps):
-            beside.append(_ms(fn, device, 1, queue_a2a if side is not None else None))
+            beside.append(ms(fn, 1, queue_a2a if side is not None else None))
             if side is not None:
                 torch.cuda.current_stream(device).wait_stream(side)
             dist.barrier(group=env.group)
