@@ -98,8 +98,9 @@ def record(claim_id: str, ours, *, how: str, kind: str | None = None, reason: st
 
 _REASON_SPEEDUP = ("2 GPUs (DP=2) against the paper's 64-512: the straggler idle CAD removes grows with DP "
                    "(distca.idle_dp4/dp8) and is a few percent at DP=2, less than CAD's extra work costs")
-_REASON_PINGPONG = ("on 2 GPUs over NVLink the communication ping-pong hides is about 1% of the step, while "
-                    "splitting into two nano-batches costs kernel efficiency")
+_REASON_PINGPONG = ("on 2 GPUs there is little communication for ping-pong to hide (over NVLink about 1% "
+                    "of the step, over the inter-node-like link about 4%), while splitting into two "
+                    "nano-batches costs kernel efficiency")
 
 
 def e2e_ours(results_dir: str | os.PathLike | None = None) -> list[dict]:

@@ -185,15 +185,22 @@ def bytes_heatmap(matrix, title: str = "Bytes sent, sender x receiver", unit: st
 
 
 def grouped_bars(df, x: str, series: Mapping[str, str], title: str, yaxis: str = "",
-                 hover: Sequence[str] = ()):
+                 hover: Sequence[str] = (), base: float | None = None):
     """Grouped bars: one group per row of ``df`` (labelled by column ``x``), one bar per entry of
-    ``series`` (legend name -> column). ``hover`` names extra columns shown on hover."""
+    ``series`` (legend name -> column). ``hover`` names extra columns shown on hover. ``base``: bars
+    start there instead of at 0 (e.g. 1 for ratios: a speedup rises above it, a slowdown falls below),
+    so that differences of a few percent are visible."""
     go = _go()
     fig = go.Figure()
-    extra = "".join(f"<br>{c}: %{{customdata[{k}]}}" for k, c in enumerate(hover))
+    extra = "".join(f"<br>{c}: %{{customdata[{k + 1}]}}" for k, c in enumerate(hover))
     for i, (name, col) in enumerate(series.items()):
-        fig.add_trace(go.Bar(x=df[x], y=df[col], name=name, marker_color=_color(i),
-                             customdata=df[list(hover)].to_numpy() if hover else None,
-                             hovertemplate=f"{name}: %{{y:.4g}}{extra}<extra>%{{x}}</extra>"))
+        val = df[col].to_numpy(dtype=float)
+        custom = np.column_stack([val, *(df[c].to_numpy() for c in hover)]).astype(object)
+        fig.add_trace(go.Bar(x=df[x], y=val if base is None else val - base,
+                             base=None if base is None else [base] * len(val), name=name,
+                             marker_color=_color(i), customdata=custom,
+                             hovertemplate=f"{name}: %{{customdata[0]:.4g}}{extra}<extra>%{{x}}</extra>"))
     fig.update_layout(title=title, barmode="group", yaxis=dict(title=yaxis), height=400)
+    if base is not None:
+        fig.add_hline(y=base, line=dict(color="gray", width=1))
     return fig

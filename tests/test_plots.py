@@ -65,3 +65,13 @@ def test_timeline_rejects_missing_columns_and_negative_durations():
     bad = df.assign(end_ms=df.start_ms - 1)
     with pytest.raises(ValueError, match="end_ms >= start_ms"):
         plots.timeline(bad)
+
+
+def test_grouped_bars_from_a_base_keep_the_values():
+    df = pd.DataFrame({"batch": ["b0", "b1"], "cad": [1.10, 0.97], "wlb": [1.02, 1.0]})
+    fig = plots.grouped_bars(df, "batch", {"CAD": "cad", "WLB": "wlb"}, title="t", base=1.0)
+    cad = fig.data[0]
+    assert np.allclose(np.asarray(cad.y) + np.asarray(cad.base), df.cad)     # bars from 1 to the value
+    assert np.allclose([c[0] for c in cad.customdata], df.cad)              # hover shows the value
+    flat = plots.grouped_bars(df, "batch", {"CAD": "cad"}, title="t")
+    assert flat.data[0].base is None and np.allclose(flat.data[0].y, df.cad)
