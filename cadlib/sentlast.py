@@ -35,7 +35,7 @@ import numpy as np
 
 from .layout import Layout
 from .plan import Plan
-from .ranges import Ranges, excl, ragged
+from .ranges import Ranges, ragged
 
 
 @dataclass
@@ -62,34 +62,50 @@ def sent_last(plan: Plan) -> SentLast:
     """The plan's tasks on a layout where each rank's rows sent to other servers come last (module
     docstring). Chunks not covered by any task (KV-only context) stay at the end of their rank, in
     order; a chunk must be covered by tasks wholly or not at all. A rank that sends nothing keeps its
-    chunks as they are."""
+    chunks as they are (and costs nothing here)."""
     lay = plan.layout
-    R, S, ch = lay.n_ranks, lay.sorted_chunks(), lay.chunk_array()
-    n_ch = ch.shape[0]
-    clen = ch[:, 2] - ch[:, 1]
-    first = excl(clen)
-    rp = lay.rank_ptr()
-    row0 = first - first[rp[ch[:, 3]]]                                  # each chunk's first local row
+    R, ch = lay.n_ranks, lay.chunk_array()
     doc, a, b, home, server = plan.doc, plan.q_start, plan.q_end, plan.home, plan.server
-    # pieces of the tasks over the chunks (a task may span neighbouring chunks of its home)
-    j0 = np.searchsorted(S.key, doc * S.big + a, side="right") - 1
-    j1 = np.searchsorted(S.key, doc * S.big + b, side="left") - 1
-    t, k = ragged(np.maximum(j1 - j0 + 1, 0))
-    j = j0[t] + k
+    meta = {**plan.meta, "sent_last": True}
+    donor = np.zeros(R, dtype=bool)
+    donor[home[home != server]] = True
+    if not donor.any():                                                  # nothing to re-order
+        n = lay.tokens_per_rank()
+        return SentLast(Plan.from_arrays(lay, doc, a, b, home, server, n_servers=plan.n_servers, meta=meta,
+                                         chunks=ch, check=False), [Ranges([0], [x]) for x in n.tolist()])
+    S, n_ch = lay.sorted_chunks(), ch.shape[0]
+    clen = ch[:, 2] - ch[:, 1]
+    cs = np.r_[0, np.cumsum(clen)]
+    first, rp = cs[:-1], lay.rank_ptr()
+    ts = np.flatnonzero(donor[home])                                     # tasks homed on donors
+    # pieces of those tasks over the chunks (a task may span neighbouring chunks of its home; most
+    # lie in one, which the chunk holding q_start tells)
+    dt, bt = doc[ts], b[ts]
+    j = np.searchsorted(S.key, dt * S.big + a[ts], side="right") - 1
+    more = np.flatnonzero(bt > S.end[j])
+    t = ts
+    if more.size:
+        j1 = j.copy()
+        j1[more] = np.searchsorted(S.key, dt[more] * S.big + bt[more], side="left") - 1
+        t, k = ragged(j1 - j + 1)
+        j = j[t] + k
+        t = ts[t]
     c = S.order[j]                                                       # chunk rows
     lo, hi = np.maximum(a[t], S.start[j]), np.minimum(b[t], S.end[j])
     if np.any(ch[c, 3] != home[t]):
         i = int(t[np.flatnonzero(ch[c, 3] != home[t])[0]])
         raise ValueError(f"task {plan._row(i)}: its query tokens are not all on home rank {int(home[i])}")
+    mine = donor[ch[:, 3]]                                               # the donors' chunks
     cover = np.bincount(c, weights=hi - lo, minlength=n_ch).astype(np.int64)
-    bad = (cover != 0) & (cover != clen)
+    bad = mine & (cover != 0) & (cover != clen)
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
         raise ValueError(f"chunk {tuple(ch[i].tolist())} (doc, start, end, rank) is covered by tasks in "
                          "part; sent_last needs every chunk covered wholly (or not at all: KV-only)")
-    free = np.flatnonzero(cover == 0)                                    # KV-only chunks, whole
+    free = np.flatnonzero(mine & (cover == 0))                           # KV-only chunks, whole
+    row0 = first - first[rp[ch[:, 3]]]                                  # each chunk's first local row
     sent = server[t] != home[t]
-    # the new order: per rank, kept pieces by old row, sent pieces by (server, task) and position,
+    # a donor's new order: kept pieces by old row, sent pieces by (server, task) and position,
     # KV-only chunks by old row; one stable sort of a combined key
     n_t = max(plan.n_tasks, 1)
     M = max(int(clen.sum()), R * n_t) + 1
@@ -103,13 +119,25 @@ def sent_last(plan: Plan) -> SentLast:
     phi, prank, pold = np.r_[hi, ch[free, 2]][order], rank[order], old[order]
     head = np.r_[True, (gid[1:] != gid[:-1]) | (plo[1:] != phi[:-1])] if gid.size else gid.astype(bool)
     h = np.flatnonzero(head)
-    last = np.r_[h[1:], gid.size] - 1
-    new = np.stack([pd[h], plo[h], phi[last], prank[h]], axis=1)
+    last = np.r_[h[1:], gid.size][:h.size] - 1
+    # rank-major: the others' chunks as they are, each donor's new chunks in its block
+    hp = np.searchsorted(prank[h], np.arange(R + 1))
+    n_new = np.where(donor, np.diff(hp), np.diff(rp))
+    base = np.r_[0, np.cumsum(n_new)]
+    new = np.empty((int(base[-1]), 4), dtype=np.int64)
+    rest = np.flatnonzero(~mine)
+    new[base[ch[rest, 3]] + rest - rp[ch[rest, 3]]] = ch[rest]
+    at = base[prank[h]] + np.arange(h.size) - hp[prank[h]]
+    for col, x in enumerate((pd[h], plo[h], phi[last], prank[h])):
+        new[at, col] = x
+    new.flags.writeable = False                                          # Layout takes it without a copy
     layout = Layout.from_chunks(new, lay.doc_lens, R)
     pp = np.searchsorted(prank, np.arange(R + 1))
-    perm = [Ranges(pold[pp[r]:pp[r + 1]], (phi - plo)[pp[r]:pp[r + 1]]) for r in range(R)]
-    out = Plan.from_arrays(layout, doc, a, b, home, server, n_servers=plan.n_servers,
-                           meta={**plan.meta, "sent_last": True}, check=False)
+    plen = phi - plo
+    n_local = cs[rp[1:]] - cs[rp[:-1]]
+    perm = [Ranges(pold[pp[r]:pp[r + 1]], plen[pp[r]:pp[r + 1]]) if donor[r] else Ranges([0], [n_local[r]])
+            for r in range(R)]
+    out = Plan.from_arrays(layout, doc, a, b, home, server, n_servers=plan.n_servers, meta=meta, check=False)
     return SentLast(out, perm)
 
 
