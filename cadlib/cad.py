@@ -288,7 +288,9 @@ def cad_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan 
     only when you pass it). ``comm`` replaces the all-to-all (an object with
     ``start(send, send_splits, recv_splits).wait() -> recv``; default :class:`AllToAll` on ``group``).
     ``kv_share``: the server's KV layout, ``"merged"`` (default) or ``"copy"`` (:mod:`cadlib.server`).
-    Returns ``o`` (and the float32 ``lse [n_local, Hq]`` with ``return_lse``)."""
+    A re-ordered plan (``cadlib.sentlast.sent_last(plan).plan``, whose donors read in place) works as
+    any other: each rank then passes its tokens in that plan's layout order. Returns ``o`` (and the
+    float32 ``lse [n_local, Hq]`` with ``return_lse``)."""
     kv_share = check_mode(kv_share)
     dd = prepare(plan, group, q.device)
     attn_backend = check_inputs(q, k, v, dd.meta.n_local, attn_backend, group)
