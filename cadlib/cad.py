@@ -114,22 +114,49 @@ def home_rows(rows: torch.Tensor, n_local: int) -> torch.Tensor:
     return own if rows.shape[0] - n_local <= n_local // 8 else own.clone()
 
 
-def _return_rows(comm, rows, dd: DeviceDispatch, n_local: int):
-    """Server rows (task-row order) back to their homes: self-served rows stay, the rest travel the
-    reversed Q exchange. Returns the home tensors ``[n_local, ...]`` (with ``q_identity`` the first
-    ``n_local`` server rows are the home's, :func:`home_rows`; the rest go back unpermuted)."""
+def server_rows(local: torch.Tensor, recv: torch.Tensor, m: Dispatch) -> torch.Tensor:
+    """A server's per-query buffer ``cat([local[:q_keep], recv])`` (``q_keep = n_local`` unless the
+    server reads a sent-last prefix in place, :class:`cadlib.dispatch.Dispatch`)."""
+    return rows_cat(local if m.q_keep == local.shape[0] else local[:m.q_keep], recv)
+
+
+def send_rows(comm, parts, dd: DeviceDispatch):
+    """Start the Q exchange (home -> servers) of per-query tensors ``parts``: the rows served elsewhere,
+    in send order; a ``q_identity`` rank's are the slice after its kept rows (no gather)."""
     m = dd.meta
     if m.q_identity:
-        _exchange(comm, [r[n_local:] for r in rows], None, m.q_recv_splits, m.q_send_splits, m.q_traffic)()
-        return [home_rows(r, n_local) for r in rows]
-    back = _exchange(comm, rows, dd.ret_rows, m.q_recv_splits, m.q_send_splits, m.q_traffic)()
-    out = []
-    for r, b in zip(rows, back):
-        home = r.new_empty((n_local, *r.shape[1:]))
-        home.index_copy_(0, dd.self_local, r.index_select(0, dd.self_rows))
-        home.index_copy_(0, dd.q_send_index, b)
-        out.append(home)
-    return out
+        lo, hi = m.q_keep, m.q_keep + m.n_send_q
+        return _exchange(comm, [p[lo:hi] for p in parts], None, m.q_send_splits, m.q_recv_splits, m.q_traffic)
+    return _exchange(comm, parts, dd.q_send_index, m.q_send_splits, m.q_recv_splits, m.q_traffic)
+
+
+def to_home(own: torch.Tensor, back: torch.Tensor, dd: DeviceDispatch) -> torch.Tensor:
+    """A home's per-query rows ``[n_local, ...]`` from its server's rows ``own`` (task-row order) and
+    the rows ``back`` its sent rows got back (send order). ``q_identity``: the first ``q_keep`` server
+    rows are the home's first rows (:func:`home_rows`), then the sent tail, then zeros for rows in no
+    task (a nano-batch's KV-only context); else self-served rows and returned rows are scattered."""
+    m = dd.meta
+    if m.q_identity:
+        rest = m.n_local - m.q_keep - back.shape[0]
+        if not back.shape[0] and not rest:
+            return home_rows(own, m.q_keep)
+        return torch.cat([own[:m.q_keep], back, *([own.new_zeros((rest, *own.shape[1:]))] if rest else [])])
+    home = own.new_empty((m.n_local, *own.shape[1:]))
+    home.index_copy_(0, dd.self_local, own.index_select(0, dd.self_rows))
+    return home.index_copy_(0, dd.q_send_index, back)
+
+
+def _return_rows(comm, rows, dd: DeviceDispatch):
+    """Server rows (task-row order) back to their homes: self-served rows stay, the rest travel the
+    reversed Q exchange (``q_identity``: the rows after the first ``q_keep``, unpermuted). Returns the
+    home tensors ``[n_local, ...]`` (:func:`to_home`)."""
+    m = dd.meta
+    if m.q_identity:
+        back = _exchange(comm, [r[m.q_keep:] for r in rows], None, m.q_recv_splits, m.q_send_splits,
+                         m.q_traffic)()
+    else:
+        back = _exchange(comm, rows, dd.ret_rows, m.q_recv_splits, m.q_send_splits, m.q_traffic)()
+    return [to_home(r, b, dd) for r, b in zip(rows, back)]
 
 
 def _kv_buffers(recv_kv, k, v):
@@ -144,13 +171,13 @@ class CADAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, dd: DeviceDispatch, comm, attn_backend, kv_share="merged"):
         m = dd.meta
-        wait_q = _exchange(comm, [q], dd.q_send_index, m.q_send_splits, m.q_recv_splits, m.q_traffic)
+        wait_q = send_rows(comm, [q], dd)
         wait_kv = _exchange(comm, [k, v], dd.kv_send_index, m.kv_send_splits, m.kv_recv_splits,
                             m.kv_traffic)
         (q_recv,) = wait_q()
         k_buf, v_buf = _kv_buffers(wait_kv(), k, v)
-        out_s, lse_s = serve_forward(rows_cat(q, q_recv), k_buf, v_buf, dd, attn_backend, kv_share)
-        o, lse = _return_rows(comm, [out_s, lse_s], dd, m.n_local)
+        out_s, lse_s = serve_forward(server_rows(q, q_recv, m), k_buf, v_buf, dd, attn_backend, kv_share)
+        o, lse = _return_rows(comm, [out_s, lse_s], dd)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.dd, ctx.comm, ctx.attn_backend, ctx.kv_share = dd, comm, attn_backend, kv_share
         ctx.mark_non_differentiable(lse)
@@ -161,19 +188,18 @@ class CADAttention(torch.autograd.Function):
         q, k, v, o, lse = ctx.saved_tensors
         dd, comm, m = ctx.dd, ctx.comm, ctx.dd.meta
         dout = dout.contiguous()
-        wait_rows = _exchange(comm, [q, o, dout, lse], dd.q_send_index, m.q_send_splits, m.q_recv_splits,
-                              m.q_traffic)
+        wait_rows = send_rows(comm, [q, o, dout, lse], dd)
         wait_kv = _exchange(comm, [k, v], dd.kv_send_index, m.kv_send_splits, m.kv_recv_splits,
                             m.kv_traffic)
         q_r, o_r, do_r, lse_r = wait_rows()
         k_buf, v_buf = _kv_buffers(wait_kv(), k, v)
-        dq_s, dk_buf, dv_buf = serve_backward(rows_cat(q, q_r), k_buf, v_buf, rows_cat(o, o_r),
-                                              rows_cat(dout, do_r), rows_cat(lse, lse_r), dd,
+        dq_s, dk_buf, dv_buf = serve_backward(server_rows(q, q_r, m), k_buf, v_buf, server_rows(o, o_r, m),
+                                              server_rows(dout, do_r, m), server_rows(lse, lse_r, m), dd,
                                               ctx.attn_backend, ctx.kv_share)
         # dK/dV of received KV rows go back to their owners (reversed KV exchange, input dtype)
         wait_dkv = _exchange(comm, [dk_buf[m.n_local:].to(k.dtype), dv_buf[m.n_local:].to(v.dtype)],
                              None, m.kv_recv_splits, m.kv_send_splits, m.kv_traffic)
-        (dq,) = _return_rows(comm, [dq_s], dd, m.n_local)
+        (dq,) = _return_rows(comm, [dq_s], dd)
         dk, dv = dk_buf[:m.n_local].to(k.dtype), dv_buf[:m.n_local].to(v.dtype)
         rk, rv = wait_dkv()
         # a token sent to several servers gets several dK/dV back: summed in fp32, its rows only
@@ -262,7 +288,9 @@ def cad_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan 
     only when you pass it). ``comm`` replaces the all-to-all (an object with
     ``start(send, send_splits, recv_splits).wait() -> recv``; default :class:`AllToAll` on ``group``).
     ``kv_share``: the server's KV layout, ``"merged"`` (default) or ``"copy"`` (:mod:`cadlib.server`).
-    Returns ``o`` (and the float32 ``lse [n_local, Hq]`` with ``return_lse``)."""
+    A re-ordered plan (``cadlib.sentlast.sent_last(plan).plan``, whose donors read in place) works as
+    any other: each rank then passes its tokens in that plan's layout order. Returns ``o`` (and the
+    float32 ``lse [n_local, Hq]`` with ``return_lse``)."""
     kv_share = check_mode(kv_share)
     dd = prepare(plan, group, q.device)
     attn_backend = check_inputs(q, k, v, dd.meta.n_local, attn_backend, group)

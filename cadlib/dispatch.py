@@ -19,15 +19,24 @@ Buffers (all row-major over tokens):
   its tokens of that prefix once per (server, document), grouped by server, documents ascending,
   positions ascending; tokens the server holds itself are not sent. Hence the KV send counts equal
   ``Plan.token_matrices()[1]``.
-* **server buffers** ``cat([local, received])`` for Q and for KV. The fused kernel call reads, per
-  served task ``t`` (longest KV prefix first), query rows ``q_rows`` (``n_q(t)`` of them) and a contiguous KV
-  segment ``kv_rows`` = the document's prefix ``[0, q_end(t))`` (gathered; a prefix shared by several
-  tasks is received once and gathered several times). ``cu_q``/``cu_k`` delimit the segments.
+* **server buffers** ``cat([local[:q_keep], received])`` for Q (``q_keep = n_local`` but on sent-last
+  plans, below) and ``cat([local, received])`` for KV. The fused kernel call reads, per served task
+  ``t`` (longest KV prefix first), query rows ``q_rows`` (``n_q(t)`` of them, rows of ``cat([local,
+  received])``) and a contiguous KV segment ``kv_rows`` = the document's prefix ``[0, q_end(t))``
+  (gathered; a prefix shared by several tasks is received once and gathered several times).
+  ``cu_q``/``cu_k`` delimit the segments.
 * **return** of O/LSE/dQ (server -> home) reverses the Q exchange: ``ret_rows`` picks, from the
   server's output rows, the rows each home receives, in the order it sent them; the home writes them
   to ``q_send_index`` and its self-served rows from ``self_rows`` to ``self_local``. dK/dV contributions
   are scatter-added over ``kv_rows`` into the KV server buffer; its received part goes back along the
   reversed KV exchange and the owner adds it at ``kv_send_index``.
+
+**In place** (``q_identity``): when a server's query rows, in call order, are local rows ``[0,
+q_keep)`` then every received row, and its rank sends rows ``[q_keep, q_keep + n_send_q)`` away in
+send order, the server reads ``cat([local[:q_keep], received])`` as it is and the home side sends and
+gets back a slice. Only sent-last plans (:mod:`cadlib.sentlast`, ``plan.meta["sent_last"]``) take
+``q_keep < n_local`` and a merged KV call that reads a prefix of its buffer; others keep the rules
+they were measured with (``q_keep = n_local``, the whole KV buffer).
 """
 from __future__ import annotations
 
@@ -69,9 +78,11 @@ class Dispatch:
     # whether any rank sends anything (the same on every rank: skip collectives that move nothing)
     q_traffic: bool = True
     kv_traffic: bool = True
-    # q_rows == arange(n_local + n_recv_q): the server reads its query buffer as it is, its output rows
-    # are the buffer's (local rows first), and nothing of this rank is served elsewhere
+    # the server reads cat([local[:q_keep], received]) as it is (q_rows == arange(q_keep) ++ n_local +
+    # arange(n_recv_q)) and this rank sends rows [q_keep, q_keep + n_send_q) away (later ones: KV only)
     q_identity: bool = False
+    q_keep: int | None = None          # n_local unless q_identity on a sent-last plan (prefix)
+    prefix: bool = False               # a sent-last plan: buffers may be read in place as a prefix
     # the served tasks' documents and query ranges, in call order (for the merged call)
     task_doc: np.ndarray | None = None
     task_start: np.ndarray | None = None
@@ -90,6 +101,10 @@ class Dispatch:
     self_local = IndexArray()          # ... and where they live in the local buffer
     kv_send_uniq = IndexArray()        # distinct rows of kv_send_index and each entry's slot among
     kv_send_slot = IndexArray()        # them: the owner sums several servers' dK/dV of one token
+
+    def __post_init__(self):
+        if self.q_keep is None:
+            self.q_keep = self.n_local
 
     @property
     def n_recv_q(self) -> int:
@@ -111,6 +126,12 @@ class Dispatch:
     def n_tasks(self) -> int:
         return len(self.tasks)
 
+    def gathered_rows(self) -> tuple[int, int]:
+        """Rows the fused call copies out of this server's buffers rather than reading them in place:
+        ``(query rows, KV rows)`` of the merged call (its dQ, dK, dV are scattered back likewise)."""
+        sh = self.shared()
+        return (0 if self.q_identity else int(self.cu_q[-1])), (0 if sh.kv_identity else sh.n_kv)
+
     def shared(self):
         """The merged fused call (:class:`cadlib.kvshare.SharedKV`), built from the current fields on
         first use and cached: from the KV map's runs, or, when ``kv_rows`` was assigned an explicit
@@ -122,10 +143,10 @@ class Dispatch:
             n_buf = self.n_local + self.n_recv_kv
             if self.kv_map is None or "kv_rows" in self._explicit:
                 sh = build_shared(self.task_doc, self.task_start, self.task_end, self.cu_q, self.cu_k,
-                                  self.kv_rows, n_buf)
+                                  self.kv_rows, n_buf, self.prefix)
             else:
                 sh = build_shared_runs(self.task_doc, self.task_start, self.task_end, self.cu_q, self.kv_map,
-                                       n_buf)
+                                       n_buf, self.prefix)
             self._device_cache["shared"] = sh
         return self._device_cache["shared"]
 
@@ -274,9 +295,9 @@ def build_dispatch(plan: Plan, rank: int) -> Dispatch:
     # tasks longest KV prefix first (LPT): varlen kernels hand out tiles segment by segment, so the
     # longest tiles must not come last and leave SMs idle at the tail. Tasks of one document with
     # contiguous query ranges stay adjacent and ascending, so the merged call (cadlib.kvshare) takes
-    # them as one segment; groups go longest prefix first. Exception: a server that computes every
-    # row of its query buffer (none of its own tasks served elsewhere) lists its tasks in buffer order
-    # when that merges as much, so that its call reads and writes the buffers without gather/scatter.
+    # them as one segment; groups go longest prefix first. Exception: a server whose query rows can be
+    # its buffer in place (module docstring) lists its tasks in buffer order when that merges as much,
+    # so that its call reads and writes the buffers without gather/scatter.
     served = np.flatnonzero(server == rank)
     remote = served[home[served] != rank]
     by_home = remote[np.argsort(small(home[remote], R), kind="stable")]
@@ -296,9 +317,20 @@ def build_dispatch(plan: Plan, rank: int) -> Dispatch:
 
     served = _call_order(served, doc, a, b, S.big)
     q_rows, own_piece, first = rows_of(served)
-    if not mine.size and q_rows.size == n_buf and n_buf:
-        # This server computes every row of its query buffer: in buffer order its query rows need no
-        # gather and its outputs no scatter (q_identity). Taken when it merges as many shards as LPT.
+    n_self = q_rows.size - (n_buf - n_local)                    # local rows this server computes
+    prefix = bool(plan.meta.get("sent_last"))
+    q_keep = n_self if prefix else n_local
+    # the rows sent away follow the kept ones (sent-last), or nothing is sent and none is KV-only
+    tail = index["q_send_index"].is_arange(n_self, int(q_send_splits.sum())) if prefix else n_self == n_local
+
+    def in_place(rows, own):
+        """Whether ``rows`` are ``arange(q_keep) ++ n_local + arange(n_recv)`` (``own``: local runs)."""
+        return Ranges(np.where(own, rows.starts, rows.starts - n_local + q_keep), rows.lens).is_identity(
+            q_keep + n_buf - n_local)
+
+    if tail and q_rows.size:
+        # In buffer order this server's query rows need no gather and its outputs no scatter
+        # (q_identity). Taken when it merges as many shards as LPT.
         from .kvshare import merge_groups
 
         def n_segments(order):
@@ -306,8 +338,9 @@ def build_dispatch(plan: Plan, rank: int) -> Dispatch:
 
         buf = served[np.argsort(first, kind="stable")]
         rows = rows_of(buf)
-        if rows[0].is_identity(n_buf) and n_segments(buf) == n_segments(served):
+        if in_place(*rows[:2]) and n_segments(buf) == n_segments(served):
             served, (q_rows, own_piece, first) = buf, rows
+    q_identity = bool(tail and in_place(q_rows, own_piece))
     index["q_rows"] = q_rows
 
     # -- KV exchange: owner side (what I send) and server side (where what I need lands) -------------
@@ -331,8 +364,8 @@ def build_dispatch(plan: Plan, rank: int) -> Dispatch:
         kv_send_splits=kv_send_splits.tolist(), kv_recv_splits=kv_recv_splits.tolist(),
         tasks=served.tolist(), cu_q=cu_q, cu_k=_cu(nk), max_q=int(nq.max(initial=0)),
         max_k=int(nk.max(initial=0)), index=index, q_traffic=q_traffic, kv_traffic=kv_traffic,
-        q_identity=q_rows.is_identity(n_buf), task_doc=doc[served], task_start=a[served],
-        task_end=b[served], kv_map=kvm)
+        q_identity=q_identity, q_keep=q_keep if q_identity else n_local, prefix=prefix,
+        task_doc=doc[served], task_start=a[served], task_end=b[served], kv_map=kvm)
 
 
 def _call_order(served: np.ndarray, doc, a, b, big: int) -> np.ndarray:

@@ -13,7 +13,9 @@ from both ends of a chunk) stay separate segments, each with its own prefix copy
 in several segments and its dK/dV are summed, in fp32, once per distinct row (``rep_*`` below). Every
 other row is read once and its gradient is written straight into the gradient buffer in the KV
 dtype. When the merged segments read the whole KV buffer in order (one document, all local: the
-composability benchmark), the kernel reads the buffer itself and its dK/dV are the result.
+composability benchmark), the kernel reads the buffer itself and its dK/dV are the result; with
+``prefix`` (a sent-last plan, :mod:`cadlib.sentlast`) also when they read its first rows in order (a
+donor's kept rows): the kernel reads that prefix, and dK/dV are padded with zeros for the rest.
 
 Plain ``numpy`` on the host (:func:`build_shared`), device copies once per device (:meth:`SharedKV.to`).
 """
@@ -51,7 +53,7 @@ class SharedKV:
     cu_k: np.ndarray            # int32 [n_seg + 1]: their KV prefix lengths (the group's last end)
     max_q: int
     max_k: int
-    kv_identity: bool           # kv_rows == arange(n_kv_buf): the kernel reads the buffer as it is
+    kv_identity: bool           # kv_rows == arange(n_kv) (n_kv_buf, or less with prefix): read in place
     all_once: bool              # no row appears twice: dK/dV go straight into the buffer
     group: np.ndarray           # per task (dispatch order), its merged segment
     split_docs: int             # documents with > 1 segment on this server (non-contiguous shards)
@@ -70,6 +72,11 @@ class SharedKV:
     @property
     def n_segments(self) -> int:
         return int(self.cu_q.size - 1)
+
+    @property
+    def n_kv(self) -> int:
+        """KV rows of the merged call (with ``kv_identity``, the buffer's first ``n_kv`` rows)."""
+        return int(self.cu_k[-1])
 
     def to(self, device) -> "DeviceSharedKV":
         """Device copies, as :meth:`cadlib.dispatch.Dispatch.to` (one transfer, expanded on use; the
@@ -121,12 +128,13 @@ def _cu(x) -> np.ndarray:
     return np.r_[0, np.cumsum(x)].astype(np.int32)
 
 
-def build_shared(doc, a, b, cu_q, cu_k, kv_rows, n_kv_buf: int) -> SharedKV:
+def build_shared(doc, a, b, cu_q, cu_k, kv_rows, n_kv_buf: int, prefix: bool = False) -> SharedKV:
     """Merge a server's tasks (call order: tasks to merge adjacent and ascending, as
     :func:`cadlib.dispatch.build_dispatch` lists them) into segments; ``cu_q``/``cu_k``/``kv_rows`` are
     the per-task call's, ``kv_rows`` an explicit array. A merged segment reads the KV rows of its last
     task (its longest prefix). Per token (rows read twice are found by sorting them): the reference
-    for :func:`build_shared_runs`, and the path for a dispatch whose ``kv_rows`` was assigned."""
+    for :func:`build_shared_runs`, and the path for a dispatch whose ``kv_rows`` was assigned.
+    ``prefix``: the rows may be read in place as the first rows of the buffer, not only as all of it."""
     doc, a, b = (np.asarray(x, dtype=np.int64) for x in (doc, a, b))
     cu_q, cu_k = np.asarray(cu_q, dtype=np.int64), np.asarray(cu_k, dtype=np.int64)
     kv_rows = np.asarray(kv_rows, dtype=np.int64)
@@ -150,11 +158,12 @@ def build_shared(doc, a, b, cu_q, cu_k, kv_rows, n_kv_buf: int) -> SharedKV:
         ("rep_pos", np.flatnonzero(rep)), ("rep_slot", slot), ("rep_rows", rep_rows))}
     return SharedKV(cu_q=_cu(seg_q), cu_k=_cu(seg_k), max_q=int(seg_q.max(initial=0)),
                     max_k=int(seg_k.max(initial=0)),
-                    kv_identity=bool(rows.size == n_kv_buf and np.array_equal(rows, np.arange(n_kv_buf))),
+                    kv_identity=bool((rows.size == n_kv_buf or prefix and rows.size < n_kv_buf)
+                                     and np.array_equal(rows, np.arange(rows.size))),
                     all_once=not bool(rep.any()), group=g, split_docs=split, index=index)
 
 
-def build_shared_runs(doc, a, b, cu_q, kv_map, n_kv_buf: int) -> SharedKV:
+def build_shared_runs(doc, a, b, cu_q, kv_map, n_kv_buf: int, prefix: bool = False) -> SharedKV:
     """:func:`build_shared` from the dispatch's KV map (:class:`cadlib.dispatch.KVMap`), in
     O(tasks + pieces), no per-token array. Every (document, position) has its own KV row, so a row is
     read by the segments of its document that reach its position: with ``c2`` the second-longest
@@ -187,9 +196,9 @@ def build_shared_runs(doc, a, b, cu_q, kv_map, n_kv_buf: int) -> SharedKV:
     slots = Ranges(slot0[keep], plen[keep])                     # shared positions, (doc, position) order
     rows = Gather(m.rows, Ranges(m.base[di], seg_k))
     kv_identity = False
-    if rows.size == n_kv_buf and not two.any():                 # each row read once: check the order
+    if (rows.size == n_kv_buf or prefix and rows.size < n_kv_buf) and not two.any():   # read once: order?
         grp = _pieces_of(m, di)
-        kv_identity = Ranges(m.piece_row[grp], (m.piece_hi - m.piece_lo)[grp]).is_identity(n_kv_buf)
+        kv_identity = Ranges(m.piece_row[grp], (m.piece_hi - m.piece_lo)[grp]).is_identity(rows.size)
     index = {"kv_rows": rows, "once_pos": Ranges(cu_k + sc2, once),
              "once_rows": Gather(m.rows, Ranges(m.base[di] + sc2, once)),
              "rep_pos": Ranges(cu_k, shared), "rep_slot": Gather(slots, Ranges(excl(c2)[di], shared)),
@@ -212,8 +221,10 @@ def scatter_kv_grad(seg_grad, sh: DeviceSharedKV, n_rows: int, dtype):
     import torch
 
     m = sh.meta
-    if m.kv_identity:
-        return seg_grad.to(dtype)
+    if m.kv_identity:                                       # the buffer's first rows, in order
+        g = seg_grad.to(dtype)
+        rest = n_rows - g.shape[0]
+        return torch.cat([g, g.new_zeros((rest, *g.shape[1:]))]) if rest else g
     out = seg_grad.new_zeros((n_rows, *seg_grad.shape[1:]), dtype=dtype)
     if m.all_once:
         return out.index_copy_(0, sh.kv_rows, seg_grad.to(dtype))

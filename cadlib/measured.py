@@ -271,7 +271,7 @@ def rebuild_plans(config: dict, batch: int, world: int):
     from .packing import pack
     from .train import batch_docs, cad_plan, nano_plans
 
-    args = SimpleNamespace(**{"nano_balance": "tokens", "nano_split": "whole", **config})
+    args = SimpleNamespace(**{"nano_balance": "tokens", "nano_split": "whole", "sent_last": False, **config})
     spec = as_model(config["model"], **({"n_layers": config["layers"]} if config.get("layers") else {}))
     layout = pack(batch_docs(args, int(batch), world), world, args.tokens_per_rank, method="sequential")
     return (spec, layout, cad_plan(layout, args, spec), nano_plans(layout, args, spec)[1],
@@ -353,9 +353,7 @@ def gathered_rows(plan, rank: int) -> tuple[int, int]:
     the rest, in forward and again in backward, and scatters their gradients back."""
     from .dispatch import build_dispatch
 
-    d = build_dispatch(plan, rank)
-    sh = d.shared()
-    return (0 if d.q_identity else int(d.cu_q[-1])), (0 if sh.kv_identity else int(sh.cu_k[-1]))
+    return build_dispatch(plan, rank).gathered_rows()
 
 
 def server_overhead_fit(rows: list[dict]) -> dict:

@@ -8,6 +8,8 @@ can cover the communication of the other), or the same attention work (``balance
 With ``split_docs=True`` it may also cut a document: its prefix in A, the rest in B, whose attention
 then reads A's K, V of the prefix as KV-only context (:mod:`cadlib.nanosplit`; B's send at tick 2
 runs after A's q, k, v of tick 0, and the backward sums both nano-batches' dK, dV into A's k, v).
+With ``--sent-last`` each nano-batch's rows are re-ordered for its own plan
+(:func:`cadlib.sentlast.sent_last_nanos`; B's context indices follow A's new order).
 
 Per layer, the tick order of DistCA (compute stream | communication stream)::
 

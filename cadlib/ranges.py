@@ -68,7 +68,11 @@ class Ranges:
 
     def is_identity(self, n: int) -> bool:
         """Whether the expansion is ``arange(n)`` (O(runs))."""
-        return self.size == n and bool(np.all((self.shifts() == 0) | (self.lens == 0)))
+        return self.is_arange(0, n)
+
+    def is_arange(self, start: int, n: int) -> bool:
+        """Whether the expansion is ``arange(start, start + n)`` (O(runs))."""
+        return self.size == n and bool(np.all((self.shifts() == start) | (self.lens == 0)))
 
     def runs(self) -> list["Ranges"]:
         return [self]

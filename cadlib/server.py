@@ -19,8 +19,9 @@ Two ways to lay out the call (``kv_share``):
 
 Either way the output rows are in task-row order (``q_rows``), and the dK/dV buffers are aligned with
 the KV buffer, every task's contribution summed, in the KV buffer's dtype. When ``q_rows`` is the
-identity (``Dispatch.q_identity``: the server computes its whole query buffer in buffer order) the
-query-side buffers are read as they are, with no gather.
+identity (``Dispatch.q_identity``: the server computes its whole query buffer
+``cat([local[:q_keep], received])`` in buffer order) the query-side buffers are read as they are, with
+no gather.
 """
 from __future__ import annotations
 
@@ -47,8 +48,8 @@ def _call(dd: DeviceDispatch, k_buf, v_buf, mode: str):
         return (_gather(k_buf, dd.kv_rows), _gather(v_buf, dd.kv_rows), dd.cu_q, dd.cu_k, m.max_q, m.max_k)
     sh = dd.shared
     s = sh.meta
-    if s.kv_identity:
-        k, v = k_buf, v_buf
+    if s.kv_identity:                                   # the buffer's first n_kv rows, in place
+        k, v = k_buf[:s.n_kv], v_buf[:s.n_kv]
     else:
         k, v = _gather(k_buf, sh.kv_rows), _gather(v_buf, sh.kv_rows)
     return k, v, sh.cu_q, sh.cu_k, s.max_q, s.max_k

@@ -31,7 +31,7 @@ import time
 
 import torch
 
-from .cad import AllToAll, _exchange, check_inputs, home_rows, prepare, rows_cat
+from .cad import AllToAll, _exchange, check_inputs, prepare, rows_cat, send_rows, server_rows, to_home
 from .dispatch import DeviceDispatch
 from .kvshare import add_rows
 from .server import serve_backward_tasks, serve_forward
@@ -143,12 +143,12 @@ class _Send(torch.autograd.Function):
         m = dd.meta
         streams.keep((q, k, v), streams.comm)
         with streams.on_comm(), tl.span("comm", f"send {name}"):
-            wait_q = _exchange(comm, [q], dd.q_send_index, m.q_send_splits, m.q_recv_splits, m.q_traffic)
+            wait_q = send_rows(comm, [q], dd)
             wait_kv = _exchange(comm, [k, v], dd.kv_send_index, m.kv_send_splits, m.kv_recv_splits,
                                 m.kv_traffic)
             (q_recv,) = wait_q()
             k_recv, v_recv = wait_kv()
-            bufs = (rows_cat(q, q_recv), rows_cat(k, k_recv), rows_cat(v, v_recv))
+            bufs = (server_rows(q, q_recv, m), rows_cat(k, k_recv), rows_cat(v, v_recv))
         streams.keep(bufs, streams.compute)
         ctx.dd, ctx.comm, ctx.streams, ctx.tl, ctx.name = dd, comm, streams, tl, name
         return bufs
@@ -159,14 +159,18 @@ class _Send(torch.autograd.Function):
         n = m.n_local
         streams.keep((dq_buf, dk_buf, dv_buf), streams.comm)
         with ctx.tl.span("comm", f"send' {ctx.name}"):
-            wait_q = _exchange(comm, [dq_buf[n:]], None, m.q_recv_splits, m.q_send_splits, m.q_traffic)
+            wait_q = _exchange(comm, [dq_buf[m.q_keep:]], None, m.q_recv_splits, m.q_send_splits, m.q_traffic)
             wait_kv = _exchange(comm, [dk_buf[n:], dv_buf[n:]], None, m.kv_recv_splits, m.kv_send_splits,
                                 m.kv_traffic)
             (rq,) = wait_q()
             rk, rv = wait_kv()
             # rows of this rank served elsewhere get their gradients added (on a copy: the buffer's
-            # gradient is autograd's); with nothing sent, the local part is the gradient as it is
-            dq = dq_buf[:n].clone().index_add_(0, dd.q_send_index, rq) if m.n_send_q else dq_buf[:n]
+            # gradient is autograd's); a sent-last rank's are its tail (to_home); with nothing sent
+            # and every row served here, the local part is the gradient as it is
+            if m.q_identity and m.q_keep < n:
+                dq = to_home(dq_buf, rq, dd)
+            else:
+                dq = dq_buf[:n].clone().index_add_(0, dd.q_send_index, rq) if m.n_send_q else dq_buf[:n]
             if m.n_send_kv:
                 dk = add_rows(dk_buf[:n].clone(), dd.kv_send_index, dd.kv_send_uniq, dd.kv_send_slot, rk)
                 dv = add_rows(dv_buf[:n].clone(), dd.kv_send_index, dd.kv_send_uniq, dd.kv_send_slot, rv)
@@ -206,14 +210,12 @@ class _Return(torch.autograd.Function):
         m = dd.meta
         streams.keep((out,), streams.comm)
         with streams.on_comm(), tl.span("comm", f"return {name}"):
-            if m.q_identity:       # local rows first, in order; received ones go back unpermuted
-                _exchange(comm, [out[m.n_local:]], None, m.q_recv_splits, m.q_send_splits, m.q_traffic)()
-                o = home_rows(out, m.n_local)
+            if m.q_identity:       # kept rows first, in order; received ones go back unpermuted
+                (back,) = _exchange(comm, [out[m.q_keep:]], None, m.q_recv_splits, m.q_send_splits,
+                                    m.q_traffic)()
             else:
                 (back,) = _exchange(comm, [out], dd.ret_rows, m.q_recv_splits, m.q_send_splits, m.q_traffic)()
-                o = out.new_empty((m.n_local, *out.shape[1:]))
-                o.index_copy_(0, dd.self_local, out.index_select(0, dd.self_rows))
-                o.index_copy_(0, dd.q_send_index, back)
+            o = to_home(out, back, dd)
         streams.keep((o,), streams.compute)
         ctx.dd, ctx.comm, ctx.streams, ctx.tl, ctx.name = dd, comm, streams, tl, name
         ctx.n_rows = out.shape[0]
@@ -225,10 +227,9 @@ class _Return(torch.autograd.Function):
         streams.keep((do,), streams.comm)
         with ctx.tl.span("comm", f"return' {ctx.name}"):
             do = do.contiguous()
-            (recv,) = _exchange(ctx.comm, [do], dd.q_send_index, m.q_send_splits, m.q_recv_splits,
-                                m.q_traffic)()
+            (recv,) = send_rows(ctx.comm, [do], dd)()
             if m.q_identity:
-                dout = rows_cat(do, recv)
+                dout = server_rows(do, recv, m)
             else:
                 dout = do.new_empty((ctx.n_rows, *do.shape[1:]))
                 dout.index_copy_(0, dd.self_rows, do.index_select(0, dd.self_local))

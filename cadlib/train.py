@@ -17,6 +17,10 @@ Methods (every one sees the same sampled batches, from the same initial weights)
 * ``signal-only``: ``cad-pingpong`` with every all-to-all cut to one element per peer (the control
   that shows what communication still costs).
 
+``--sent-last`` (off by default): ``cad``, ``cad-pingpong`` and ``signal-only`` lay each rank's tokens
+(of each nano-batch) out with the rows its plan sends to other servers last, so that the servers
+read their buffers in place (:mod:`cadlib.sentlast`); the same tasks, losses and gradients.
+
 A step: forward and backward of all ranks' tokens (loss = sum of token cross-entropies / the number
 of predicted tokens of the whole batch, so every method computes the same loss and gradient), the
 data-parallel gradient all-reduce, AdamW. Per step and rank a record holds the step time and where it
@@ -44,6 +48,7 @@ from .model import ChunkedCrossEntropy, Decoder
 from .packing import pack
 from .nanosplit import schedule_nano
 from .pingpong import _spanned, pingpong_layers, split_nano_batches
+from .sentlast import sent_last, sent_last_nanos
 from .stages import SignalOnly, Streams, Timeline, staged_attention
 from .workload import sample_docs, sample_kwargs
 
@@ -72,16 +77,21 @@ def _colocated_attention(layout, group, attn_backend, tl):
 
 
 def cad_plan(layout, args, spec):
-    """``cad``'s plan of a batch: the scheduler at the run's tolerance and minimum shard."""
-    return scheduler.schedule(layout, model=spec, tolerance=args.tolerance, min_shard=args.min_shard)
+    """``cad``'s plan of a batch: the scheduler at the run's tolerance and minimum shard. With
+    ``args.sent_last`` the same tasks on a re-ordered layout (``plan.layout``, which the step's tokens
+    then follow; :mod:`cadlib.sentlast`)."""
+    plan = scheduler.schedule(layout, model=spec, tolerance=args.tolerance, min_shard=args.min_shard)
+    return sent_last(plan).plan if getattr(args, "sent_last", False) else plan
 
 
 def nano_plans(layout, args, spec):
-    """``cad-pingpong``'s two nano-batches of a batch and their plans (each scheduled on its own)."""
+    """``cad-pingpong``'s two nano-batches of a batch and their plans (each scheduled on its own;
+    with ``args.sent_last`` each re-ordered, :func:`cadlib.sentlast.sent_last_nanos`)."""
     nanos = split_nano_batches(layout, args.nano_balance, split_docs=args.nano_split == "docs",
                                min_piece=args.min_shard)
-    return nanos, [schedule_nano(nb, model=spec, tolerance=args.tolerance, min_shard=args.min_shard)
-                   for nb in nanos]
+    plans = [schedule_nano(nb, model=spec, tolerance=args.tolerance, min_shard=args.min_shard)
+             for nb in nanos]
+    return sent_last_nanos(nanos, plans) if getattr(args, "sent_last", False) else (nanos, plans)
 
 
 class Step:
@@ -93,21 +103,28 @@ class Step:
         self.layout = pack(docs, world, args.tokens_per_rank, method=packing, model=args.model,
                            cap=args.wlb_cap)
         spec = args.spec
-        tok, tgt = synthetic_tokens(self.layout, rank, spec.vocab, args.seed)
-        pos = positions(self.layout, rank)
         self.n_valid = sum(n - 1 for n in docs)
         self.context = None
-        if method in ("cad-pingpong", "signal-only"):
+        pingpong = method in ("cad-pingpong", "signal-only")
+        if pingpong:
             self.nanos, self.plans = nano_plans(self.layout, args, spec)
+        else:
+            self.plans = [cad_plan(self.layout, args, spec)] if method == "cad" else []
+        # the tokens in the layout's order (cad with --sent-last: its plan's re-ordered layout)
+        tokens_layout = self.plans[0].layout if method == "cad" else self.layout
+        tok, tgt = synthetic_tokens(tokens_layout, rank, spec.vocab, args.seed)
+        pos = positions(tokens_layout, rank)
+        if pingpong:
             self.inputs = [tuple(t[torch.as_tensor(nb.rows[rank])].to(device) for t in (tok, tgt, pos))
                            for nb in self.nanos]
             ctx = self.nanos[1].context
             if ctx and len(ctx[rank]):            # B's KV-only rows of A's local buffer on this rank
                 self.context = torch.as_tensor(ctx[rank]).to(device)
         else:
-            self.plans = [cad_plan(self.layout, args, spec)] if method == "cad" else []
             self.inputs = [tuple(t.to(device) for t in (tok, tgt, pos))]
         self.dds = [prepare(p, group, device) for p in self.plans]
+        # per plan: rows this rank sends away, and its server's gathered (query, KV) rows
+        self.server_rows = [[d.meta.n_send_q, *d.meta.gathered_rows()] for d in self.dds]
         self.imbalance = [p.imbalance() for p in self.plans] or \
             [scheduler.colocated(self.layout).imbalance()]
 
@@ -226,6 +243,9 @@ def parse_args(argv=None):
     p.add_argument("--timeline", action="store_true",
                    help="keep the spans of every recorded step (else of the last one)")
     p.add_argument("--dump-grads", default=None, help="folder: rank 0 saves the first step's gradients")
+    p.add_argument("--sent-last", action="store_true",
+                   help="cad, cad-pingpong, signal-only: each rank's rows sent to other servers last in its "
+                        "token order, so that donors' servers read their buffers in place (cadlib.sentlast)")
     args = p.parse_args(argv)
     methods = args.methods.split(",")
     for m in methods:
@@ -302,7 +322,7 @@ def main(argv=None) -> int:
                    "tokens": int(step.inputs[0][0].numel() + (step.inputs[1][0].numel()
                                                              if len(step.inputs) > 1 else 0)),
                    "plan_imbalance": step.imbalance, "n_docs": step.layout.n_docs,
-                   **step_metrics(rows),
+                   "sent_gathered_rows": step.server_rows, **step_metrics(rows),
                    "peak_mem_gib": torch.cuda.max_memory_allocated(env.device) / 2**30 if cuda else None}
             records.append(rec)
             if args.timeline:

@@ -19,6 +19,8 @@ Cases: ``random`` (sampled documents, sequential packing), ``one-token`` (plus s
 documents), ``empty-rank`` (one rank holds no tokens; needs >= 2 ranks), ``spanning`` (one document
 spanning all ranks). ``--plan``: ``scheduler`` (cadlib.scheduler.schedule), ``random`` (random
 splits on random servers: stresses the dispatch beyond what the scheduler does), ``colocated``.
+``--sent-last``: the plan re-ordered so that each rank's rows sent to other servers come last
+(:mod:`cadlib.sentlast`); the ranks then hold their tokens in that layout's order.
 """
 from __future__ import annotations
 
@@ -257,6 +259,9 @@ def check_case(layout: Layout, plan: Plan, model: ModelSpec, dtype: torch.dtype,
     ds = [build_dispatch(plan, r) for r in range(layout.n_ranks)]
     return {"identity_servers": sum(d.q_identity for d in ds),           # no gather/scatter (dispatch)
             "identity_receiving": sum(d.q_identity and d.n_recv_q > 0 for d in ds),
+            "identity_donors": sum(d.q_identity and d.n_send_q > 0 for d in ds),     # sent-last plans
+            "kv_prefix_servers": sum(d.shared().kv_identity and d.shared().n_kv < d.n_local + d.n_recv_kv
+                                     for d in ds),
             "rel_err": dict(zip(("o", "dq", "dk", "dv"), rel)),
             "load_before": Plan(layout, layout_to_tasks(layout)).server_pairs().tolist(),
             "load_after": plan.server_pairs().tolist(), "imbalance_after": plan.imbalance(),
@@ -287,6 +292,8 @@ def parse_args(argv=None):
     p.add_argument("--timing-iters", type=int, default=0, help="extra timed fwd+bwd passes per case")
     p.add_argument("--kv-share", default="merged", choices=("merged", "copy"),
                    help="the attention server's KV layout (cadlib.server): merged shards or a copy per task")
+    p.add_argument("--sent-last", action="store_true",
+                   help="re-order each plan so that rows sent to other servers come last (cadlib.sentlast)")
     args = p.parse_args(argv)
     from .cost import MODELS
     from .workload import DISTRIBUTIONS
@@ -323,13 +330,18 @@ def main(argv=None) -> int:
     results, ok = [], True
     for step, (dist_name, case, seed) in enumerate(combos):
         base = {"dist": dist_name, "case": case, "seed": seed, "world": env.world, "dtype": args.dtype,
-                "kv_share": args.kv_share,
+                "kv_share": args.kv_share, "sent_last": args.sent_last,
                 "plan": args.plan, "tokens_per_rank": args.tokens_per_rank, "model": model.name}
         layout = make_layout(case, dist_name, env.world, args.tokens_per_rank, seed, args)
         if layout is None:
             results.append({**base, "skipped": f"case {case!r} needs >= 2 ranks"})
             continue
         plan = make_plan(layout, args.plan, model, seed, args)
+        if args.sent_last:
+            from .sentlast import sent_last
+
+            plan = sent_last(plan).plan
+            layout = plan.layout
         res = {**base, **check_case(layout, plan, model, dtype, env.device, env.group, seed,
                                     args.attn_backend, args.timing_iters, args.kv_share)}
         res["passed"] = max(res["rel_err"].values()) <= rtol

@@ -42,6 +42,8 @@ def run_setting(args, tokens: int, dist: str, link: str) -> dict:
         train_args += ["--max-doc-len", str(args.max_doc_len)]
     if args.mlp_recompute:
         train_args += ["--mlp-recompute"]
+    if args.sent_last:
+        train_args += ["--sent-last"]
     if args.attn_backend:
         train_args += ["--attn-backend", args.attn_backend]
     ctas = e2e.DEFAULT_COMM_CTAS.get(link) if args.comm_ctas is None else args.comm_ctas
@@ -83,6 +85,9 @@ def main(argv=None) -> int:
                     help="cad-pingpong's nano-batches: documents cut between them (docs, the default) or "
                          "whole documents ('whole' appends _wholedocs to each file name)")
     ap.add_argument("--mlp-recompute", action="store_true", default=True)
+    ap.add_argument("--sent-last", action="store_true",
+                    help="python -m cadlib.train --sent-last: CAD's rows sent to other servers last in each "
+                         "rank's token order (cadlib.sentlast; appends _sentlast to each file name)")
     ap.add_argument("--attn-backend", default=None)
     ap.add_argument("--pg-backend", default="auto")
     ap.add_argument("--comm-ctas", type=int, default=None,
@@ -113,6 +118,7 @@ def main(argv=None) -> int:
             for tokens in (int(t) for t in args.tokens.split(",")):
                 tag = "smoke_" if args.smoke else ""
                 cut = "" if args.nano_split == e2e.DEFAULT_NANO_SPLIT else f"_{args.nano_split}docs"
+                cut += "_sentlast" if args.sent_last else ""
                 name = f"bench_e2e_{tag}{args.nproc}x_{dist}_{tokens // 1024}k_{link}{cut}{args.tag}"
                 try:
                     res = run_setting(args, tokens, dist, link)

@@ -236,3 +236,17 @@ def test_cad_kv_share_modes_match_reference_random_plans(kv_share):
     _, cases = launch(2, ["--plan", "random", "--case", "random,spanning", "--dist", "pretrain,uniform",
                           "--repeats", "2", "--kv-share", kv_share])
     assert len(cases) == 2 * 2 * 2 and all(c["kv_share"] == kv_share for c in cases)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("plan", ["scheduler", "random"])
+def test_cad_sent_last_matches_reference(plan):
+    # plans re-ordered so that each rank's rows sent away come last (cadlib.sentlast): donors' servers
+    # read their query buffers (and the kept documents' KV) in place, their homes send and get back
+    # a slice; random plans also make ranks that send, keep and receive at once
+    _, cases = launch(3, ["--plan", plan, "--case", "random,one-token,empty-rank,spanning",
+                          "--dist", "pretrain,uniform", "--sent-last"])
+    assert all(c["sent_last"] for c in cases) and len(cases) == 2 * 4
+    assert sum(c["identity_donors"] for c in cases) > 0
+    if plan == "scheduler":               # kept documents whose sent part was their end: KV prefixes
+        assert sum(c["kv_prefix_servers"] for c in cases) > 0

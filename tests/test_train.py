@@ -75,12 +75,15 @@ def test_train_rejects_bad_flags(capsys):
 
 
 @pytest.mark.multiproc
+@pytest.mark.parametrize("sent_last", [False, True])
 @pytest.mark.parametrize("world", [2, 4])
-def test_methods_agree_on_loss_and_gradients(world, tmp_path):
+def test_methods_agree_on_loss_and_gradients(world, sent_last, tmp_path):
     launch = pytest.importorskip("cadlib.launch")
     methods = ["colocated", "wlb", "cad", "cad-pingpong"]
     split = "whole" if world == 2 else "docs"          # ping-pong's nano-batches: both forms
     own = ["--comm-ctas", "2"] if world == 4 else []    # CAD's all-to-alls on a group of their own
+    if sent_last:                                       # donors' rows sent last (cadlib.sentlast)
+        methods, own = ["colocated", "cad", "cad-pingpong"], own + ["--sent-last"]
     df = launch.run_torchrun("cadlib.train", world,
                              own + ["--methods", ",".join(methods), "--nano-split", split,
                               "--tokens-per-rank", "256", "--max-doc-len", "400", "--min-shard", "16",
@@ -101,3 +104,8 @@ def test_methods_agree_on_loss_and_gradients(world, tmp_path):
             assert torch.allclose(g, ref[name], rtol=1e-4, atol=1e-6 * scale), (m, name)
     # the plans really moved work: CAD's plan is at least as balanced as the colocated placement
     assert all(r["plan_imbalance"][0] >= 1.0 for r in recs)
+    # per plan (sent rows, gathered query rows, gathered KV rows): donors' servers gather, except
+    # with --sent-last, where they read their query buffers in place
+    donors = [s for res in df.attrs["results"] for r in res["records"] if r["method"] in methods[-2:]
+              for s in r["sent_gathered_rows"] if s[0] > 0]
+    assert donors and all((s[1] == 0) == sent_last for s in donors), donors
