@@ -21,7 +21,8 @@
 # (one NVLink setting, e.g. e2e:prolong:131072); verify (cadlib.verify, bf16, 2 GPUs, ~1 min); probe
 # (scripts/probe_comm_overlap.py on both links, ~2 min); sdpaeff (SDPA's memory-efficient backend on the
 # cells the kernels stage's budget left out, one half per GPU, ~3.5 min). E2E_ARGS adds flags to every
-# e2e run (e.g. "--tolerance 0.02") and E2E_TAG its file-name tag (e.g. _eps0.02); after the probe
+# e2e run (e.g. "--sent-last") and E2E_TAG its file-name tag (bench_e2e adds _sentlast itself); VERIFY_ARGS
+# adds flags to the verify stage; after the probe
 # stage, each e2e run also takes the CTA limit it recommended for its link ($OUT/e2e_args_<link>).
 # Each stage has its own timeout, copies what it wrote to $OUT and logs a line to $OUT/stages.log;
 # $OUT/ALLDONE marks the end. Stages run in the order STAGES names them. Benchmarks write into this tree's results/, so the report stage (which
@@ -45,6 +46,7 @@ e2e() {  # dist tokens limit_s
   if [ "$SMOKE" = 1 ]; then args="--smoke --dists $1"; name="bench_e2e_smoke_2x_pretrain_0k_nvlink$E2E_TAG.json"
   else args="--nproc 2 --tokens $2 --dists $1 --link nvlink --timeout $(( $3 - 20 ))"; fi
   args="$args $E2E_ARGS $(cat "$OUT/e2e_args_nvlink" 2>/dev/null) --tag=$E2E_TAG"   # the probe's CTA limit
+  [[ $E2E_ARGS == *--sent-last* ]] && name=${name%.json}_sentlast.json  # (bench_e2e names it so)
   stage "e2e $1 $2 start"
   timeout -k 15 "$3" $PY scripts/bench_e2e.py $args --quiet --out results >> "$OUT/e2e.log" 2>&1
   local rc=$?; cp "results/$name" "$OUT/" 2>/dev/null; stage "e2e $1 $2 rc=$rc"
@@ -61,7 +63,7 @@ st_internode() {    # NCCL through host memory: about 25 ms per GiB, like an int
   args="$args $E2E_ARGS $(cat "$OUT/e2e_args_inter-node-like" 2>/dev/null)"
   timeout -k 15 270 $PY scripts/bench_e2e.py $args --tag=$E2E_TAG --link inter-node-like --quiet --out results \
     >> "$OUT/e2e.log" 2>&1
-  stage "e2e pretrain 65536 inter-node-like rc=$?"; cp results/bench_e2e_*inter-node-like*.json "$OUT/" 2>/dev/null
+  stage "e2e pretrain 65536 inter-node-like rc=$?"; cp results/bench_e2e_*inter-node-like$E2E_TAG*.json "$OUT/" 2>/dev/null
 }
 st_probe() {  # NCCL's all-to-all beside attention and GEMMs, per CTA limit, on both links (~1 min each)
   local args="" sfx
@@ -104,11 +106,13 @@ st_verify() {   # CAD attention vs an fp32 per-document reference, bf16 over NCC
   stage "verify start"
   local args="--dtype bf16 --model llama3-8b --tokens-per-rank 8192 --case random,one-token,empty-rank,spanning --dist pretrain,prolong"
   [ "$SMOKE" = 1 ] && args="--dtype fp32 --tokens-per-rank 64 --case random --dist pretrain"
+  args="$args ${VERIFY_ARGS:-}"                          # e.g. --sent-last
+  local vt=""; [[ ${VERIFY_ARGS:-} == *--sent-last* ]] && vt=_sentlast
   { echo "# torchrun --standalone --nproc-per-node 2 -m cadlib.verify $args"
     echo "# 2 GPUs, commit $CADLIB_COMMIT, $(date -u +%F)"
     timeout -k 10 200 torchrun --standalone --nproc-per-node 2 -m cadlib.verify $args 2>&1 | grep -v "Warning\|exe_args"
-  } > "$OUT/verify_cad_2xh200_bf16.txt"
-  stage "verify rc=${PIPESTATUS[0]} ($(grep -c ' ok' "$OUT/verify_cad_2xh200_bf16.txt") ok lines)"
+  } > "$OUT/verify_cad_2xh200_bf16$vt.txt"
+  stage "verify rc=${PIPESTATUS[0]} ($(grep -c ' ok' "$OUT/verify_cad_2xh200_bf16$vt.txt") ok lines)"
 }
 st_report() {
   if [ "$SMOKE" = 1 ]; then PROF=cpu; else PROF=h200x2; fi
