@@ -285,7 +285,23 @@ def build_dispatch(plan: Plan, rank: int) -> Dispatch:
     numpy: every index map is built as runs (a chunk piece, a task's received block, a document's
     prefix), never per token; no Python loop over tasks or tokens, no owner map. The only part that
     grows faster is the KV send side, one run per (my chunk, server that needs it), which is what the
-    owner sends."""
+    owner sends.
+
+    On a sent-last plan the server's buffers may be laid out received first (``recv_first``): a
+    document that began on another rank then reads [its received prefix | its local rows] in place,
+    while received shards that CONTINUE a local document read in place only local first. Each server
+    takes the layout that gathers fewer rows (received first on a tie); the choice is its own (the
+    exchanges' send orders do not depend on it), at twice the host work of one build."""
+    if not plan.meta.get("sent_last"):
+        return _build_dispatch(plan, rank, False)
+    first = _build_dispatch(plan, rank, True)
+    if not sum(first.gathered_rows()):
+        return first
+    local = _build_dispatch(plan, rank, False)
+    return local if sum(local.gathered_rows()) < sum(first.gathered_rows()) else first
+
+
+def _build_dispatch(plan: Plan, rank: int, recv_first: bool) -> Dispatch:
     layout = plan.layout
     R = layout.n_ranks
     if plan.n_servers != R:
@@ -327,9 +343,9 @@ def build_dispatch(plan: Plan, rank: int) -> Dispatch:
     remote = served[home[served] != rank]
     by_home = remote[np.argsort(small(home[remote], R), kind="stable")]
     q_recv_splits = np.bincount(home[remote], weights=n_q[remote], minlength=R).astype(np.int64)
-    prefix = bool(plan.meta.get("sent_last"))                  # sent-last: received rows first
+    prefix = bool(plan.meta.get("sent_last"))
     n_recv = int(q_recv_splits.sum())
-    recv0, local0 = (0, n_recv) if prefix else (n_local, 0)    # where received / local rows start
+    recv0, local0 = (0, n_recv) if recv_first else (n_local, 0)   # where received / local rows start
     recv_start = np.zeros(len(doc), dtype=np.int64)
     recv_start[by_home] = recv0 + excl(n_q[by_home])
 
@@ -352,7 +368,7 @@ def build_dispatch(plan: Plan, rank: int) -> Dispatch:
     def in_place(rows, own):
         """Whether ``rows`` are the query buffer ``cat([local[:q_keep], received])`` in order (``own``:
         local runs), or on a sent-last plan ``cat([received, local[:q_keep]])``."""
-        if prefix:
+        if recv_first:
             return rows.is_identity(q_keep + n_recv)
         return Ranges(np.where(own, rows.starts, rows.starts - n_local + q_keep), rows.lens).is_identity(
             q_keep + n_recv)
@@ -375,7 +391,7 @@ def build_dispatch(plan: Plan, rank: int) -> Dispatch:
     # -- KV exchange: owner side (what I send) and server side (where what I need lands) -------------
     index["kv_send_index"], index["kv_send_uniq"], index["kv_send_slot"], kv_send_splits = \
         kv_send(plan, S, rank, off)
-    kvm, kv_recv_splits = kv_map(S, doc[served], b[served], rank, n_local, R, off, recv_first=prefix)
+    kvm, kv_recv_splits = kv_map(S, doc[served], b[served], rank, n_local, R, off, recv_first=recv_first)
     index["kv_rows"] = Gather(kvm.rows, Ranges(kvm.base[np.searchsorted(kvm.docs, doc[served])], b[served]))
 
     # -- return path: received Q buffer order <- server output rows --------------------------------
@@ -393,7 +409,7 @@ def build_dispatch(plan: Plan, rank: int) -> Dispatch:
         kv_send_splits=kv_send_splits.tolist(), kv_recv_splits=kv_recv_splits.tolist(),
         tasks=served.tolist(), cu_q=cu_q, cu_k=_cu(nk), max_q=int(nq.max(initial=0)),
         max_k=int(nk.max(initial=0)), index=index, q_traffic=q_traffic, kv_traffic=kv_traffic,
-        q_identity=q_identity, q_keep=q_keep if q_identity else n_local, prefix=prefix, recv_first=prefix,
+        q_identity=q_identity, q_keep=q_keep if q_identity else n_local, prefix=prefix, recv_first=recv_first,
         task_doc=doc[served], task_start=a[served], task_end=b[served], kv_map=kvm)
 
 

@@ -207,3 +207,13 @@ def test_plans_without_the_mark_keep_their_dispatch():
                                                                     w["kv_identity"], w["tasks"])
         assert not d.recv_first and not d.prefix
         assert (d.q_local_at, d.q_recv_at, d.kv_local_at, d.kv_recv_at) == (0, d.q_keep, 0, d.n_local)
+
+
+def test_server_keeps_local_first_when_received_rows_continue_its_document():
+    # rank 1 sends all of doc 0 [4, 8), the continuation of rank 0's doc 0 [0, 4): rank 0 reads
+    # [doc 0 [0, 4) | received [4, 8)] in place only local first, so its server keeps that layout
+    layout = Layout([[(0, 0, 4)], [(0, 4, 8), (1, 0, 3)]], [8, 3])
+    tasks = [CATask(0, 0, 4, 0, 0), CATask(0, 4, 8, 1, 0), CATask(1, 0, 3, 1, 1)]
+    d0, d1 = build_all(sent_last(Plan(layout, tasks)).plan)
+    assert not d0.recv_first and d0.q_identity and d0.gathered_rows() == (0, 0)
+    assert d1.gathered_rows() == (0, 0)
