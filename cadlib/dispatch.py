@@ -36,7 +36,10 @@ q_keep)`` then every received row, and its rank sends rows ``[q_keep, q_keep + n
 send order, the server reads ``cat([local[:q_keep], received])`` as it is and the home side sends and
 gets back a slice. Only sent-last plans (:mod:`cadlib.sentlast`, ``plan.meta["sent_last"]``) take
 ``q_keep < n_local`` and a merged KV call that reads a prefix of its buffer; others keep the rules
-they were measured with (``q_keep = n_local``, the whole KV buffer).
+they were measured with (``q_keep = n_local``, the whole KV buffer). A sent-last server may also lay
+its buffers out received first (``recv_first``: ``cat([received, local[:q_keep]])`` and ``cat([received
+KV, local])``; every map above then counts rows in that order, and received dK/dV are the buffer's
+first ``n_recv_kv`` rows), so that a document begun on another rank reads its prefix in place.
 """
 from __future__ import annotations
 
