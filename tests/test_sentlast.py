@@ -41,7 +41,9 @@ def check_equivalent(plan: Plan):
         kept = int(np.sum((plan.q_end - plan.q_start)[(plan.home == r) & (plan.server == r)]))
         assert d.index["q_send_index"].is_arange(kept, d.n_send_q)
         if d.q_identity:
-            assert d.q_rows.tolist() == list(range(d.n_recv_q + d.q_keep))   # cat([received, kept])
+            n = d.n_recv_q + d.q_keep                       # cat([received, kept]) or cat([kept, received])
+            local_first = [*range(d.q_keep), *range(d.n_local, d.n_local + d.n_recv_q)]
+            assert d.q_rows.tolist() == (list(range(n)) if d.recv_first else local_first)
     return s
 
 
