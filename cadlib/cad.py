@@ -20,6 +20,9 @@ order), q ``[n_local, Hq, D]`` and k, v ``[n_local, Hkv, D]``, and gets back its
       server dq[ret_rows]                  --all_to_all-->            home dq[q_send_index]
       server [dk, dv]_buf[n_local:]        --all_to_all-->            owner dk[kv_send_index] += (fp32 rows)
 
+On a sent-last plan (``plan.meta["sent_last"]``) the server buffers are received first,
+``[recv ; q[:q_keep]]`` and ``[recv ; kv]``, so the received dK/dV are ``[dk, dv]_buf[:n_recv_kv]``.
+
 Several tensors with one row per query token travel as one byte-packed all-to-all, so a forward is
 3 collectives and a backward 4; an exchange that moves nothing on any rank (known from the global
 plan) is skipped on every rank. Split sizes are host lists from :mod:`cadlib.dispatch`; the index
@@ -101,23 +104,46 @@ def _exchange(comm, parts, index, send_splits, recv_splits, active):
     return lambda: unpack_rows(pending.wait(), likes)
 
 
-def rows_cat(local: torch.Tensor, recv: torch.Tensor) -> torch.Tensor:
-    """A server buffer ``cat([local, recv])``; no copy (a view of ``local``) when nothing was received."""
-    return local.view_as(local) if not recv.shape[0] else torch.cat([local, recv])
+def rows_cat(local: torch.Tensor, recv: torch.Tensor, recv_first: bool = False) -> torch.Tensor:
+    """A server buffer ``cat([local, recv])`` (``recv_first``: ``cat([recv, local])``); no copy (a view
+    of ``local``) when nothing was received."""
+    if not recv.shape[0]:
+        return local.view_as(local)
+    return torch.cat([recv, local] if recv_first else [local, recv])
 
 
-def home_rows(rows: torch.Tensor, n_local: int) -> torch.Tensor:
-    """The first ``n_local`` rows of a server's output (a ``q_identity`` server's own rows): a view when
-    the rows after them (received queries, returned elsewhere) are at most an eighth as many, since a
-    view keeps them alive as long as the home's output lives (to the backward); else a copy."""
-    own = rows[:n_local]
+def home_rows(rows: torch.Tensor, n_local: int, start: int = 0) -> torch.Tensor:
+    """Rows ``[start, start + n_local)`` of a server's output (a ``q_identity`` server's own rows): a
+    view when the other rows (received queries, returned elsewhere) are at most an eighth as many,
+    since a view keeps them alive as long as the home's output lives (to the backward); else a copy."""
+    own = rows[start:start + n_local]
     return own if rows.shape[0] - n_local <= n_local // 8 else own.clone()
 
 
 def server_rows(local: torch.Tensor, recv: torch.Tensor, m: Dispatch) -> torch.Tensor:
     """A server's per-query buffer ``cat([local[:q_keep], recv])`` (``q_keep = n_local`` unless the
-    server reads a sent-last prefix in place, :class:`cadlib.dispatch.Dispatch`)."""
-    return rows_cat(local if m.q_keep == local.shape[0] else local[:m.q_keep], recv)
+    server reads a sent-last prefix in place, :class:`cadlib.dispatch.Dispatch`); on a sent-last plan
+    received first, ``cat([recv, local[:q_keep]])``."""
+    return rows_cat(local if m.q_keep == local.shape[0] else local[:m.q_keep], recv, m.recv_first)
+
+
+def kv_rows_cat(local: torch.Tensor, recv: torch.Tensor, m: Dispatch) -> torch.Tensor:
+    """A server's KV buffer ``cat([local, recv])`` (sent-last plans: ``cat([recv, local])``)."""
+    return rows_cat(local, recv, m.recv_first)
+
+
+def recv_part(buf: torch.Tensor, m: Dispatch, kv: bool = False) -> torch.Tensor:
+    """The received rows of a server buffer (or of a ``q_identity`` server's output rows, which are its
+    query buffer's order): what goes back along the reversed exchange."""
+    lo, n = (m.kv_recv_at, m.n_recv_kv) if kv else (m.q_recv_at, m.n_recv_q)
+    return buf[lo:lo + n]
+
+
+def local_part(buf: torch.Tensor, m: Dispatch, kv: bool = False) -> torch.Tensor:
+    """The local rows of a server buffer: all ``n_local`` of a KV buffer, or a query buffer's
+    ``q_keep`` (``n_local`` unless a sent-last server reads a prefix in place)."""
+    lo, n = (m.kv_local_at, m.n_local) if kv else (m.q_local_at, m.q_keep)
+    return buf[lo:lo + n]
 
 
 def send_rows(comm, parts, dd: DeviceDispatch):
@@ -133,14 +159,16 @@ def send_rows(comm, parts, dd: DeviceDispatch):
 def to_home(own: torch.Tensor, back: torch.Tensor, dd: DeviceDispatch) -> torch.Tensor:
     """A home's per-query rows ``[n_local, ...]`` from its server's rows ``own`` (task-row order) and
     the rows ``back`` its sent rows got back (send order). ``q_identity``: the first ``q_keep`` server
-    rows are the home's first rows (:func:`home_rows`), then the sent tail, then zeros for rows in no
-    task (a nano-batch's KV-only context); else self-served rows and returned rows are scattered."""
+    rows are the home's first rows (:func:`home_rows`; on a sent-last plan they follow the received ones),
+    then the sent tail, then zeros for rows in no task (a nano-batch's KV-only context); else
+    self-served rows and returned rows are scattered."""
     m = dd.meta
     if m.q_identity:
         rest = m.n_local - m.q_keep - back.shape[0]
         if not back.shape[0] and not rest:
-            return home_rows(own, m.q_keep)
-        return torch.cat([own[:m.q_keep], back, *([own.new_zeros((rest, *own.shape[1:]))] if rest else [])])
+            return home_rows(own, m.q_keep, m.q_local_at)
+        pad = [own.new_zeros((rest, *own.shape[1:]))] if rest else []
+        return torch.cat([local_part(own, m), back, *pad])
     home = own.new_empty((m.n_local, *own.shape[1:]))
     home.index_copy_(0, dd.self_local, own.index_select(0, dd.self_rows))
     return home.index_copy_(0, dd.q_send_index, back)
@@ -148,20 +176,20 @@ def to_home(own: torch.Tensor, back: torch.Tensor, dd: DeviceDispatch) -> torch.
 
 def _return_rows(comm, rows, dd: DeviceDispatch):
     """Server rows (task-row order) back to their homes: self-served rows stay, the rest travel the
-    reversed Q exchange (``q_identity``: the rows after the first ``q_keep``, unpermuted). Returns the
-    home tensors ``[n_local, ...]`` (:func:`to_home`)."""
+    reversed Q exchange (``q_identity``: the received rows, unpermuted). Returns the home tensors
+    ``[n_local, ...]`` (:func:`to_home`)."""
     m = dd.meta
     if m.q_identity:
-        back = _exchange(comm, [r[m.q_keep:] for r in rows], None, m.q_recv_splits, m.q_send_splits,
+        back = _exchange(comm, [recv_part(r, m) for r in rows], None, m.q_recv_splits, m.q_send_splits,
                          m.q_traffic)()
     else:
         back = _exchange(comm, rows, dd.ret_rows, m.q_recv_splits, m.q_send_splits, m.q_traffic)()
     return [to_home(r, b, dd) for r, b in zip(rows, back)]
 
 
-def _kv_buffers(recv_kv, k, v):
+def _kv_buffers(recv_kv, k, v, m: Dispatch):
     rk, rv = recv_kv
-    return rows_cat(k, rk), rows_cat(v, rv)
+    return kv_rows_cat(k, rk, m), kv_rows_cat(v, rv, m)
 
 
 class CADAttention(torch.autograd.Function):
@@ -175,7 +203,7 @@ class CADAttention(torch.autograd.Function):
         wait_kv = _exchange(comm, [k, v], dd.kv_send_index, m.kv_send_splits, m.kv_recv_splits,
                             m.kv_traffic)
         (q_recv,) = wait_q()
-        k_buf, v_buf = _kv_buffers(wait_kv(), k, v)
+        k_buf, v_buf = _kv_buffers(wait_kv(), k, v, m)
         out_s, lse_s = serve_forward(server_rows(q, q_recv, m), k_buf, v_buf, dd, attn_backend, kv_share)
         o, lse = _return_rows(comm, [out_s, lse_s], dd)
         ctx.save_for_backward(q, k, v, o, lse)
@@ -192,15 +220,15 @@ class CADAttention(torch.autograd.Function):
         wait_kv = _exchange(comm, [k, v], dd.kv_send_index, m.kv_send_splits, m.kv_recv_splits,
                             m.kv_traffic)
         q_r, o_r, do_r, lse_r = wait_rows()
-        k_buf, v_buf = _kv_buffers(wait_kv(), k, v)
+        k_buf, v_buf = _kv_buffers(wait_kv(), k, v, m)
         dq_s, dk_buf, dv_buf = serve_backward(server_rows(q, q_r, m), k_buf, v_buf, server_rows(o, o_r, m),
                                               server_rows(dout, do_r, m), server_rows(lse, lse_r, m), dd,
                                               ctx.attn_backend, ctx.kv_share)
         # dK/dV of received KV rows go back to their owners (reversed KV exchange, input dtype)
-        wait_dkv = _exchange(comm, [dk_buf[m.n_local:].to(k.dtype), dv_buf[m.n_local:].to(v.dtype)],
-                             None, m.kv_recv_splits, m.kv_send_splits, m.kv_traffic)
+        back_kv = [recv_part(dk_buf, m, True).to(k.dtype), recv_part(dv_buf, m, True).to(v.dtype)]
+        wait_dkv = _exchange(comm, back_kv, None, m.kv_recv_splits, m.kv_send_splits, m.kv_traffic)
         (dq,) = _return_rows(comm, [dq_s], dd)
-        dk, dv = dk_buf[:m.n_local].to(k.dtype), dv_buf[:m.n_local].to(v.dtype)
+        dk, dv = local_part(dk_buf, m, True).to(k.dtype), local_part(dv_buf, m, True).to(v.dtype)
         rk, rv = wait_dkv()
         # a token sent to several servers gets several dK/dV back: summed in fp32, its rows only
         add_rows(dk, dd.kv_send_index, dd.kv_send_uniq, dd.kv_send_slot, rk)

@@ -36,7 +36,10 @@ q_keep)`` then every received row, and its rank sends rows ``[q_keep, q_keep + n
 send order, the server reads ``cat([local[:q_keep], received])`` as it is and the home side sends and
 gets back a slice. Only sent-last plans (:mod:`cadlib.sentlast`, ``plan.meta["sent_last"]``) take
 ``q_keep < n_local`` and a merged KV call that reads a prefix of its buffer; others keep the rules
-they were measured with (``q_keep = n_local``, the whole KV buffer).
+they were measured with (``q_keep = n_local``, the whole KV buffer). A sent-last server may also lay
+its buffers out received first (``recv_first``: ``cat([received, local[:q_keep]])`` and ``cat([received
+KV, local])``; every map above then counts rows in that order, and received dK/dV are the buffer's
+first ``n_recv_kv`` rows), so that a document begun on another rank reads its prefix in place.
 """
 from __future__ import annotations
 
@@ -83,6 +86,9 @@ class Dispatch:
     q_identity: bool = False
     q_keep: int | None = None          # n_local unless q_identity on a sent-last plan (prefix)
     prefix: bool = False               # a sent-last plan: buffers may be read in place as a prefix
+    # a sent-last plan: the server buffers are received first, cat([received, local[:q_keep]]) and
+    # cat([received KV, local]), so a document begun on another rank reads [its prefix | local rows]
+    recv_first: bool = False
     # the served tasks' documents and query ranges, in call order (for the merged call)
     task_doc: np.ndarray | None = None
     task_start: np.ndarray | None = None
@@ -125,6 +131,28 @@ class Dispatch:
     @property
     def n_tasks(self) -> int:
         return len(self.tasks)
+
+    # where the parts of the server buffers start (rows): received-first on sent-last plans
+    @property
+    def q_recv_at(self) -> int:
+        """First row of the received queries in the query buffer (and in a ``q_identity`` server's
+        output rows)."""
+        return 0 if self.recv_first else self.q_keep
+
+    @property
+    def q_local_at(self) -> int:
+        """Row of local row 0 in the query buffer (and in a ``q_identity`` server's output rows)."""
+        return self.n_recv_q if self.recv_first else 0
+
+    @property
+    def kv_recv_at(self) -> int:
+        """First row of the received KV in the KV buffer."""
+        return 0 if self.recv_first else self.n_local
+
+    @property
+    def kv_local_at(self) -> int:
+        """Row of local row 0 in the KV buffer."""
+        return self.n_recv_kv if self.recv_first else 0
 
     def gathered_rows(self) -> tuple[int, int]:
         """Rows the fused call copies out of this server's buffers rather than reading them in place:
@@ -260,7 +288,23 @@ def build_dispatch(plan: Plan, rank: int) -> Dispatch:
     numpy: every index map is built as runs (a chunk piece, a task's received block, a document's
     prefix), never per token; no Python loop over tasks or tokens, no owner map. The only part that
     grows faster is the KV send side, one run per (my chunk, server that needs it), which is what the
-    owner sends."""
+    owner sends.
+
+    On a sent-last plan the server's buffers may be laid out received first (``recv_first``): a
+    document that began on another rank then reads [its received prefix | its local rows] in place,
+    while received shards that CONTINUE a local document read in place only local first. Each server
+    takes the layout that gathers fewer rows (received first on a tie); the choice is its own (the
+    exchanges' send orders do not depend on it), at twice the host work of one build."""
+    if not plan.meta.get("sent_last"):
+        return _build_dispatch(plan, rank, False)
+    first = _build_dispatch(plan, rank, True)
+    if not sum(first.gathered_rows()):
+        return first
+    local = _build_dispatch(plan, rank, False)
+    return local if sum(local.gathered_rows()) < sum(first.gathered_rows()) else first
+
+
+def _build_dispatch(plan: Plan, rank: int, recv_first: bool) -> Dispatch:
     layout = plan.layout
     R = layout.n_ranks
     if plan.n_servers != R:
@@ -302,9 +346,11 @@ def build_dispatch(plan: Plan, rank: int) -> Dispatch:
     remote = served[home[served] != rank]
     by_home = remote[np.argsort(small(home[remote], R), kind="stable")]
     q_recv_splits = np.bincount(home[remote], weights=n_q[remote], minlength=R).astype(np.int64)
+    prefix = bool(plan.meta.get("sent_last"))
+    n_recv = int(q_recv_splits.sum())
+    recv0, local0 = (0, n_recv) if recv_first else (n_local, 0)   # where received / local rows start
     recv_start = np.zeros(len(doc), dtype=np.int64)
-    recv_start[by_home] = n_local + excl(n_q[by_home])
-    n_buf = n_local + int(q_recv_splits.sum())
+    recv_start[by_home] = recv0 + excl(n_q[by_home])
 
     def rows_of(order):
         """The query rows of tasks ``order`` in that order (runs), whether each run is local, and
@@ -312,21 +358,23 @@ def build_dispatch(plan: Plan, rank: int) -> Dispatch:
         grp, j, lo, hi = _pieces(S, doc[order], a[order], b[order])
         own_piece = (home[order] == rank)[grp]                 # self-served tasks: their local rows
         starts = recv_start[order][grp] + lo - a[order][grp]
-        starts[own_piece] = off(j[own_piece]) + (lo - S.start[j])[own_piece]
+        starts[own_piece] = off(j[own_piece]) + (lo - S.start[j])[own_piece] + local0
         return Ranges(starts, hi - lo), own_piece, starts[np.searchsorted(grp, np.arange(order.size))]
 
     served = _call_order(served, doc, a, b, S.big)
     q_rows, own_piece, first = rows_of(served)
-    n_self = q_rows.size - (n_buf - n_local)                    # local rows this server computes
-    prefix = bool(plan.meta.get("sent_last"))
+    n_self = q_rows.size - n_recv                               # local rows this server computes
     q_keep = n_self if prefix else n_local
     # the rows sent away follow the kept ones (sent-last), or nothing is sent and none is KV-only
     tail = index["q_send_index"].is_arange(n_self, int(q_send_splits.sum())) if prefix else n_self == n_local
 
     def in_place(rows, own):
-        """Whether ``rows`` are ``arange(q_keep) ++ n_local + arange(n_recv)`` (``own``: local runs)."""
+        """Whether ``rows`` are the query buffer ``cat([local[:q_keep], received])`` in order (``own``:
+        local runs), or on a sent-last plan ``cat([received, local[:q_keep]])``."""
+        if recv_first:
+            return rows.is_identity(q_keep + n_recv)
         return Ranges(np.where(own, rows.starts, rows.starts - n_local + q_keep), rows.lens).is_identity(
-            q_keep + n_buf - n_local)
+            q_keep + n_recv)
 
     if tail and q_rows.size:
         # In buffer order this server's query rows need no gather and its outputs no scatter
@@ -346,7 +394,7 @@ def build_dispatch(plan: Plan, rank: int) -> Dispatch:
     # -- KV exchange: owner side (what I send) and server side (where what I need lands) -------------
     index["kv_send_index"], index["kv_send_uniq"], index["kv_send_slot"], kv_send_splits = \
         kv_send(plan, S, rank, off)
-    kvm, kv_recv_splits = kv_map(S, doc[served], b[served], rank, n_local, R, off)
+    kvm, kv_recv_splits = kv_map(S, doc[served], b[served], rank, n_local, R, off, recv_first=recv_first)
     index["kv_rows"] = Gather(kvm.rows, Ranges(kvm.base[np.searchsorted(kvm.docs, doc[served])], b[served]))
 
     # -- return path: received Q buffer order <- server output rows --------------------------------
@@ -357,14 +405,14 @@ def build_dispatch(plan: Plan, rank: int) -> Dispatch:
     rem = rem[np.argsort(recv_start[served[rem]], kind="stable")]
     index["ret_rows"] = Ranges(pos[rem], nq[rem])
     index["self_rows"] = Ranges(pos[~is_remote], nq[~is_remote])
-    index["self_local"] = Ranges(q_rows.starts[own_piece], q_rows.lens[own_piece])
+    index["self_local"] = Ranges(q_rows.starts[own_piece] - local0, q_rows.lens[own_piece])
     return Dispatch(
         rank=rank, world=R, n_local=n_local,
         q_send_splits=q_send_splits.tolist(), q_recv_splits=q_recv_splits.tolist(),
         kv_send_splits=kv_send_splits.tolist(), kv_recv_splits=kv_recv_splits.tolist(),
         tasks=served.tolist(), cu_q=cu_q, cu_k=_cu(nk), max_q=int(nq.max(initial=0)),
         max_k=int(nk.max(initial=0)), index=index, q_traffic=q_traffic, kv_traffic=kv_traffic,
-        q_identity=q_identity, q_keep=q_keep if q_identity else n_local, prefix=prefix,
+        q_identity=q_identity, q_keep=q_keep if q_identity else n_local, prefix=prefix, recv_first=recv_first,
         task_doc=doc[served], task_start=a[served], task_end=b[served], kv_map=kvm)
 
 

@@ -97,12 +97,14 @@ def kv_send(plan: Plan, S: SortedChunks, rank: int, off):
     return Ranges(moff[pm], lens), Ranges(moff[local], longest[local]), Ranges(base[pm], lens), splits
 
 
-def kv_map(S: SortedChunks, tdoc, tend, rank: int, n_local: int, R: int, off) -> tuple[KVMap, np.ndarray]:
+def kv_map(S: SortedChunks, tdoc, tend, rank: int, n_local: int, R: int, off,
+           recv_first: bool = False) -> tuple[KVMap, np.ndarray]:
     """Server side of the KV exchange: the prefixes ``[0, max q_end)`` of the documents of my tasks
     (``tdoc``, ``tend``), as the pieces of the chunks that hold them, each at its row of
     ``cat([local, received])``: local pieces at their local rows, received ones in the owners'
-    send order (per owner, documents and positions ascending). Returns the map and the receive
-    split sizes."""
+    send order (per owner, documents and positions ascending). ``recv_first`` (sent-last plans): the
+    buffer is ``cat([received, local])`` instead, local rows after the received ones. Returns the map
+    and the receive split sizes."""
     docs, e = group_max(tdoc, tend, S.big)
     j0 = S.ptr[docs]
     cnt = np.searchsorted(S.key, docs * S.big + e, side="left") - j0
@@ -121,11 +123,13 @@ def kv_map(S: SortedChunks, tdoc, tend, rank: int, n_local: int, R: int, off) ->
     po = plen[o]
     cum = excl(po)
     cum[b:] -= n_own                                             # owners' blocks one after another
-    row[o[:a]], row[o[b:]] = n_local + cum[:a], n_local + cum[b:]
+    recv0, local0 = (0, int(counts.sum())) if recv_first else (n_local, 0)
+    row[o[:a]], row[o[b:]] = recv0 + cum[:a], recv0 + cum[b:]
     mine = o[a:b]
-    row[mine] = off(j[mine])
+    row[mine] = off(j[mine]) + local0
     mine = mine[np.argsort(row[mine], kind="stable")]
+    by_row = np.r_[o[:a], o[b:], mine] if recv_first else np.r_[mine, o[:a], o[b:]]
     kv_map = KVMap(docs=docs, e=e, base=excl(e), piece_doc=np.repeat(np.arange(docs.size), cnt),
-                   piece_lo=lo, piece_hi=hi, piece_row=row, by_row=np.r_[mine, o[:a], o[b:]],
+                   piece_lo=lo, piece_hi=hi, piece_row=row, by_row=by_row,
                    rows=Ranges(row, plen))
     return kv_map, counts

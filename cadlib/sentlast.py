@@ -20,8 +20,10 @@ servers, on a layout in which each rank holds
 Its server then computes local rows ``[0, n_keep)`` and every received row, which the dispatch
 reads in place (``q_keep``), the home side sends and gets back one slice, and the kept tasks of a
 document whose sent part was the END of the rank's piece read their KV prefix as the kept rows
-themselves, a prefix of the KV buffer. Documents whose START (or a middle shard) was sent, or whose
-prefix lies on another rank, still need a KV gather. The plan is marked ``meta["sent_last"]``, which
+themselves, a prefix of the KV buffer. A document whose prefix lies on another rank reads it in place
+when the server lays its buffers out received first (``Dispatch.recv_first``, chosen per server by
+:func:`cadlib.dispatch.build_dispatch`). Documents whose START (or a middle shard) was sent still need
+a KV gather. The plan is marked ``meta["sent_last"]``, which
 lets the dispatch take those prefixes in place (it does not on other plans, so that plans without
 the option run exactly as before).
 

@@ -31,7 +31,8 @@ import time
 
 import torch
 
-from .cad import AllToAll, _exchange, check_inputs, prepare, rows_cat, send_rows, server_rows, to_home
+from .cad import (AllToAll, _exchange, check_inputs, kv_rows_cat, local_part, prepare, recv_part, send_rows,
+                  server_rows, to_home)
 from .dispatch import DeviceDispatch
 from .kvshare import add_rows
 from .server import serve_backward_tasks, serve_forward
@@ -148,7 +149,7 @@ class _Send(torch.autograd.Function):
                                 m.kv_traffic)
             (q_recv,) = wait_q()
             k_recv, v_recv = wait_kv()
-            bufs = (server_rows(q, q_recv, m), rows_cat(k, k_recv), rows_cat(v, v_recv))
+            bufs = (server_rows(q, q_recv, m), kv_rows_cat(k, k_recv, m), kv_rows_cat(v, v_recv, m))
         streams.keep(bufs, streams.compute)
         ctx.dd, ctx.comm, ctx.streams, ctx.tl, ctx.name = dd, comm, streams, tl, name
         return bufs
@@ -159,9 +160,10 @@ class _Send(torch.autograd.Function):
         n = m.n_local
         streams.keep((dq_buf, dk_buf, dv_buf), streams.comm)
         with ctx.tl.span("comm", f"send' {ctx.name}"):
-            wait_q = _exchange(comm, [dq_buf[m.q_keep:]], None, m.q_recv_splits, m.q_send_splits, m.q_traffic)
-            wait_kv = _exchange(comm, [dk_buf[n:], dv_buf[n:]], None, m.kv_recv_splits, m.kv_send_splits,
-                                m.kv_traffic)
+            wait_q = _exchange(comm, [recv_part(dq_buf, m)], None, m.q_recv_splits, m.q_send_splits,
+                               m.q_traffic)
+            wait_kv = _exchange(comm, [recv_part(dk_buf, m, True), recv_part(dv_buf, m, True)], None,
+                                m.kv_recv_splits, m.kv_send_splits, m.kv_traffic)
             (rq,) = wait_q()
             rk, rv = wait_kv()
             # rows of this rank served elsewhere get their gradients added (on a copy: the buffer's
@@ -170,12 +172,14 @@ class _Send(torch.autograd.Function):
             if m.q_identity and m.q_keep < n:
                 dq = to_home(dq_buf, rq, dd)
             else:
-                dq = dq_buf[:n].clone().index_add_(0, dd.q_send_index, rq) if m.n_send_q else dq_buf[:n]
+                dq_l = local_part(dq_buf, m)
+                dq = dq_l.clone().index_add_(0, dd.q_send_index, rq) if m.n_send_q else dq_l
+            dk_l, dv_l = local_part(dk_buf, m, True), local_part(dv_buf, m, True)
             if m.n_send_kv:
-                dk = add_rows(dk_buf[:n].clone(), dd.kv_send_index, dd.kv_send_uniq, dd.kv_send_slot, rk)
-                dv = add_rows(dv_buf[:n].clone(), dd.kv_send_index, dd.kv_send_uniq, dd.kv_send_slot, rv)
+                dk = add_rows(dk_l.clone(), dd.kv_send_index, dd.kv_send_uniq, dd.kv_send_slot, rk)
+                dv = add_rows(dv_l.clone(), dd.kv_send_index, dd.kv_send_uniq, dd.kv_send_slot, rv)
             else:
-                dk, dv = dk_buf[:n], dv_buf[:n]
+                dk, dv = dk_l, dv_l
             grads = (dq, dk, dv)
         streams.keep(grads, streams.compute)
         return (*grads, None, None, None, None, None)
@@ -211,7 +215,7 @@ class _Return(torch.autograd.Function):
         streams.keep((out,), streams.comm)
         with streams.on_comm(), tl.span("comm", f"return {name}"):
             if m.q_identity:       # kept rows first, in order; received ones go back unpermuted
-                (back,) = _exchange(comm, [out[m.q_keep:]], None, m.q_recv_splits, m.q_send_splits,
+                (back,) = _exchange(comm, [recv_part(out, m)], None, m.q_recv_splits, m.q_send_splits,
                                     m.q_traffic)()
             else:
                 (back,) = _exchange(comm, [out], dd.ret_rows, m.q_recv_splits, m.q_send_splits, m.q_traffic)()

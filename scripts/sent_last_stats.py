@@ -11,12 +11,13 @@ layer, forward and backward) predicts the re-ordering saves per step: ``saving_m
 rank's measured attention minus the slowest rank's after subtracting each rank's predicted change
 (mean over batches), ``saving_slowest_ms`` the change on the rank that was slowest.
 
-Servers that still gather KV rows afterwards are counted by the first reason that applies: a kept
-task reads rows its rank sent away (a START or middle shard was sent: ``sent_start``), a kept task
-reads KV-only rows (ping-pong's nano-batch B reading A's rows, which are last in its buffer:
-``context``), a kept task reads KV from another rank (its document began elsewhere:
-``remote_prefix``), the server received
-tasks (``received``), a document in several segments (``split``), or ``other``. ``sent_tasks`` /
+A sent-last server lays its buffers out received first or local first, whichever gathers fewer rows
+(``Dispatch.recv_first``). Servers that still gather KV rows afterwards are counted by the first
+reason that applies: a kept task reads rows its rank sent away (a START or middle shard was sent:
+``sent_start``), a kept task reads KV-only rows (ping-pong's nano-batch B reading A's rows, which are
+last in its buffer: ``context``), a kept task reads KV from another rank (its document began
+elsewhere: ``remote_prefix``), the server received tasks (``received``), a document in several
+segments (``split``), or ``other``. ``sent_tasks`` /
 ``sent_start_tasks``: tasks sent away, and those a kept task of their home reads the KV of.
 
     python scripts/sent_last_stats.py                  # prints; --out FILE writes the rows as JSON

@@ -74,8 +74,12 @@ def check_plan(plan: Plan) -> None:
     recv_q = simulate_exchange(ds, ids, "q")
     out_rows = []
     for s, d in enumerate(ds):
-        qbuf = np.concatenate([ids[s], recv_q[s]])
-        kvbuf = np.concatenate([ids[s], recv_kv[s]])
+        # server buffers: received rows first on sent-last plans (Dispatch.recv_first)
+        qbuf = np.concatenate([recv_q[s], ids[s]] if d.recv_first else [ids[s], recv_q[s]])
+        kvbuf = np.concatenate([recv_kv[s], ids[s]] if d.recv_first else [ids[s], recv_kv[s]])
+        assert (qbuf.size, kvbuf.size) == (d.n_local + d.n_recv_q, d.n_local + d.n_recv_kv)
+        assert np.array_equal(qbuf[d.q_local_at:d.q_local_at + d.n_local], ids[s])
+        assert np.array_equal(kvbuf[d.kv_recv_at:d.kv_recv_at + d.n_recv_kv], recv_kv[s])
         tasks = [plan.tasks[i] for i in d.tasks]
         assert sorted(d.tasks) == [i for i, t in enumerate(plan.tasks) if t.server == s]
         assert np.array_equal(np.diff(d.cu_q), [t.n_q for t in tasks])
@@ -100,9 +104,9 @@ def check_plan(plan: Plan) -> None:
         acc = np.zeros(d.n_local + d.n_recv_kv, dtype=np.int64)
         np.add.at(acc, d.kv_rows, 1)
         grads.append(acc)
-    back = reverse(ds, [g[d.n_local:] for g, d in zip(grads, ds)], "kv")
+    back = reverse(ds, [g[d.kv_recv_at:d.kv_recv_at + d.n_recv_kv] for g, d in zip(grads, ds)], "kv")
     for r, d in enumerate(ds):
-        total = grads[r][:d.n_local].copy()
+        total = grads[r][d.kv_local_at:d.kv_local_at + d.n_local].copy()
         np.add.at(total, d.kv_send_index, back[r])
         expect = [sum(1 for t in plan.tasks if t.doc == x // BIG and x % BIG < t.q_end) for x in ids[r]]
         assert total.tolist() == expect

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cadlib.dispatch import build_all, build_dispatch
+from cadlib.dispatch import INDEX_NAMES, build_all, build_dispatch
 from cadlib.kvshare import build_shared, scatter_kv_grad
 from cadlib.nanosplit import schedule_nano
 from cadlib.packing import pack
@@ -41,7 +41,9 @@ def check_equivalent(plan: Plan):
         kept = int(np.sum((plan.q_end - plan.q_start)[(plan.home == r) & (plan.server == r)]))
         assert d.index["q_send_index"].is_arange(kept, d.n_send_q)
         if d.q_identity:
-            assert d.q_rows.tolist() == [*range(d.q_keep), *range(d.n_local, d.n_local + d.n_recv_q)]
+            n = d.n_recv_q + d.q_keep                       # cat([received, kept]) or cat([kept, received])
+            local_first = [*range(d.q_keep), *range(d.n_local, d.n_local + d.n_recv_q)]
+            assert d.q_rows.tolist() == (list(range(n)) if d.recv_first else local_first)
     return s
 
 
@@ -97,13 +99,32 @@ def test_donor_reads_query_rows_and_kept_kv_in_place():
 
 
 def test_receiver_keeps_lpt_when_buffer_order_splits_a_merge():
-    # rank 1 holds doc 0 [4, 8) and receives doc 0 [2, 4) from rank 0: in buffer order the shard lands
-    # after its own rows and would split one segment, so the call stays in LPT order (gathers)
+    # rank 1 holds doc 0 [4, 8) and receives doc 0 [2, 4) from rank 0: in the old layout (local rows
+    # first) the shard lands after its own rows and would split one segment, so the call stays in LPT
+    # order (gathers)
     layout = Layout([[(0, 0, 4)], [(0, 4, 8), (1, 0, 3)]], [8, 3])
     tasks = [CATask(0, 0, 2, 0, 0), CATask(0, 2, 4, 0, 1), CATask(0, 4, 8, 1, 1), CATask(1, 0, 3, 1, 1)]
+    d1 = build_dispatch(Plan(layout, tasks), 1)
+    assert not d1.q_identity and d1.shared().n_segments == 2
+    # sent-last servers put the received rows first: [doc 0 [2, 4) | doc 0 [4, 8), doc 1] is one
+    # segment after another, and the KV buffer [doc 0 [0, 4) | doc 0 [4, 8), doc 1] their prefixes
     d0, d1 = build_all(sent_last(Plan(layout, tasks)).plan)
     assert d0.q_identity and d0.gathered_rows() == (0, 0)
-    assert not d1.q_identity and d1.shared().n_segments == 2
+    assert d1.recv_first and d1.q_identity and d1.shared().n_segments == 2 and d1.gathered_rows() == (0, 0)
+
+
+def test_continued_document_reads_its_remote_prefix_in_place():
+    # sequential packing: doc 1 begins on rank 0 and continues on rank 1, whose first document it is;
+    # rank 0 also sends doc 0's end to rank 1. Rank 1's KV buffer, received first, is [doc 0 [0, 6) |
+    # doc 1 [0, 3) | doc 1 [3, 8), doc 2]: every segment reads its prefix in place
+    layout = Layout([[(0, 0, 6), (1, 0, 3)], [(1, 3, 8), (2, 0, 5)]], [6, 8, 5])
+    tasks = [CATask(0, 0, 4, 0, 0), CATask(0, 4, 6, 0, 1), CATask(1, 0, 3, 0, 0), CATask(1, 3, 8, 1, 1),
+             CATask(2, 0, 5, 1, 1)]
+    before = build_dispatch(Plan(layout, tasks), 1)
+    assert before.gathered_rows()[1] == 6 + 8 + 5
+    d0, d1 = build_all(sent_last(Plan(layout, tasks)).plan)
+    assert d1.recv_first and d1.n_recv_kv == 6 + 3 and d1.kv_recv_at == 0 and d1.kv_local_at == 9
+    assert d1.gathered_rows() == (0, 0) and d1.shared().n_kv == 6 + 3 + 10
 
 
 def test_kv_prefix_gradient_pads_the_rest_with_zeros():
@@ -158,3 +179,43 @@ def test_partly_covered_chunk_is_an_error():
     plan = Plan.from_arrays(layout, [0, 1], [0, 0], [4, 2], [0, 1], [1, 1])
     with pytest.raises(ValueError, match="covered by tasks in part"):
         sent_last(plan)
+
+
+def test_plans_without_the_mark_keep_their_dispatch():
+    # the continued-document plan above, unmarked: every map as the local-first code built it (values
+    # recorded from the dispatch before received-first buffers existed)
+    layout = Layout([[(0, 0, 6), (1, 0, 3)], [(1, 3, 8), (2, 0, 5)]], [6, 8, 5])
+    tasks = [CATask(0, 0, 4, 0, 0), CATask(0, 4, 6, 0, 1), CATask(1, 0, 3, 0, 0), CATask(1, 3, 8, 1, 1),
+             CATask(2, 0, 5, 1, 1)]
+    r = list(range(19))
+    want = [
+        {"q_send_index": [4, 5], "kv_send_index": r[:9], "q_rows": [0, 1, 2, 3, 6, 7, 8],
+         "kv_rows": [0, 1, 2, 3, 6, 7, 8], "ret_rows": [], "self_rows": r[:7],
+         "self_local": [0, 1, 2, 3, 6, 7, 8], "kv_send_uniq": r[:9], "kv_send_slot": r[:9],
+         "shared": [0, 1, 2, 3, 6, 7, 8], "q_identity": False,
+         "q_keep": 9, "kv_identity": False, "tasks": [0, 2], "cu_q": [0, 4, 7], "cu_k": [0, 4, 7]},
+        {"q_send_index": [], "kv_send_index": [], "q_rows": r[:12], "kv_rows": [16, 17, 18, *r[:16]],
+         "ret_rows": [10, 11], "self_rows": r[:10], "self_local": r[:10], "kv_send_uniq": [],
+         "kv_send_slot": [],
+         "shared": [16, 17, 18, *r[:16]], "q_identity": True, "q_keep": 10, "kv_identity": False,
+         "tasks": [3, 4, 1], "cu_q": [0, 5, 10, 12], "cu_k": [0, 8, 13, 19]}]
+    for d, w in zip(build_all(Plan(layout, tasks)), want):
+        sh = d.shared()
+        got = {n: getattr(d, n).tolist() for n in w if n in INDEX_NAMES or n == "cu_q"}
+        assert len(got) == len(INDEX_NAMES) + 1
+        assert got == {n: w[n] for n in got}
+        assert sh.kv_rows.tolist() == w["shared"] and sh.cu_k.tolist() == w["cu_k"]
+        assert (d.q_identity, d.q_keep, sh.kv_identity, d.tasks) == (w["q_identity"], w["q_keep"],
+                                                                    w["kv_identity"], w["tasks"])
+        assert not d.recv_first and not d.prefix
+        assert (d.q_local_at, d.q_recv_at, d.kv_local_at, d.kv_recv_at) == (0, d.q_keep, 0, d.n_local)
+
+
+def test_server_keeps_local_first_when_received_rows_continue_its_document():
+    # rank 1 sends all of doc 0 [4, 8), the continuation of rank 0's doc 0 [0, 4): rank 0 reads
+    # [doc 0 [0, 4) | received [4, 8)] in place only local first, so its server keeps that layout
+    layout = Layout([[(0, 0, 4)], [(0, 4, 8), (1, 0, 3)]], [8, 3])
+    tasks = [CATask(0, 0, 4, 0, 0), CATask(0, 4, 8, 1, 0), CATask(1, 0, 3, 1, 1)]
+    d0, d1 = build_all(sent_last(Plan(layout, tasks)).plan)
+    assert not d0.recv_first and d0.q_identity and d0.gathered_rows() == (0, 0)
+    assert d1.gathered_rows() == (0, 0)
