@@ -124,7 +124,7 @@ def server_rows(local: torch.Tensor, recv: torch.Tensor, m: Dispatch) -> torch.T
     """A server's per-query buffer ``cat([local[:q_keep], recv])`` (``q_keep = n_local`` unless the
     server reads a sent-last prefix in place, :class:`cadlib.dispatch.Dispatch`); on a sent-last plan
     received first, ``cat([recv, local[:q_keep]])``."""
-    return rows_cat(local if m.q_keep == local.shape[0] else local[:m.q_keep], recv, m.recv_first)
+    return rows_cat(local[:m.q_keep], recv, m.recv_first)
 
 
 def kv_rows_cat(local: torch.Tensor, recv: torch.Tensor, m: Dispatch) -> torch.Tensor:

@@ -105,12 +105,13 @@ def build_dispatch(plan: Plan, rank: int) -> Dispatch:
     document that began on another rank then reads [its received prefix | its local rows] in place,
     while received shards that CONTINUE a local document read in place only local first. Each server
     takes the layout that gathers fewer rows (received first on a tie); the choice is its own (the
-    exchanges' send orders do not depend on it), at twice the host work of one build."""
+    exchanges' send orders do not depend on it), at twice the host work of one build where the server
+    gathers and receives (with nothing received the two layouts are one)."""
     if not plan.meta.get("sent_last"):
         return _build_dispatch(plan, rank, False)
     first = _build_dispatch(plan, rank, True)
-    if not sum(first.gathered_rows()):
-        return first
+    if not sum(first.gathered_rows()) or not (first.n_recv_q or first.n_recv_kv):
+        return first                      # in place already, or nothing received: one layout
     local = _build_dispatch(plan, rank, False)
     return local if sum(local.gathered_rows()) < sum(first.gathered_rows()) else first
 
