@@ -46,10 +46,14 @@ class AllToAll:
     exchanges can be in flight at once; ``wait()`` only orders streams (NCCL) and never syncs the host
     with the device."""
 
+    fills = False           # True: the receiver makes up its rows from ``source`` (signal-only control)
+
     def __init__(self, group):
         self.group = group
 
-    def start(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int]):
+    def start(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int], source=None):
+        """``source``: the local tensors ``send`` was packed from (unused here; see
+        :class:`cadlib.stages.SignalOnly`)."""
         recv = send.new_empty((int(sum(recv_splits)), *send.shape[1:]))
         work = dist.all_to_all_single(recv, send.contiguous(), list(recv_splits), list(send_splits),
                                       group=self.group, async_op=True)
@@ -92,15 +96,16 @@ def unpack_rows(buf: torch.Tensor, likes: list[torch.Tensor]) -> list[torch.Tens
     return out
 
 
-def _exchange(comm, parts, index, send_splits, recv_splits, active):
+def _exchange(comm, parts, index, send_splits, recv_splits, active, source=None):
     """Start sending ``[p[index] for p in parts]`` (packed; ``index=None``: the parts as they are);
     returns a waiter giving the unpacked received parts. When no rank moves anything, returns empty
-    parts without a collective."""
+    parts without a collective. ``source``: whole local tensors the parts come from (default the parts),
+    of which the signal-only control fills what it receives."""
     likes = [p[:0] for p in parts]
     if not active:
         return lambda: [p.new_empty((0, *p.shape[1:])) for p in parts]
     send = parts if index is None else [p.index_select(0, index) for p in parts]
-    pending = comm.start(pack_rows(send), send_splits, recv_splits)
+    pending = comm.start(pack_rows(send), send_splits, recv_splits, source=source or parts)
     return lambda: unpack_rows(pending.wait(), likes)
 
 
@@ -152,7 +157,8 @@ def send_rows(comm, parts, dd: DeviceDispatch):
     m = dd.meta
     if m.q_identity:
         lo, hi = m.q_keep, m.q_keep + m.n_send_q
-        return _exchange(comm, [p[lo:hi] for p in parts], None, m.q_send_splits, m.q_recv_splits, m.q_traffic)
+        return _exchange(comm, [p[lo:hi] for p in parts], None, m.q_send_splits, m.q_recv_splits, m.q_traffic,
+                         source=parts)
     return _exchange(comm, parts, dd.q_send_index, m.q_send_splits, m.q_recv_splits, m.q_traffic)
 
 
@@ -181,7 +187,7 @@ def _return_rows(comm, rows, dd: DeviceDispatch):
     m = dd.meta
     if m.q_identity:
         back = _exchange(comm, [recv_part(r, m) for r in rows], None, m.q_recv_splits, m.q_send_splits,
-                         m.q_traffic)()
+                         m.q_traffic, source=rows)()
     else:
         back = _exchange(comm, rows, dd.ret_rows, m.q_recv_splits, m.q_send_splits, m.q_traffic)()
     return [to_home(r, b, dd) for r, b in zip(rows, back)]
@@ -226,7 +232,8 @@ class CADAttention(torch.autograd.Function):
                                               ctx.attn_backend, ctx.kv_share)
         # dK/dV of received KV rows go back to their owners (reversed KV exchange, input dtype)
         back_kv = [recv_part(dk_buf, m, True).to(k.dtype), recv_part(dv_buf, m, True).to(v.dtype)]
-        wait_dkv = _exchange(comm, back_kv, None, m.kv_recv_splits, m.kv_send_splits, m.kv_traffic)
+        wait_dkv = _exchange(comm, back_kv, None, m.kv_recv_splits, m.kv_send_splits, m.kv_traffic,
+                             source=[dk_buf.to(k.dtype), dv_buf.to(v.dtype)] if comm.fills else None)
         (dq,) = _return_rows(comm, [dq_s], dd)
         dk, dv = local_part(dk_buf, m, True).to(k.dtype), local_part(dv_buf, m, True).to(v.dtype)
         rk, rv = wait_dkv()

@@ -109,3 +109,21 @@ def test_methods_agree_on_loss_and_gradients(world, sent_last, tmp_path):
     donors = [s for res in df.attrs["results"] for r in res["records"] if r["method"] in methods[-2:]
               for s in r["sent_gathered_rows"] if s[0] > 0]
     assert donors and all((s[1] == 0) == sent_last for s in donors), donors
+
+
+def test_signal_only_receives_real_values_not_zeros():
+    """The control's received rows are the receiver's own rows, cycled and packed as the sender packs:
+    on zeros a GPU's attention runs ~16% faster (scripts/probe_input_values.py)."""
+    from cadlib.cad import pack_rows, unpack_rows
+    from cadlib.stages import received_like
+    k = torch.randn(5, 2, 4)
+    lse = torch.randn(5, 3)                        # another dtype width, packed beside k as bytes
+    send = pack_rows([k[:2], lse[:2]])
+    got_k, got_lse = unpack_rows(received_like(send, 7, [k, lse]), [k, lse])
+    idx = torch.arange(7) % 5
+    assert torch.equal(got_k, k[idx]) and torch.equal(got_lse, lse[idx])
+    assert received_like(send, 0, [k, lse]).shape == (0, send.shape[1])
+    empty = received_like(send, 3, [k[:0], lse[:0]])          # no local row at all: zeros
+    assert empty.shape == (3, send.shape[1]) and not empty.any()
+    with pytest.raises(ValueError, match="source must pack like send"):
+        received_like(send, 3, [k])
