@@ -129,9 +129,12 @@ def summarise(results: list[dict], config: dict, world: int) -> dict:
 def collect(results: list[dict], world: int) -> dict:
     """The rank results of one ``cadlib.train`` run (``run_torchrun(...).attrs["results"]``) in the
     shape of a committed ``bench_e2e_*.json``'s ``results``: :func:`summarise`, plus ``timelines``
-    (``{"rank<k>": {method: rows}}``), ``records``, ``model`` and ``device_name``."""
+    (``{"rank<k>": {method: rows}}``), ``timelines_batches`` (``{"rank<k>": {method: {batch: rows}}}``, when
+    ``--timeline-batches`` kept any), ``records``, ``model`` and ``device_name``."""
     out = summarise(results, dict(results[0]["config"]), world)
     out["timelines"] = {f"rank{r['rank']}": r["timelines"] for r in results}
+    if any(r.get("timelines_batches") for r in results):
+        out["timelines_batches"] = {f"rank{r['rank']}": r.get("timelines_batches", {}) for r in results}
     out["records"] = [rec for r in results for rec in r["records"]]
     out["model"], out["device_name"] = results[0]["model"], results[0]["device_name"]
     return out

@@ -25,8 +25,8 @@ A step: forward and backward of all ranks' tokens (loss = sum of token cross-ent
 of predicted tokens of the whole batch, so every method computes the same loss and gradient), the
 data-parallel gradient all-reduce, AdamW. Per step and rank a record holds the step time and where it
 went (linear, attention, communication and how much of it was exposed, the all-reduce wait, the LM
-head), peak memory and the loss; with ``--timeline`` the spans of the last step. Warm-up steps run
-the first batches and are not recorded.
+head), peak memory and the loss; the spans of the last step (``--timeline``: of every step), and those
+of the batches ``--timeline-batches`` names. Warm-up steps run the first batches and are not recorded.
 """
 from __future__ import annotations
 
@@ -242,6 +242,9 @@ def parse_args(argv=None):
                         "with the colocated plan")
     p.add_argument("--timeline", action="store_true",
                    help="keep the spans of every recorded step (else of the last one)")
+    p.add_argument("--timeline-batches", default="none",
+                   help="also keep the spans of these batches: comma-separated indices, 'auto' (the two "
+                        "with the most imbalanced colocated attention) or 'none'")
     p.add_argument("--dump-grads", default=None, help="folder: rank 0 saves the first step's gradients")
     p.add_argument("--sent-last", action="store_true",
                    help="cad, cad-pingpong, signal-only: each rank's rows sent to other servers last in its "
@@ -268,7 +271,24 @@ def parse_args(argv=None):
         p.error(f"--tolerance (the scheduler's epsilon) must be a number >= 0, got {args.tolerance}")
     if not args.lr > 0:
         p.error(f"--lr must be > 0, got {args.lr}")
+    tb = args.timeline_batches
+    if tb not in ("none", "auto") and not all(x.strip().isdigit() for x in tb.split(",")):
+        p.error(f"--timeline-batches must be 'none', 'auto' or comma-separated batch indices, got {tb!r}")
     return args
+
+
+def timeline_batches(args, world: int) -> set[int]:
+    """The batches whose spans ``--timeline-batches`` keeps; ``auto``: the two whose colocated attention
+    is the most imbalanced (the stragglers worth looking at)."""
+    tb = args.timeline_batches
+    if tb == "none":
+        return set()
+    if tb != "auto":
+        return {int(x) for x in tb.split(",")}
+    imb = {b: scheduler.colocated(pack(batch_docs(args, b, world), world, args.tokens_per_rank,
+                                       method="sequential", model=args.model)).imbalance()
+           for b in range(args.steps)}
+    return set(sorted(imb, key=lambda b: -imb[b])[:2])
 
 
 def main(argv=None) -> int:
@@ -281,7 +301,8 @@ def main(argv=None) -> int:
     init = {k: v.detach().clone() for k, v in model.state_dict().items()}
     streams = Streams(env.device)
     cuda = env.device.type == "cuda"
-    records, timelines = [], {}
+    records, timelines, by_batch = [], {}, {}
+    keep = timeline_batches(args, env.world)
     n_total = len(args.methods) * (args.warmup + args.steps)
     done = 0
     for method in args.methods:
@@ -329,6 +350,8 @@ def main(argv=None) -> int:
                 timelines.setdefault(method, []).append(rows)      # every recorded step
             elif i == args.warmup + args.steps - 1:
                 timelines[method] = rows                           # the last step only
+            if b in keep:
+                by_batch.setdefault(method, {})[str(b)] = rows
             if env.rank == 0:
                 log(f"{method:>12} batch {b}: loss {rec['loss']:.5f} step {rec['step_ms']:.1f} ms "
                     f"(attn {rec['attention_ms']:.1f}, comm {rec['comm_ms']:.1f} exposed "
@@ -336,6 +359,7 @@ def main(argv=None) -> int:
     write_result({"rank": env.rank, "world": env.world, "device": str(env.device),
                   "device_name": torch.cuda.get_device_name(env.device) if cuda else "cpu",
                   "torch": torch.__version__, "records": records, "timelines": timelines,
+                  "timelines_batches": by_batch,
                   "config": {k: v for k, v in vars(args).items() if k != "spec"},
                   "model": {"name": args.spec.name, "layers": len(model.layers),
                             "params": sum(p.numel() for p in model.parameters())}})

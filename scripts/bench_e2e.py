@@ -44,6 +44,8 @@ def run_setting(args, tokens: int, dist: str, link: str) -> dict:
         train_args += ["--mlp-recompute"]
     if args.sent_last:
         train_args += ["--sent-last"]
+    if args.timeline_batches != "none":
+        train_args += ["--timeline-batches", args.timeline_batches]
     if args.attn_backend:
         train_args += ["--attn-backend", args.attn_backend]
     ctas = e2e.DEFAULT_COMM_CTAS.get(link) if args.comm_ctas is None else args.comm_ctas
@@ -54,11 +56,7 @@ def run_setting(args, tokens: int, dist: str, link: str) -> dict:
                              pg_backend=args.pg_backend, env=env, echo=False, progress=not args.quiet)
     results = list(df.attrs["results"])
     config = dict(results[0]["config"])
-    out = e2e.summarise(results, config, args.nproc)
-    out["timelines"] = {f"rank{r['rank']}": r["timelines"] for r in results}
-    out["records"] = [rec for r in results for rec in r["records"]]
-    out["model"] = results[0]["model"]
-    out["device_name"] = results[0]["device_name"]
+    out = e2e.collect(results, args.nproc)
     nccl = {k: v for k, v in sorted({**os.environ, **env}.items()) if k.startswith("NCCL_")}
     return {"config": {**config, "link": link, "nproc": args.nproc, "nccl_env": nccl}, **out}
 
@@ -88,6 +86,9 @@ def main(argv=None) -> int:
     ap.add_argument("--sent-last", action="store_true",
                     help="python -m cadlib.train --sent-last: CAD's rows sent to other servers last in each "
                          "rank's token order (cadlib.sentlast; appends _sentlast to each file name)")
+    ap.add_argument("--timeline-batches", default="auto",
+                    help="batches whose spans are kept besides the last step's: 'auto' (the two most "
+                         "imbalanced under colocated), indices, or 'none'")
     ap.add_argument("--attn-backend", default=None)
     ap.add_argument("--pg-backend", default="auto")
     ap.add_argument("--comm-ctas", type=int, default=None,

@@ -68,10 +68,22 @@ def test_train_rejects_bad_flags(capsys):
                            (["--dist", "prolog"], "unknown distribution 'prolog'"),
                            (["--tolerance", "-0.1"], "--tolerance"),
                            (["--steps", "0"], "--steps must be >= 1"),
-                           (["--comm-ctas", "0"], "--comm-ctas must be >= 1")):
+                           (["--comm-ctas", "0"], "--comm-ctas must be >= 1"),
+                           (["--timeline-batches", "worst"], "--timeline-batches must be")):
         with pytest.raises(SystemExit):
             train.parse_args(argv)
         assert fragment in capsys.readouterr().err
+
+
+def test_timeline_batches_auto_picks_the_two_worst_stragglers():
+    from cadlib import train
+    args = train.parse_args(["--tokens-per-rank", "4096", "--steps", "6", "--timeline-batches", "auto"])
+    picked = train.timeline_batches(args, 2)
+    imb = {b: scheduler.colocated(train.pack(train.batch_docs(args, b, 2), 2, 4096, method="sequential",
+                                             model=args.model)).imbalance() for b in range(6)}
+    assert len(picked) == 2 and min(imb[b] for b in picked) >= max(imb[b] for b in set(imb) - picked)
+    assert train.timeline_batches(train.parse_args(["--timeline-batches", "3,1"]), 2) == {1, 3}
+    assert train.timeline_batches(train.parse_args([]), 2) == set()
 
 
 @pytest.mark.multiproc
