@@ -109,14 +109,17 @@ def build_dispatch(plan: Plan, rank: int) -> Dispatch:
     gathers and receives (with nothing received the two layouts are one)."""
     if not plan.meta.get("sent_last"):
         return _build_dispatch(plan, rank, False)
-    first = _build_dispatch(plan, rank, True)
+    sends: dict = {}                      # the send side, the same for both layouts: built once
+    first = _build_dispatch(plan, rank, True, sends)
     if not sum(first.gathered_rows()) or not (first.n_recv_q or first.n_recv_kv):
         return first                      # in place already, or nothing received: one layout
-    local = _build_dispatch(plan, rank, False)
+    local = _build_dispatch(plan, rank, False, sends)
     return local if sum(local.gathered_rows()) < sum(first.gathered_rows()) else first
 
 
-def _build_dispatch(plan: Plan, rank: int, recv_first: bool) -> Dispatch:
+def _build_dispatch(plan: Plan, rank: int, recv_first: bool, sends: dict | None = None) -> Dispatch:
+    """One layout's dispatch; ``sends`` (a dict, empty on the first of two builds of one plan and rank)
+    keeps the owner side of the KV exchange and the traffic flags, which the layout does not change."""
     layout = plan.layout
     R = layout.n_ranks
     if plan.n_servers != R:
@@ -134,7 +137,10 @@ def _build_dispatch(plan: Plan, rank: int, recv_first: bool) -> Dispatch:
         """Local rows of my chunks ``j`` (indices into ``S``)."""
         return offsets[S.order[j] - first_row]
 
-    q_traffic, kv_traffic = _traffic(plan, S)
+    sends = {} if sends is None else sends
+    if "traffic" not in sends:
+        sends["traffic"] = _traffic(plan, S)
+    q_traffic, kv_traffic = sends["traffic"]
     doc, a, b, home, server = plan.doc, plan.q_start, plan.q_end, plan.home, plan.server
     n_q = b - a
     index = {}
@@ -204,8 +210,9 @@ def _build_dispatch(plan: Plan, rank: int, recv_first: bool) -> Dispatch:
     index["q_rows"] = q_rows
 
     # -- KV exchange: owner side (what I send) and server side (where what I need lands) -------------
-    index["kv_send_index"], index["kv_send_uniq"], index["kv_send_slot"], kv_send_splits = \
-        kv_send(plan, S, rank, off)
+    if "kv" not in sends:
+        sends["kv"] = kv_send(plan, S, rank, off)
+    index["kv_send_index"], index["kv_send_uniq"], index["kv_send_slot"], kv_send_splits = sends["kv"]
     kvm, kv_recv_splits = kv_map(S, doc[served], b[served], rank, n_local, R, off, recv_first=recv_first)
     index["kv_rows"] = Gather(kvm.rows, Ranges(kvm.base[np.searchsorted(kvm.docs, doc[served])], b[served]))
 
