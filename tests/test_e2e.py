@@ -107,3 +107,16 @@ def test_layer_window_clips_one_layer_and_starts_at_zero():
     assert e2e.stage_sequence(wb, "backward") == list(e2e.PINGPONG_STAGES[::-1])
     with pytest.raises(ValueError, match="layer must be in"):
         e2e.layer_window(rows, 3)
+
+
+def test_exposed_by_stage_names_where_communication_waited():
+    def span(lane, phase, a, b):
+        return {"lane": lane, "phase": phase, "start_ms": a, "end_ms": b}
+    rows = [span("comm", "send A", 0, 4), span("compute", "linear B", 2, 10),      # 2 ms exposed
+            span("comm", "send B", 9, 15), span("compute", "attn A", 10, 12),      # 9-15 vs 9-12: 3 exposed
+            span("comm", "send B", 20, 21), span("step", "forward", 0, 30)]        # 1 more
+    df = e2e.exposed_by_stage(rows)
+    assert df.phase.tolist() == ["send B", "send A"]
+    assert df.set_index("phase").loc["send B"].tolist() == [2, 7.0, 4.0]
+    assert df.set_index("phase").loc["send A", "exposed_ms"] == 2.0
+    assert e2e.exposed_by_stage([span("compute", "attn", 0, 1)]).empty
