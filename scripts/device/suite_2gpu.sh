@@ -20,7 +20,8 @@
 # FlexAttention's cells that the kernels stage's time budget left out, on GPU 1, ~3 min); e2e:DIST:TOKENS
 # (one NVLink setting, e.g. e2e:prolong:131072); verify (cadlib.verify, bf16, 2 GPUs, ~1 min); probe
 # (scripts/probe_comm_overlap.py on both links, ~2 min); sdpaeff (SDPA's memory-efficient backend on the
-# cells the kernels stage's budget left out, one half per GPU, ~3.5 min). E2E_ARGS adds flags to every
+# cells the kernels stage's budget left out, one half per GPU, ~3.5 min); replay (scripts/bench_server_replay.py,
+# the three settings of results/server_replay_2x_*.json over both GPUs, ~2 min). E2E_ARGS adds flags to every
 # e2e run (e.g. "--sent-last") and E2E_TAG its file-name tag (bench_e2e adds _sentlast itself); VERIFY_ARGS
 # adds flags to the verify stage; after the probe
 # stage, each e2e run also takes the CTA limit it recommended for its link ($OUT/e2e_args_<link>).
@@ -122,6 +123,17 @@ st_report() {
   tar czf "$OUT/report_$PROF.tgz" results/reports/$PROF $(ls -dt runs/*-$PROF 2>/dev/null | head -1) 2>/dev/null
 }
 st_uniform128() { e2e uniform 131072 330; }
+st_replay() {   # each rank's attention-server work of the e2e plans, replayed on one GPU (~1 min a setting)
+  stage "replay start"
+  local a="--backend fa4"; [ "$SMOKE" = 1 ] && a="--smoke"
+  CUDA_VISIBLE_DEVICES=0 timeout -k 10 200 $PY scripts/bench_server_replay.py --dist pretrain --tokens 65536 $a \
+    --out "$OUT/server_replay_2x_pretrain_64k.json" > "$OUT/replay0.log" 2>&1 &
+  { CUDA_VISIBLE_DEVICES=1 timeout -k 10 200 $PY scripts/bench_server_replay.py --dist prolong --tokens 131072 $a \
+      --out "$OUT/server_replay_2x_prolong_128k.json"
+    CUDA_VISIBLE_DEVICES=1 timeout -k 10 200 $PY scripts/bench_server_replay.py --dist pretrain --tokens 131072 $a \
+      --out "$OUT/server_replay_2x_pretrain_128k.json"; } > "$OUT/replay1.log" 2>&1 &
+  wait; stage "replay done"
+}
 tolerance() {  # tokens...: a tighter tolerance on 2 GPUs: the residual imbalance vs the bytes it moves
   for t in "$@"; do
     stage "e2e pretrain $t eps 0.02 start"
