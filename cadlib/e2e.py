@@ -178,12 +178,17 @@ overlap. ``"whole"`` (whole documents in each) was the default before; files tha
 used it."""
 
 
+DEFAULT_SENT_LAST = False
+"""Whether scripts/bench_e2e.py lays CAD's tokens out sent-last (``python -m cadlib.train
+--sent-last``, :mod:`cadlib.sentlast`); a file whose run differs is named and labelled so."""
+
+
 def setting_label(config: dict) -> str:
     """``pretrain 64K nvlink x2`` (``... eps 0.02`` when the scheduler's tolerance is not
     ``DEFAULT_TOLERANCE``, ``... whole docs`` when ping-pong's nano-batches kept documents whole,
     not ``DEFAULT_NANO_SPLIT``, ``... 4 CTAs`` or ``... NCCL's CTAs`` when CAD's all-to-alls ran on
-    other NCCL thread blocks than the link's ``DEFAULT_COMM_CTAS``): what a committed result file
-    measured."""
+    other NCCL thread blocks than the link's ``DEFAULT_COMM_CTAS``, ``... sent-last`` or ``... no
+    sent-last`` against ``DEFAULT_SENT_LAST``): what a committed result file measured."""
     link = f" {config['link']}" if config.get("link") else ""
     tol = config.get("tolerance", DEFAULT_TOLERANCE)
     eps = f" eps {tol:g}" if tol != DEFAULT_TOLERANCE else ""
@@ -192,6 +197,8 @@ def setting_label(config: dict) -> str:
     ctas, default = config.get("comm_ctas"), DEFAULT_COMM_CTAS.get(config.get("link"))
     if ctas != default and (ctas or config.get("link") in DEFAULT_COMM_CTAS):
         eps += f" {ctas} CTAs" if ctas else " NCCL's CTAs"
+    if bool(config.get("sent_last", False)) != DEFAULT_SENT_LAST:
+        eps += " sent-last" if config.get("sent_last") else " no sent-last"
     return f"{config['dist']} {config['tokens_per_rank'] // 1024}K{link} x{config.get('nproc', '?')}{eps}"
 
 

@@ -83,9 +83,10 @@ def main(argv=None) -> int:
                     help="cad-pingpong's nano-batches: documents cut between them (docs, the default) or "
                          "whole documents ('whole' appends _wholedocs to each file name)")
     ap.add_argument("--mlp-recompute", action="store_true", default=True)
-    ap.add_argument("--sent-last", action="store_true",
+    ap.add_argument("--sent-last", action=argparse.BooleanOptionalAction, default=e2e.DEFAULT_SENT_LAST,
                     help="python -m cadlib.train --sent-last: CAD's rows sent to other servers last in each "
-                         "rank's token order (cadlib.sentlast; appends _sentlast to each file name)")
+                         "rank's token order (cadlib.sentlast; a run other than e2e.DEFAULT_SENT_LAST "
+                         "appends _sentlast or _nosentlast to each file name)")
     ap.add_argument("--timeline-batches", default="auto",
                     help="batches whose spans are kept besides the last step's: 'auto' (the two most "
                          "imbalanced under colocated), indices, or 'none'")
@@ -119,7 +120,8 @@ def main(argv=None) -> int:
             for tokens in (int(t) for t in args.tokens.split(",")):
                 tag = "smoke_" if args.smoke else ""
                 cut = "" if args.nano_split == e2e.DEFAULT_NANO_SPLIT else f"_{args.nano_split}docs"
-                cut += "_sentlast" if args.sent_last else ""
+                if args.sent_last != e2e.DEFAULT_SENT_LAST:
+                    cut += "_sentlast" if args.sent_last else "_nosentlast"
                 name = f"bench_e2e_{tag}{args.nproc}x_{dist}_{tokens // 1024}k_{link}{cut}{args.tag}"
                 try:
                     res = run_setting(args, tokens, dist, link)

@@ -120,3 +120,15 @@ def test_exposed_by_stage_names_where_communication_waited():
     assert df.set_index("phase").loc["send B"].tolist() == [2, 7.0, 4.0]
     assert df.set_index("phase").loc["send A", "exposed_ms"] == 2.0
     assert e2e.exposed_by_stage([span("compute", "attn", 0, 1)]).empty
+
+
+def test_setting_label_names_what_differs_from_the_defaults():
+    cfg = {"dist": "pretrain", "tokens_per_rank": 65536, "link": "nvlink", "nproc": 2,
+           "tolerance": e2e.DEFAULT_TOLERANCE, "nano_split": e2e.DEFAULT_NANO_SPLIT,
+           "comm_ctas": e2e.DEFAULT_COMM_CTAS["nvlink"], "sent_last": e2e.DEFAULT_SENT_LAST}
+    assert e2e.setting_label(cfg) == "pretrain 64K nvlink x2"
+    other = "no sent-last" if e2e.DEFAULT_SENT_LAST else "sent-last"
+    label = e2e.setting_label({**cfg, "sent_last": not e2e.DEFAULT_SENT_LAST})
+    assert label == f"pretrain 64K nvlink x2 {other}"
+    assert e2e.setting_label({**cfg, "tolerance": 0.05, "comm_ctas": None}) == \
+        "pretrain 64K nvlink x2 eps 0.05 NCCL's CTAs"
