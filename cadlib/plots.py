@@ -9,7 +9,10 @@ import numpy as np
 from .plan import Plan
 
 PALETTE = ["#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#EECA3B", "#B279A2", "#FF9DA6",
-           "#9D755D", "#BAB0AC"]
+           "#9D755D", "#BAB0AC",
+           # beyond ten series (a ping-pong timeline has 11 stages): ColorBrewer Dark2, cyan, olive
+           "#1B9E77", "#D95F02", "#7570B3", "#E7298A", "#66A61E", "#E6AB02", "#A6761D", "#666666",
+           "#17BECF", "#BCBD22"]
 
 
 def _go():
