@@ -30,6 +30,7 @@ tensors go to the device once per plan; nothing in the comm path reads a device 
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -46,14 +47,12 @@ class AllToAll:
     exchanges can be in flight at once; ``wait()`` only orders streams (NCCL) and never syncs the host
     with the device."""
 
-    fills = False           # True: the receiver makes up its rows from ``source`` (signal-only control)
-
     def __init__(self, group):
         self.group = group
 
-    def start(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int], source=None):
-        """``source``: the local tensors ``send`` was packed from (unused here; see
-        :class:`cadlib.stages.SignalOnly`)."""
+    def start(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int], fill=None):
+        """``fill(n)``: ``n`` rows packed like ``send``'s made from local rows (unused here; the
+        signal-only control, :class:`cadlib.stages.SignalOnly`, receives them instead)."""
         recv = send.new_empty((int(sum(recv_splits)), *send.shape[1:]))
         work = dist.all_to_all_single(recv, send.contiguous(), list(recv_splits), list(send_splits),
                                       group=self.group, async_op=True)
@@ -100,13 +99,25 @@ def _exchange(comm, parts, index, send_splits, recv_splits, active, source=None)
     """Start sending ``[p[index] for p in parts]`` (packed; ``index=None``: the parts as they are);
     returns a waiter giving the unpacked received parts. When no rank moves anything, returns empty
     parts without a collective. ``source``: whole local tensors the parts come from (default the parts),
-    of which the signal-only control fills what it receives."""
+    whose rows the signal-only control receives instead (:func:`cycled_rows`)."""
     likes = [p[:0] for p in parts]
     if not active:
         return lambda: [p.new_empty((0, *p.shape[1:])) for p in parts]
     send = parts if index is None else [p.index_select(0, index) for p in parts]
-    pending = comm.start(pack_rows(send), send_splits, recv_splits, source=source or parts)
+    pending = comm.start(pack_rows(send), send_splits, recv_splits,
+                         fill=functools.partial(cycled_rows, source or parts, likes))
     return lambda: unpack_rows(pending.wait(), likes)
+
+
+def cycled_rows(source: list[torch.Tensor], likes: list[torch.Tensor], n: int) -> torch.Tensor | None:
+    """``n`` rows packed as :func:`pack_rows` packs ``likes``-shaped parts: rows of ``source`` (whole
+    local tensors, one per part) taken cyclically, each cast to its part's dtype; None when ``source``
+    has no row."""
+    rows = source[0].shape[0] if source else 0
+    if not rows:
+        return None
+    idx = torch.arange(n, device=source[0].device) % rows
+    return pack_rows([s.index_select(0, idx).to(like.dtype) for s, like in zip(source, likes)])
 
 
 def rows_cat(local: torch.Tensor, recv: torch.Tensor, recv_first: bool = False) -> torch.Tensor:
@@ -233,7 +244,7 @@ class CADAttention(torch.autograd.Function):
         # dK/dV of received KV rows go back to their owners (reversed KV exchange, input dtype)
         back_kv = [recv_part(dk_buf, m, True).to(k.dtype), recv_part(dv_buf, m, True).to(v.dtype)]
         wait_dkv = _exchange(comm, back_kv, None, m.kv_recv_splits, m.kv_send_splits, m.kv_traffic,
-                             source=[dk_buf.to(k.dtype), dv_buf.to(v.dtype)] if comm.fills else None)
+                             source=[dk_buf, dv_buf])
         (dq,) = _return_rows(comm, [dq_s], dd)
         dk, dv = local_part(dk_buf, m, True).to(k.dtype), local_part(dv_buf, m, True).to(v.dtype)
         rk, rv = wait_dkv()
@@ -321,7 +332,9 @@ def cad_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan 
     ``o_i = sum_{j <= i, same doc} softmax_j(q_i . k_j / sqrt(D)) v_j`` for every local token ``i``.
     ``group`` is the process group whose ranks are the plan's ranks (``None`` = the default group,
     only when you pass it). ``comm`` replaces the all-to-all (an object with
-    ``start(send, send_splits, recv_splits).wait() -> recv``; default :class:`AllToAll` on ``group``).
+    ``start(send, send_splits, recv_splits, fill=None).wait() -> recv``, where ``fill(n)`` makes ``n``
+    rows like the received ones from local rows, for a control that moves no bytes; default
+    :class:`AllToAll` on ``group``).
     ``kv_share``: the server's KV layout, ``"merged"`` (default) or ``"copy"`` (:mod:`cadlib.server`).
     A re-ordered plan (``cadlib.sentlast.sent_last(plan).plan``, whose donors read in place) works as
     any other: each rank then passes its tokens in that plan's layout order. Returns ``o`` (and the

@@ -31,7 +31,7 @@ import time
 
 import torch
 
-from .cad import (AllToAll, _exchange, check_inputs, kv_rows_cat, local_part, pack_rows, prepare, recv_part,
+from .cad import (AllToAll, _exchange, check_inputs, kv_rows_cat, local_part, prepare, recv_part,
                   send_rows, server_rows, to_home)
 from .dispatch import DeviceDispatch
 from .kvshare import add_rows
@@ -121,31 +121,27 @@ class SignalOnly(AllToAll):
     step's communication cost is then latency and synchronisation, not bytes.
 
     The receiver gets rows of the size it expected filled with real values: copies of its own local
-    rows (``source``, the tensors the send buffer was packed from), repeated as needed. Not zeros: on
-    an H200 FA4's forward+backward runs 16% faster on all-zero inputs and a bf16 GEMM 16% faster (lower
-    power, higher clock; ``scripts/probe_input_values.py``), so a control that received zeros would
-    time the servers' work on received rows too fast and credit that to exposed communication. The
-    copy costs one gather of the received size, less than the bytes NCCL would have written."""
+    rows (``fill``, :func:`cadlib.cad.cycled_rows`), repeated as needed. Not zeros: on an H200 FA4's
+    forward+backward runs 16% faster on all-zero inputs and a bf16 GEMM 16% faster (lower power, higher
+    clock; ``scripts/probe_input_values.py``), so a control that received zeros would time the
+    servers' work on received rows too fast and credit that to exposed communication. The copy costs
+    one gather of the received size, less than the bytes NCCL would have written."""
 
-    fills = True
-
-    def start(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int], source=None):
+    def start(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int], fill=None):
         world = len(send_splits)
         token = send.new_zeros((world,))
         pending = super().start(token, [1] * world, [1] * world)
-        return _Ready(received_like(send, int(sum(recv_splits)), source), pending)
+        return _Ready(received_like(send, int(sum(recv_splits)), fill), pending)
 
 
-def received_like(send: torch.Tensor, n: int, source=None) -> torch.Tensor:
-    """``n`` rows shaped and packed like ``send``'s, holding real values: rows of ``source`` (a list of
-    per-row tensors, packed as ``send`` was) taken cyclically; zeros when no source row exists."""
-    rows = source[0].shape[0] if source else 0
-    if not n or not rows:
+def received_like(send: torch.Tensor, n: int, fill=None) -> torch.Tensor:
+    """``n`` rows shaped and packed like ``send``'s: ``fill(n)`` (real values), or zeros when there is
+    nothing to fill them from."""
+    out = fill(n) if fill is not None and n else None
+    if out is None:
         return send.new_zeros((n, *send.shape[1:]))
-    idx = torch.arange(n, device=send.device) % rows
-    out = pack_rows([p.index_select(0, idx) for p in source])
     if out.shape[1:] != send.shape[1:] or out.dtype != send.dtype:
-        raise ValueError(f"source must pack like send {tuple(send.shape[1:])} {send.dtype}, got "
+        raise ValueError(f"fill must pack rows like send {tuple(send.shape[1:])} {send.dtype}, got "
                          f"{tuple(out.shape[1:])} {out.dtype}")
     return out
 

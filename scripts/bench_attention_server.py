@@ -96,7 +96,7 @@ class TimedAllToAll:
     def __init__(self, group, device):
         self.group, self.device, self.spans = group, device, []
 
-    def start(self, send, send_splits, recv_splits):
+    def start(self, send, send_splits, recv_splits, fill=None):
         recv = send.new_empty((int(sum(recv_splits)), *send.shape[1:]))
         if self.device.type == "cuda":
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

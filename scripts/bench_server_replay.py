@@ -44,9 +44,9 @@ def plans_of(method: str, layout, args) -> list:
     base, sl = method.removesuffix("+sl"), method.endswith("+sl")
     if base not in ("colocated", "cad", "cad-pingpong") or (sl and base == "colocated"):
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    args.sent_last = sl
     if base == "colocated":
         return [scheduler.colocated(layout)]
+    args = argparse.Namespace(**{**vars(args), "sent_last": sl})
     if base == "cad":
         return [train.cad_plan(layout, args, args.spec)]
     return list(train.nano_plans(layout, args, args.spec)[1])
@@ -175,7 +175,7 @@ def main(argv=None) -> int:
     for r in out["per_batch"]:
         print(f"batch {r['batch']}: gap {r.get('straggler_gap_frac', 0):.3f} " + " ".join(
             f"{k.split(' ', 1)[1]} {v:.2f}" for k, v in r.items() if k.startswith("recovered")))
-    config = {**{k: v for k, v in vars(a).items()}, "methods": methods, "backend": backend,
+    config = {**vars(a), "methods": methods, "backend": backend,
               "dtype": str(dtype), "layer": "one layer's _Serve forward + backward per plan"}
     save_result(a.out, config, {"rows": rows, **out})
     print(f"wrote {a.out}")

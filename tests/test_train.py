@@ -126,16 +126,22 @@ def test_methods_agree_on_loss_and_gradients(world, sent_last, tmp_path):
 def test_signal_only_receives_real_values_not_zeros():
     """The control's received rows are the receiver's own rows, cycled and packed as the sender packs:
     on zeros a GPU's attention runs ~16% faster (scripts/probe_input_values.py)."""
-    from cadlib.cad import pack_rows, unpack_rows
+    from functools import partial
+
+    from cadlib.cad import cycled_rows, pack_rows, unpack_rows
     from cadlib.stages import received_like
     k = torch.randn(5, 2, 4)
     lse = torch.randn(5, 3)                        # another dtype width, packed beside k as bytes
     send = pack_rows([k[:2], lse[:2]])
-    got_k, got_lse = unpack_rows(received_like(send, 7, [k, lse]), [k, lse])
+    likes = [k[:0], lse[:0]]
+    got_k, got_lse = unpack_rows(received_like(send, 7, partial(cycled_rows, [k, lse], likes)), likes)
     idx = torch.arange(7) % 5
     assert torch.equal(got_k, k[idx]) and torch.equal(got_lse, lse[idx])
-    assert received_like(send, 0, [k, lse]).shape == (0, send.shape[1])
-    empty = received_like(send, 3, [k[:0], lse[:0]])          # no local row at all: zeros
+    assert received_like(send, 0, partial(cycled_rows, [k, lse], likes)).shape == (0, send.shape[1])
+    empty = received_like(send, 3, partial(cycled_rows, [k[:0], lse[:0]], likes))  # no local row: zeros
     assert empty.shape == (3, send.shape[1]) and not empty.any()
-    with pytest.raises(ValueError, match="source must pack like send"):
-        received_like(send, 3, [k])
+    # a source in another dtype (fp32 gradient buffers) is cast to the sent parts' dtype
+    half = cycled_rows([k.double()], [k[:0]], 4)
+    assert half.dtype == k.dtype and torch.equal(half, k[torch.arange(4)])
+    with pytest.raises(ValueError, match="fill must pack rows like send"):
+        received_like(send, 3, partial(cycled_rows, [k], [k[:0]]))
