@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.cadlib-installed
 RUN_ARGS ?=
 
-.PHONY: run report test test-unit test-notebooks test-browser browser lab venv lint clean
+.PHONY: run report test test-layers test-wheel test-unit test-notebooks test-browser browser lab venv lint clean
 
 venv: $(STAMP)
 
@@ -20,7 +20,15 @@ run: $(STAMP)
 report: $(STAMP)
 	$(PY) scripts/reproduce.py --profile cpu --publish results/reports
 
-test: test-unit test-notebooks
+test: test-layers test-wheel test-unit test-notebooks
+
+# the one-way layers of pyproject.toml's [tool.importlinter] contracts (docs/design.md)
+test-layers: $(STAMP)
+	$(VENV)/bin/lint-imports --no-cache
+
+# the wheel built from this checkout holds every module and imports them from where it is installed
+test-wheel: $(STAMP)
+	$(PY) scripts/check_wheel.py
 
 # pytest exits 5 when it collected no test; that is a failure for us (tests must exist), so no masking
 # here -- the notebooks target below handles its own case explicitly.

@@ -2,7 +2,7 @@
 
     torchrun --standalone --nproc-per-node 2 -m cadlib.train --methods colocated,cad,cad-pingpong \\
         --model tiny --tokens-per-rank 1024 --steps 5
-    # from a notebook: cadlib.launch.run_torchrun("cadlib.train", 2, [...])
+    # from a notebook: cadlib.infra.launch.run_torchrun("cadlib.train", 2, [...])
 
 Methods (every one sees the same sampled batches, from the same initial weights):
 
@@ -11,7 +11,7 @@ Methods (every one sees the same sampled batches, from the same initial weights)
 * ``wlb``: WLB-LLM variable-length ``balanced`` packing + the same per-document CP ("WLB-ideal").
 * ``cad``: sequential packing, core attention on the scheduler's attention servers, no overlap.
 * ``cad-pingpong``: two nano-batches per rank, each with its own plan, in DistCA's tick order
-  (``--nano-split docs``, the default: a document may be cut between them, :mod:`cadlib.nanosplit`,
+  (``--nano-split docs``, the default: a document may be cut between them, :mod:`cadlib.scheduling.nanosplit`,
   so that a rank holding one long document still has two halves to overlap; ``whole``: whole
   documents in each).
 * ``signal-only``: ``cad-pingpong`` with every all-to-all cut to one element per peer (the control
@@ -19,7 +19,7 @@ Methods (every one sees the same sampled batches, from the same initial weights)
 
 ``--sent-last`` (off by default): ``cad``, ``cad-pingpong`` and ``signal-only`` lay each rank's tokens
 (of each nano-batch) out with the rows its plan sends to other servers last, so that the servers
-read their buffers in place (:mod:`cadlib.sentlast`); the same tasks, losses and gradients.
+read their buffers in place (:mod:`cadlib.scheduling.sentlast`); the same tasks, losses and gradients.
 
 A step: forward and backward of all ranks' tokens (loss = sum of token cross-entropies / the number
 of predicted tokens of the whole batch, so every method computes the same loss and gradient), the
@@ -38,60 +38,32 @@ import sys
 import torch
 import torch.distributed as dist
 
-from . import scheduler
-from .cad import AllToAll, cad_attention, prepare
-from .cost import MODELS, as_model
-from .e2e import DEFAULT_NANO_SPLIT, DEFAULT_TOLERANCE, overlap
-from .distributed import comm_group, destroy, init_from_env, log, report_progress, write_result
-from .batches import positions, synthetic_tokens
-from .model import ChunkedCrossEntropy, Decoder
-from .packing import pack
-from .nanosplit import schedule_nano
-from .pingpong import _spanned, pingpong_layers, split_nano_batches
-from .sentlast import sent_last, sent_last_nanos
-from .stages import SignalOnly, Streams, Timeline, staged_attention
-from .workload import sample_docs, sample_kwargs
+from .core.cost import MODELS, as_model
+from .core.defaults import DEFAULT_NANO_SPLIT, DEFAULT_TOLERANCE
+from .core.spans import overlap
+from .cp.allgather import layout_attention
+from .data.packing import pack
+from .data.workload import sample_kwargs
+from .infra.groups import comm_group, destroy, init_from_env
+from .infra.progress import log, report_progress, write_result
+from .runtime.batches import positions, synthetic_tokens
+from .runtime.cad import AllToAll, cad_attention, prepare
+from .runtime.model import ChunkedCrossEntropy, Decoder
+from .runtime.pingpong import _spanned, pingpong_layers
+from .runtime.stages import SignalOnly, Streams, Timeline, staged_attention
+from .scheduling import scheduler
+from .scheduling.recipes import batch_docs, cad_plan, nano_plans
 
 METHODS = ("colocated", "wlb", "cad", "cad-pingpong", "signal-only")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 # ----------------------------------------------------------------------------------------- batches
-def batch_docs(args, b: int, world: int) -> list[int]:
-    """Document lengths of batch ``b`` (the same on every rank and for every method)."""
-    kw = sample_kwargs(args.dist)
-    dist_name = kw.pop("dist")
-    if dist_name == "uniform":
-        kw["length"] = args.doc_len or max(1, args.tokens_per_rank // 8)
-    return sample_docs(dist_name, world * args.tokens_per_rank, seed=args.seed * 100_003 + b,
-                       max_doc_len=args.max_doc_len, **kw)
-
-
 def _colocated_attention(layout, group, attn_backend, tl):
     """Per-document CP on ``layout``: the all-gather mechanism of :mod:`cadlib.cp` (the kernel calls
     alone are the timeline's attention spans; the whole call, all-gathers and waits included, is a
     ``cp`` span)."""
-    from .cp.allgather import layout_attention
-
     return lambda q, k, v: layout_attention(q, k, v, layout, group, attn_backend=attn_backend, timeline=tl)
-
-
-def cad_plan(layout, args, spec):
-    """``cad``'s plan of a batch: the scheduler at the run's tolerance and minimum shard. With
-    ``args.sent_last`` the same tasks on a re-ordered layout (``plan.layout``, which the step's tokens
-    then follow; :mod:`cadlib.sentlast`)."""
-    plan = scheduler.schedule(layout, model=spec, tolerance=args.tolerance, min_shard=args.min_shard)
-    return sent_last(plan).plan if getattr(args, "sent_last", False) else plan
-
-
-def nano_plans(layout, args, spec):
-    """``cad-pingpong``'s two nano-batches of a batch and their plans (each scheduled on its own;
-    with ``args.sent_last`` each re-ordered, :func:`cadlib.sentlast.sent_last_nanos`)."""
-    nanos = split_nano_batches(layout, args.nano_balance, split_docs=args.nano_split == "docs",
-                               min_piece=args.min_shard)
-    plans = [schedule_nano(nb, model=spec, tolerance=args.tolerance, min_shard=args.min_shard)
-             for nb in nanos]
-    return sent_last_nanos(nanos, plans) if getattr(args, "sent_last", False) else (nanos, plans)
 
 
 class Step:
@@ -213,7 +185,7 @@ def parse_args(argv=None):
     p.add_argument("--model", default="tiny", help=f"one of {', '.join(MODELS)}")
     p.add_argument("--layers", type=int, default=None, help="override the model's layer count")
     p.add_argument("--tokens-per-rank", type=int, default=1024)
-    p.add_argument("--dist", default="pretrain", help="a cadlib.workload distribution or preset")
+    p.add_argument("--dist", default="pretrain", help="a cadlib.data.workload distribution or preset")
     p.add_argument("--doc-len", type=int, default=None, help="document length for --dist uniform")
     p.add_argument("--max-doc-len", type=int, default=None)
     p.add_argument("--steps", type=int, default=5, help="recorded steps (batches) per method")
@@ -248,7 +220,7 @@ def parse_args(argv=None):
     p.add_argument("--dump-grads", default=None, help="folder: rank 0 saves the first step's gradients")
     p.add_argument("--sent-last", action="store_true",
                    help="cad, cad-pingpong, signal-only: each rank's rows sent to other servers last in its "
-                        "token order, so that donors' servers read their buffers in place (cadlib.sentlast)")
+                        "token order, so that donors' servers read their buffers in place (cadlib.scheduling.sentlast)")
     args = p.parse_args(argv)
     methods = args.methods.split(",")
     for m in methods:

@@ -2,7 +2,7 @@
 
     python -m torch.distributed.run --nproc-per-node 4 -m cadlib.verify \\
         --dist pretrain --tokens-per-rank 2048 --dtype fp32 --seed 0
-    # from a notebook: cadlib.launch.run_torchrun("cadlib.verify", 4, [...])
+    # from a notebook: cadlib.infra.launch.run_torchrun("cadlib.verify", 4, [...])
     # on GPUs (NCCL, bf16): torchrun --nproc-per-node 2 -m cadlib.verify --dtype bf16 --model llama3-8b
 
 Every rank builds the same documents, layout and plan from the seed (no broadcast), and the same
@@ -11,16 +11,16 @@ random q, k, v, dO over the FULL documents. Each rank takes its local rows (layo
 causal attention in fp32 (torch SDPA with autograd) over the same (dtype-rounded) inputs. The error of
 a tensor is ``max |cad - ref| / max |ref|`` over all ranks (all-reduced). Each rank writes, per case,
 the errors and the per-server attention load (pairs) before (colocated) and after the plan with
-:func:`cadlib.distributed.write_result`; the process exits 1 if any error exceeds the tolerance
+:func:`cadlib.infra.progress.write_result`; the process exits 1 if any error exceeds the tolerance
 (default 1e-5 fp32, 2e-2 bf16).
 
 ``--dist`` and ``--case`` take comma-separated lists; every combination runs in this one launch.
 Cases: ``random`` (sampled documents, sequential packing), ``one-token`` (plus several 1-token
 documents), ``empty-rank`` (one rank holds no tokens; needs >= 2 ranks), ``spanning`` (one document
-spanning all ranks). ``--plan``: ``scheduler`` (cadlib.scheduler.schedule), ``random`` (random
+spanning all ranks). ``--plan``: ``scheduler`` (cadlib.scheduling.scheduler.schedule), ``random`` (random
 splits on random servers: stresses the dispatch beyond what the scheduler does), ``colocated``.
 ``--sent-last``: the plan re-ordered so that each rank's rows sent to other servers come last
-(:mod:`cadlib.sentlast`); the ranks then hold their tokens in that layout's order.
+(:mod:`cadlib.scheduling.sentlast`); the ranks then hold their tokens in that layout's order.
 """
 from __future__ import annotations
 
@@ -32,14 +32,20 @@ import time
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from .cad import cad_attention
-from .cp import layout_rows as global_rows  # noqa: F401  (rows of a rank's tokens, doc-major)
-from .cost import ModelSpec
-from .distributed import destroy, init_from_env, log, report_progress, write_result
-from .dispatch import build_dispatch
-from .plan import CATask, Layout, Plan, layout_to_tasks
+from .core.cost import MODELS, ModelSpec
+from .core.layout import Layout
+from .core.plan import Plan, layout_to_tasks
+from .cp import layout_rows as global_rows
+from .data.packing import pack
+from .data.workload import DISTRIBUTIONS, sample_docs
+from .dispatch.build import build_dispatch
+from .infra.groups import destroy, init_from_env
+from .infra.progress import log, report_progress, write_result
+from .runtime.cad import cad_attention
+from .scheduling.scheduler import schedule
+from .scheduling.sentlast import sent_last
+from .testing import random_inputs, random_plan, rank_inputs, reference
 
 CASES = ("random", "one-token", "empty-rank", "spanning")
 PLANS = ("scheduler", "random", "colocated")
@@ -49,7 +55,6 @@ RTOL = {"fp32": 1e-5, "bf16": 2e-2, "fp16": 5e-3}
 
 
 def _docs(dist_name: str, total: int, seed: int, args) -> list[int]:
-    from .workload import sample_docs
 
     kw = {}
     if dist_name == "uniform":
@@ -62,8 +67,6 @@ def _docs(dist_name: str, total: int, seed: int, args) -> list[int]:
 def make_layout(case: str, dist_name: str, world: int, tokens_per_rank: int, seed: int,
                 args) -> Layout | None:
     """The linear layout of one case (None when the case needs more ranks than ``world``)."""
-    from .packing import pack
-
     total = world * tokens_per_rank
     if case == "random":
         return pack(_docs(dist_name, total, seed, args), world, tokens_per_rank, method=args.pack)
@@ -87,22 +90,8 @@ def make_layout(case: str, dist_name: str, world: int, tokens_per_rank: int, see
     raise ValueError(f"unknown case {case!r}; choose one of: {', '.join(CASES)}")
 
 
-def random_plan(layout: Layout, seed: int, max_cuts: int = 3) -> Plan:
-    """Every chunk cut at up to ``max_cuts`` random points, each piece on a random server."""
-    rng = np.random.default_rng(seed)
-    tasks = []
-    for t in layout_to_tasks(layout):
-        n_cuts = int(rng.integers(0, max_cuts + 1)) if t.n_q > 1 else 0
-        cuts = np.unique(rng.integers(t.q_start + 1, t.q_end, size=n_cuts)) if n_cuts else []
-        bounds = [t.q_start, *[int(c) for c in cuts], t.q_end]
-        tasks += [CATask(t.doc, a, b, t.home, int(rng.integers(layout.n_ranks)))
-                  for a, b in zip(bounds[:-1], bounds[1:])]
-    return Plan(layout, tasks)
-
-
 def make_plan(layout: Layout, kind: str, model: ModelSpec, seed: int, args) -> Plan:
     if kind == "scheduler":
-        from .scheduler import schedule
 
         kw = {} if args.min_shard is None else {"min_shard": args.min_shard}
         return schedule(layout, model=model, tolerance=args.tolerance_eps, **kw)
@@ -111,110 +100,6 @@ def make_plan(layout: Layout, kind: str, model: ModelSpec, seed: int, args) -> P
     if kind == "colocated":
         return Plan(layout, layout_to_tasks(layout))
     raise ValueError(f"unknown plan {kind!r}; choose one of: {', '.join(PLANS)}")
-
-
-def random_inputs(total: int, heads, seed: int, dtype=torch.float32, device="cpu") -> list[torch.Tensor]:
-    """Seeded ``q, k, v, dout`` of every token, documents laid end to end: ``[total, H, D]`` with
-    ``H`` = query, KV, KV, query heads for ``heads = (Hq, Hkv, D)``. Drawn on the CPU in float32 (the
-    same numbers on every rank and device), then moved to ``device`` and ``dtype``."""
-    hq, hkv, d = heads
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(total, h, d, generator=gen).to(device=device, dtype=dtype)
-            for h in (hq, hkv, hkv, hq)]
-
-
-def rank_inputs(full, rows) -> tuple[torch.Tensor, ...]:
-    """One rank's ``q, k, v, dout`` from :func:`random_inputs`: ``rows`` (its tokens' global rows,
-    :func:`global_rows`) of each, with ``q, k, v`` leaves that require grad."""
-    rows = torch.as_tensor(rows, device=full[0].device)
-    q, k, v, dout = (t.index_select(0, rows) for t in full)
-    return (*(t.requires_grad_(True) for t in (q, k, v)), dout)
-
-
-def reference_errors(got, full, doc_lens, rows) -> list[float]:
-    """Relative max errors of one rank's ``got = (o, dq, dk, dv)`` (its ``rows``) against
-    :func:`reference` on ``full`` (:func:`random_inputs`), every document: the single-rank checks of
-    the tests and notebooks."""
-    rows = torch.as_tensor(rows)
-    ref = reference(*full, doc_lens, range(len(doc_lens)))
-    return [float((g.detach().float() - r.index_select(0, rows)).abs().max() / r.abs().max())
-            for g, r in zip(got, ref)]
-
-
-REF_SDPA_ELEMS = 1 << 27
-"""Documents whose fp32 score matrix (heads x L x L) is larger than this are checked against
-:func:`blocked_reference` (bounded memory) instead of torch SDPA's math path."""
-REF_BLOCK = 1024
-"""Query rows per block of :func:`blocked_reference`."""
-
-
-def blocked_reference(q, k, v, dout) -> tuple[torch.Tensor, ...]:
-    """Causal attention of ONE document and its gradients in float64, in query blocks (memory
-    ``heads x REF_BLOCK x L``), written out from the textbook formulas and independent of
-    :mod:`cadlib.kernels` (whose ``sdpa_ref`` is the backend under test on CPU)::
-
-        S = scale Q K^T (j <= i),  lse = log sum_j exp S,  P = exp(S - lse),  O = P V
-        Delta = rowsum(dO * O),  dV = P^T dO,  dS = P * (dO V^T - Delta),  dQ = scale dS K,
-        dK = scale dS^T Q   (dK, dV summed over the query heads sharing a KV head)
-    """
-    n, hq, d = q.shape
-    g = hq // k.shape[1]
-    q, dout = q.double(), dout.double()
-    k, v = k.double().repeat_interleave(g, 1), v.double().repeat_interleave(g, 1)
-    scale = 1.0 / math.sqrt(d)
-    o, lse = torch.empty_like(q), torch.empty(n, hq, dtype=torch.float64, device=q.device)
-
-    def probs(a, b):
-        s = torch.einsum("qhd,khd->hqk", q[a:b], k[:b]) * scale
-        mask = torch.arange(b, device=q.device)[None, :] > torch.arange(a, b, device=q.device)[:, None]
-        s = s.masked_fill(mask, float("-inf"))
-        return s, torch.logsumexp(s, dim=-1)
-
-    for a in range(0, n, REF_BLOCK):
-        b = min(n, a + REF_BLOCK)
-        s, l_blk = probs(a, b)
-        lse[a:b] = l_blk.transpose(0, 1)
-        o[a:b] = torch.einsum("hqk,khd->qhd", torch.exp(s - l_blk[..., None]), v[:b])
-    delta = (dout * o).sum(-1)                                          # [n, hq]
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    for a in range(0, n, REF_BLOCK):
-        b = min(n, a + REF_BLOCK)
-        s, l_blk = probs(a, b)
-        p = torch.exp(s - l_blk[..., None])                             # [hq, rows, b]
-        dv[:b] += torch.einsum("hqk,qhd->khd", p, dout[a:b])
-        dp = torch.einsum("qhd,khd->hqk", dout[a:b], v[:b])
-        ds = p * (dp - delta[a:b].transpose(0, 1)[..., None])
-        dq[a:b] = torch.einsum("hqk,khd->qhd", ds, k[:b]) * scale
-        dk[:b] += torch.einsum("hqk,qhd->khd", ds, q[a:b]) * scale
-    hkv = hq // g
-    dk, dv = (t.view(n, hkv, g, d).sum(2) for t in (dk, dv))
-    return o.float(), dq.float(), dk.float(), dv.float()
-
-
-def reference(q, k, v, dout, doc_lens, docs) -> tuple[torch.Tensor, ...]:
-    """Per-document causal attention in fp32 (only documents in ``docs``; other rows 0):
-    ``o_i = sum_{j<=i} softmax_j(q_i . k_j / sqrt(D)) v_j``. Torch SDPA with autograd per document,
-    or for a long document :func:`blocked_reference` (float64, bounded memory). Neither is a
-    :mod:`cadlib.kernels` backend. Returns o, dq, dk, dv."""
-    q, k, v, dout = (t.float() for t in (q, k, v, dout))
-    group = q.shape[1] // k.shape[1]
-    outs = [torch.zeros_like(q), torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)]
-    base = np.concatenate([[0], np.cumsum(doc_lens)])
-    for d in docs:
-        sl = slice(int(base[d]), int(base[d + 1]))
-        n = sl.stop - sl.start
-        if q.shape[1] * n * n > REF_SDPA_ELEMS:
-            o, *grads = blocked_reference(q[sl], k[sl], v[sl], dout[sl])
-        else:
-            qd, kd, vd = (t[sl].detach().clone().requires_grad_(True) for t in (q, k, v))
-            o = F.scaled_dot_product_attention(
-                qd.transpose(0, 1), kd.repeat_interleave(group, 1).transpose(0, 1),
-                vd.repeat_interleave(group, 1).transpose(0, 1), is_causal=True).transpose(0, 1)
-            o.backward(dout[sl])
-            grads = (qd.grad, kd.grad, vd.grad)
-        for acc, val in zip(outs, (o.detach(), *grads)):
-            acc[sl] = val
-    return tuple(outs)
 
 
 def check_case(layout: Layout, plan: Plan, model: ModelSpec, dtype: torch.dtype, device, group, seed: int,
@@ -273,7 +158,7 @@ def check_case(layout: Layout, plan: Plan, model: ModelSpec, dtype: torch.dtype,
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m cadlib.verify", description=__doc__.split("\n")[0])
-    p.add_argument("--dist", default="pretrain", help="comma-separated cadlib.workload distributions")
+    p.add_argument("--dist", default="pretrain", help="comma-separated cadlib.data.workload distributions")
     p.add_argument("--case", default="random", help=f"comma-separated, from: {', '.join(CASES)}")
     p.add_argument("--plan", default="scheduler", choices=PLANS)
     p.add_argument("--pack", default="sequential", choices=("sequential", "balanced"))
@@ -282,7 +167,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=1, help="seeds seed, seed+1, ... per combination")
     p.add_argument("--model", default="tiny", help="ModelSpec name for head counts and head_dim")
-    p.add_argument("--attn-backend", default=None, help="attention backend (cadlib.kernels); default: auto")
+    p.add_argument("--attn-backend", default=None, help="attention backend (cadlib.runtime.kernels); default: auto")
     p.add_argument("--pg-backend", default=None, help="process-group backend: gloo, nccl (default auto)")
     p.add_argument("--min-shard", type=int, default=None, help="scheduler min_shard (default: its own)")
     p.add_argument("--tolerance-eps", type=float, default=0.1, help="scheduler imbalance tolerance")
@@ -291,12 +176,10 @@ def parse_args(argv=None):
     p.add_argument("--max-doc-len", type=int, default=None, help="clip sampled document lengths")
     p.add_argument("--timing-iters", type=int, default=0, help="extra timed fwd+bwd passes per case")
     p.add_argument("--kv-share", default="merged", choices=("merged", "copy"),
-                   help="the attention server's KV layout (cadlib.server): merged shards or a copy per task")
+                   help="the attention server's KV layout (cadlib.runtime.server): merged shards or a copy per task")
     p.add_argument("--sent-last", action="store_true",
-                   help="re-order each plan so that rows sent to other servers come last (cadlib.sentlast)")
+                   help="re-order each plan so that rows sent to other servers come last (cadlib.scheduling.sentlast)")
     args = p.parse_args(argv)
-    from .cost import MODELS
-    from .workload import DISTRIBUTIONS
 
     for c in args.case.split(","):
         if c not in CASES:
@@ -338,7 +221,6 @@ def main(argv=None) -> int:
             continue
         plan = make_plan(layout, args.plan, model, seed, args)
         if args.sent_last:
-            from .sentlast import sent_last
 
             plan = sent_last(plan).plan
             layout = plan.layout

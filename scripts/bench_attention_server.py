@@ -2,12 +2,12 @@
 
 (1) **composability** (``scripts/server_composability.py``): a causal document of L tokens is cut
     into query shards of s tokens served by ONE server in one fused call, ``--kv-share`` ``merged``
-    (contiguous shards as one segment over one KV copy, :mod:`cadlib.kvshare`), ``copy`` (the server's
+    (contiguous shards as one segment over one KV copy, :mod:`cadlib.dispatch.kvshare`), ``copy`` (the server's
     reference path: one KV prefix copy per shard) or ``kernel`` (the kernel alone on per-shard copies,
     as the committed ``..._lpt_*.json`` files); ``--patterns all`` (every shard on the server) or
     ``alternate`` (every other shard: they cannot merge). TF/s are compared with the unsplit document.
     A case whose estimated memory exceeds ``--mem-budget-gb`` is skipped, with the reason recorded.
-(2) **overhead**: the whole CAD attention step (``cadlib.cad.cad_attention``: plan -> metadata ->
+(2) **overhead**: the whole CAD attention step (``cadlib.runtime.cad.cad_attention``: plan -> metadata ->
     all-to-all -> one fused kernel per server -> return) against the raw fused kernel on the tasks
     this server received, for ``pretrain`` and ``prolong`` batches of 64K and 128K tokens per GPU;
     the all-to-alls are also timed on their own (events around blocking collectives) to give the
@@ -43,13 +43,16 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchutil import backend_versions, peak_gb as _peak_gb, rand, reset_peak as _reset_peak  # noqa: E402
-from benchutil import sync as _sync, tflops, time_fn  # noqa: E402
-from cadlib import kernels  # noqa: E402
-from cadlib.cost import H200_MATMUL_TFLOPS, MIN_SHARD_TOKENS, ModelSpec, causal_pairs  # noqa: E402
-from cadlib.distributed import init_from_env  # noqa: E402
-from cadlib.results import RESULTS_DIR, save_result  # noqa: E402
+from benchutil import backend_versions, rand, tflops, time_fn  # noqa: E402
+from benchutil import peak_gb as _peak_gb
+from benchutil import reset_peak as _reset_peak
+from benchutil import sync as _sync  # noqa: E402
 from server_composability import run_composability  # noqa: E402
+
+from cadlib.core.cost import H200_MATMUL_TFLOPS, MIN_SHARD_TOKENS, ModelSpec, causal_pairs  # noqa: E402
+from cadlib.infra.groups import init_from_env  # noqa: E402
+from cadlib.infra.results import RESULTS_DIR, save_result  # noqa: E402
+from cadlib.runtime import kernels  # noqa: E402
 
 GPU_BACKENDS = ("fa4", "torch_flash", "flash_attn")
 
@@ -90,7 +93,7 @@ class Config:
 # ---------------------------------------------------------------------------------------------------
 
 class TimedAllToAll:
-    """The all-to-all of :class:`cadlib.cad.AllToAll`, run blocking with a timer around each call
+    """The all-to-all of :class:`cadlib.runtime.cad.AllToAll`, run blocking with a timer around each call
     (CUDA events on the current stream, or perf_counter on the CPU), to measure communication alone."""
 
     def __init__(self, group, device):
@@ -129,15 +132,15 @@ class _Ready:
 
 
 def make_plan(layout, spec: ModelSpec, cfg: Config):
-    """The CAD scheduler's plan (``cadlib.scheduler.schedule``), timed by the caller."""
-    from cadlib.scheduler import schedule
+    """The CAD scheduler's plan (``cadlib.scheduling.scheduler.schedule``), timed by the caller."""
+    from cadlib.scheduling.scheduler import schedule
     return schedule(layout, model=spec, tolerance=cfg.tolerance, min_shard=cfg.min_shard)
 
 
 def _time_steps(rec, plan, spec, dtype, rt, backend, cfg, gen, flops) -> None:
     """The whole CAD step (dispatch, all-to-all, fused kernel, return), forward and fwd+bwd; then the
     same with every all-to-all blocking and timed, for the fraction of the step spent communicating."""
-    from cadlib import cad
+    from cadlib.runtime import cad
     n = rec["n_local"]
     q = _rand(gen, n, spec.n_heads, spec, rt.device, dtype)
     k, v = (_rand(gen, n, spec.n_kv_heads, spec, rt.device, dtype) for _ in range(2))
@@ -205,9 +208,9 @@ def _time_unsplit(rec, docs, spec, dtype, rt, backend, cfg, gen) -> None:
 
 def overhead_case(dist_name, tpg, spec, dtype, rt, backend, cfg) -> dict:
     """One batch (``tpg`` tokens per GPU of ``dist_name`` documents, sequential packing) on ``rt``."""
-    from cadlib import cad
-    from cadlib.packing import pack
-    from cadlib.workload import sample_docs
+    from cadlib.data.packing import pack
+    from cadlib.data.workload import sample_docs
+    from cadlib.runtime import cad
 
     docs = sample_docs(dist_name, tpg * rt.world, seed=cfg.seed)
     layout = pack(docs, rt.world)

@@ -5,19 +5,19 @@ Per (mechanism, mask, document distribution, tokens per GPU): the global sequenc
 ``causal_document``), random q, k, v in ``[n_local, H, D]``, then ``--warmup`` untimed and ``--reps``
 timed forward passes (``mech.apply_attn``) and backward passes (``out.backward``), each rank timing
 with CUDA events after a barrier. The time of a repetition is the SLOWEST rank's; TF/s per GPU are
-``flops(mask area) / world / time``, counted from the exact mask area (:mod:`cadlib.masks`), never
+``flops(mask area) / world / time``, counted from the exact mask area (:mod:`cadlib.data.masks`), never
 from what a mechanism computes (padding, duplicated KV, recomputation do not count). Peak memory is
 the largest rank's ``max_memory_allocated`` above what was allocated before the case.
 
     torchrun --nproc-per-node=2 scripts/bench_cp.py --out results/bench_cp.json
     torchrun --nproc-per-node=2 scripts/bench_cp.py --mechanisms ring,ulysses --merge ...
     torchrun --nproc-per-node=2 scripts/bench_cp.py --smoke           # gloo on CPU, tiny, seconds
-    cadlib.launch.run_torchrun("scripts/bench_cp.py", 2, ["--smoke"], pg_backend="gloo")   # notebook
+    cadlib.infra.launch.run_torchrun("scripts/bench_cp.py", 2, ["--smoke"], pg_backend="gloo")   # notebook
 
 A case that fails (unsupported mask, out of memory, an error) is recorded with its reason and the
 run goes on. Rank 0 writes the JSON (after every case, merged with ``--merge``) through
-:func:`cadlib.results.save_result`; every rank also writes its records with
-:func:`cadlib.distributed.write_result` when started by ``run_torchrun``.
+:func:`cadlib.infra.results.save_result`; every rank also writes its records with
+:func:`cadlib.infra.progress.write_result` when started by ``run_torchrun``.
 """
 from __future__ import annotations
 
@@ -37,9 +37,10 @@ import torch.distributed as dist  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cadlib.cp import MECHANISMS, make  # noqa: E402
-from cadlib.distributed import destroy, init_from_env, log, report_progress, write_result  # noqa: E402
-from cadlib.masks import make_mask  # noqa: E402
-from cadlib.results import save_result  # noqa: E402
+from cadlib.data.masks import make_mask  # noqa: E402
+from cadlib.infra.groups import destroy, init_from_env  # noqa: E402
+from cadlib.infra.progress import log, report_progress, write_result  # noqa: E402
+from cadlib.infra.results import save_result  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 MASKS = ("causal", "causal_document", "full", "full_document")
@@ -155,7 +156,7 @@ def parse_args(argv=None):
     p.add_argument("--heads", default="64,8", help="query heads,KV heads")
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", default="bf16", choices=tuple(DTYPES))
-    p.add_argument("--attn-backend", default=None, help="cadlib.kernels backend (default: fastest)")
+    p.add_argument("--attn-backend", default=None, help="cadlib.runtime.kernels backend (default: fastest)")
     p.add_argument("--min-shard", type=int, default=512, help="CAD scheduler's minimum shard")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--reps", type=int, default=5)

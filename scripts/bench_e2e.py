@@ -6,8 +6,8 @@ signal-only control, on the same sampled batches; one JSON per setting under res
     python scripts/bench_e2e.py --nproc 2 --tokens 65536,131072 --dists pretrain,prolong,uniform
     python scripts/bench_e2e.py --nproc 2 --link inter-node-like  # NCCL_P2P_DISABLE=1: via host memory
 
-Each setting is one ``python -m cadlib.train`` launch (cadlib.launch.run_torchrun) running every
-method over the same batches; :func:`cadlib.e2e.summarise` turns the per-rank records into per-batch
+Each setting is one ``python -m cadlib.train`` launch (cadlib.infra.launch.run_torchrun) running every
+method over the same batches; :func:`cadlib.analysis.e2e.summarise` turns the per-rank records into per-batch
 speedups, the saving balancing could bring and how much CAD recovers, exposed communication, the
 ping-pong gain and the calibrated prediction. Results record device, torch, commit and configuration.
 """
@@ -21,8 +21,10 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from cadlib import e2e, launch  # noqa: E402
-from cadlib.results import save_result  # noqa: E402
+from cadlib.analysis import e2e  # noqa: E402
+from cadlib.core import defaults  # noqa: E402
+from cadlib.infra import launch  # noqa: E402
+from cadlib.infra.results import save_result  # noqa: E402
 
 LINKS = {"nvlink": {}, "inter-node-like": {"NCCL_P2P_DISABLE": "1"}}
 METHODS = "colocated,wlb,cad,cad-pingpong,signal-only"
@@ -48,7 +50,7 @@ def run_setting(args, tokens: int, dist: str, link: str) -> dict:
         train_args += ["--timeline-batches", args.timeline_batches]
     if args.attn_backend:
         train_args += ["--attn-backend", args.attn_backend]
-    ctas = e2e.DEFAULT_COMM_CTAS.get(link) if args.comm_ctas is None else args.comm_ctas
+    ctas = defaults.DEFAULT_COMM_CTAS.get(link) if args.comm_ctas is None else args.comm_ctas
     if ctas:
         train_args += ["--comm-ctas", str(ctas)]
     env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", **LINKS[link]}
@@ -77,15 +79,15 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--dtype", default="bf16")
-    ap.add_argument("--tolerance", type=float, default=e2e.DEFAULT_TOLERANCE)
+    ap.add_argument("--tolerance", type=float, default=defaults.DEFAULT_TOLERANCE)
     ap.add_argument("--min-shard", type=int, default=512)
-    ap.add_argument("--nano-split", default=e2e.DEFAULT_NANO_SPLIT, choices=("whole", "docs"),
+    ap.add_argument("--nano-split", default=defaults.DEFAULT_NANO_SPLIT, choices=("whole", "docs"),
                     help="cad-pingpong's nano-batches: documents cut between them (docs, the default) or "
                          "whole documents ('whole' appends _wholedocs to each file name)")
     ap.add_argument("--mlp-recompute", action="store_true", default=True)
-    ap.add_argument("--sent-last", action=argparse.BooleanOptionalAction, default=e2e.DEFAULT_SENT_LAST,
+    ap.add_argument("--sent-last", action=argparse.BooleanOptionalAction, default=defaults.DEFAULT_SENT_LAST,
                     help="python -m cadlib.train --sent-last: CAD's rows sent to other servers last in each "
-                         "rank's token order (cadlib.sentlast; a run other than e2e.DEFAULT_SENT_LAST "
+                         "rank's token order (cadlib.scheduling.sentlast; a run other than defaults.DEFAULT_SENT_LAST "
                          "appends _sentlast or _nosentlast to each file name)")
     ap.add_argument("--timeline-batches", default="auto",
                     help="batches whose spans are kept besides the last step's: 'auto' (the two most "
@@ -94,7 +96,7 @@ def main(argv=None) -> int:
     ap.add_argument("--pg-backend", default="auto")
     ap.add_argument("--comm-ctas", type=int, default=None,
                     help="NCCL thread blocks for CAD's all-to-alls (python -m cadlib.train --comm-ctas); "
-                         f"default per link {e2e.DEFAULT_COMM_CTAS}, 0: NCCL's own choice")
+                         f"default per link {defaults.DEFAULT_COMM_CTAS}, 0: NCCL's own choice")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--lr", type=float, default=1e-5,
                     help="AdamW learning rate (timing only needs sane values)")
@@ -119,8 +121,8 @@ def main(argv=None) -> int:
         for dist in args.dists.split(","):
             for tokens in (int(t) for t in args.tokens.split(",")):
                 tag = "smoke_" if args.smoke else ""
-                cut = "" if args.nano_split == e2e.DEFAULT_NANO_SPLIT else f"_{args.nano_split}docs"
-                if args.sent_last != e2e.DEFAULT_SENT_LAST:
+                cut = "" if args.nano_split == defaults.DEFAULT_NANO_SPLIT else f"_{args.nano_split}docs"
+                if args.sent_last != defaults.DEFAULT_SENT_LAST:
                     cut += "_sentlast" if args.sent_last else "_nosentlast"
                 name = f"bench_e2e_{tag}{args.nproc}x_{dist}_{tokens // 1024}k_{link}{cut}{args.tag}"
                 try:

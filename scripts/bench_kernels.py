@@ -3,16 +3,16 @@
 Each backend declares the masks it supports; a cell it does not support is ``X``, one that runs out
 of memory ``E``, one that fails otherwise ``!`` (the error is recorded), one skipped for the time
 budget or after a slower smaller size ``-``. Work is counted from the exact mask area
-(:meth:`cadlib.masks.Mask.flops`: forward ``4 * area * Hq * D``, backward 2.5x), never from what a
+(:meth:`cadlib.data.masks.Mask.flops`: forward ``4 * area * Hq * D``, backward 2.5x), never from what a
 kernel computes, so TF/s compare across backends.
 
 Backends (``BACKENDS``)::
 
     sdpa_math, sdpa_efficient   torch SDPA; full/causal by flag, every other mask as a dense boolean mask
     sdpa_flash, sdpa_cudnn      torch SDPA; full and causal only
-    torch_flash                 torch's built-in FA2 varlen (cadlib.kernels), masks with a varlen form
-    fa4                         FlashAttention-4: varlen masks (cadlib.kernels) and its sliding windows
-    flash_attn                  FlashAttention-2 varlen (cadlib.kernels) when importable
+    torch_flash                 torch's built-in FA2 varlen (cadlib.runtime.kernels), masks with a varlen form
+    fa4                         FlashAttention-4: varlen masks (cadlib.runtime.kernels) and its sliding windows
+    flash_attn                  FlashAttention-2 varlen (cadlib.runtime.kernels) when importable
     flex                        FlexAttention, torch.compile'd, block mask from the mask's slices
     flex_eager, sdpa_ref        CPU smoke only (unfused flex; cadlib's per-segment reference)
 
@@ -43,9 +43,10 @@ import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cadlib import kernels  # noqa: E402
-from cadlib.masks import ALL_TYPES, FULL, Mask, make_mask  # noqa: E402
-from cadlib.results import atomic_write_json, save_result  # noqa: E402
+from cadlib.data.masks import ALL_TYPES, FULL, Mask, make_mask  # noqa: E402
+from cadlib.infra.results import atomic_write_json, save_result  # noqa: E402
+from cadlib.runtime import kernels  # noqa: E402
+from cadlib.runtime.kernels import flex as flex_masks  # noqa: E402
 
 BACKENDS = ("sdpa_math", "sdpa_efficient", "sdpa_flash", "sdpa_cudnn", "torch_flash", "fa4", "flash_attn",
             "flex", "flex_eager", "sdpa_ref")
@@ -149,7 +150,7 @@ def _varlen(backend: str):
 def _fa4(mask, q, k, v, dout):
     """FA4: the sliding windows through its windowed ``flash_attn_func`` (``window_size=(left, right)``,
     query ``i`` sees keys ``[i - left, i + right]``), every varlen-expressible mask through
-    :mod:`cadlib.kernels`, nothing else."""
+    :mod:`cadlib.runtime.kernels`, nothing else."""
     if mask.name not in ("sliding_window_causal", "sliding_window"):
         return _varlen("fa4")(mask, q, k, v, dout)
     from flash_attn.cute import flash_attn_func
@@ -178,7 +179,7 @@ def _flex(compiled: bool):
         if compiled and "fn" not in _FLEX:
             _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)    # one wrapper for every cell
         fn = _FLEX["fn"] if compiled else flex_attention
-        bm = mask.block_mask(q.device, block_size=128, compile=compiled and q.device.type == "cuda")
+        bm = flex_masks.block_mask(mask, q.device, block_size=128, compile=compiled and q.device.type == "cuda")
         qh, kh, vh, dh = (t.transpose(0, 1).unsqueeze(0).contiguous() for t in (q, k, v, dout))
         grad = q.device.type == "cuda"              # FlexAttention has no backward on the CPU
         qh, kh, vh = (t.requires_grad_(grad) for t in (qh, kh, vh))

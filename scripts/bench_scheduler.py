@@ -3,7 +3,7 @@ water-filling, in four parts:
 
 * **scale** (default): imbalance (max/mean attention pairs per server) before and after, forward
   dispatch bytes (Q + KV, one layer, bf16, llama3-8b), tasks, moves, rollouts, backtracks (the
-  fortification's, :mod:`cadlib.scheduler_fortify`) and planning time at 8, 64, 512 servers x 128K,
+  fortification's, :mod:`cadlib.scheduling.fortify`) and planning time at 8, 64, 512 servers x 128K,
   512K tokens per rank, for ``pretrain``, ``prolong`` and long documents
   (``pretrain-x4``: pretrain elongated 4x, as DistCA's 512K runs), sequentially packed, plus DistCA's
   head/tail chunks (``zigzag``: each document in 2R chunks, rank r holding chunks r and 2R-1-r).
@@ -14,7 +14,7 @@ water-filling, in four parts:
   8/16/32 ranks x 32K/64K/128K tokens, sequential and balanced packing, tolerance 0.02/0.05/0.1,
   seeds 0-3, min_shard 512: the ratio greedy / equal_flops per case and its summary. Also per case
   the scheduler with its guard (``cadg``) against DistCA's released planner (``distca``,
-  :mod:`cadlib.distca_planner`, same tolerance and min_shard; ``distca1`` without a minimum shard, as
+  :mod:`cadlib.scheduling.distca`, same tolerance and min_shard; ``distca1`` without a minimum shard, as
   released): bytes, imbalance, and ``cadm``, the scheduler at DistCA's reached imbalance where that is
   tighter than the tolerance (matched balance).
   ``results/bench_scheduler_grid_distca.json`` is this part alone (``--grid --out ...``).
@@ -34,7 +34,7 @@ water-filling, in four parts:
   token a served task reads), which the host holds as ``host_runs_max`` runs; ``expand_on_cpu_ms``
   is that rank's expansion of every map the merged forward and backward read, with torch on this CPU
   (device work, not host: on a GPU it runs on the device after the one copy). With ``--sent-last``
-  the plan is re-ordered (:func:`cadlib.sentlast.sent_last`, ``sent_last_ms``, counted in the step)
+  the plan is re-ordered (:func:`cadlib.scheduling.sentlast.sent_last`, ``sent_last_ms``, counted in the step)
   and the metadata built from the re-ordered plan.
 
     python scripts/bench_scheduler.py                 # scale
@@ -55,16 +55,19 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from cadlib.cost import ModelSpec  # noqa: E402
-from cadlib.dispatch import build_dispatch  # noqa: E402
-from cadlib.packing import pack  # noqa: E402
-from cadlib.layout import random_tiny_layout  # noqa: E402
-from cadlib.plan import Layout  # noqa: E402
-from cadlib.results import save_result  # noqa: E402
-from cadlib.scheduler import place  # noqa: E402
-from cadlib.sentlast import sent_last  # noqa: E402
-from cadlib.sim import zigzag_layout  # noqa: E402
-from cadlib.workload import sample_docs, sample_kwargs  # noqa: E402
+from cadlib.core.cost import ModelSpec  # noqa: E402
+from cadlib.core.layout import Layout  # noqa: E402
+from cadlib.data.packing import (
+    pack,  # noqa: E402
+    per_doc_zigzag_layout,  # noqa: E402
+)
+from cadlib.data.workload import sample_docs, sample_kwargs  # noqa: E402
+from cadlib.dispatch.build import build_dispatch  # noqa: E402
+from cadlib.infra.results import save_result  # noqa: E402
+from cadlib.runtime.device import to_device  # noqa: E402
+from cadlib.scheduling.scheduler import place  # noqa: E402
+from cadlib.scheduling.sentlast import sent_last  # noqa: E402
+from cadlib.testing import random_tiny_layout  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(__file__), "..", "results")
 DISTS = {"pretrain": {"dist": "pretrain"}, "prolong": {"dist": "prolong"},
@@ -74,7 +77,7 @@ DISTS = {"pretrain": {"dist": "pretrain"}, "prolong": {"dist": "prolong"},
 def make_layout(dist: str, n: int, tpr: int, layout: str, seed: int):
     kw = dict(DISTS[dist]) if dist in DISTS else sample_kwargs(dist)
     docs = sample_docs(kw.pop("dist"), n * tpr, seed=seed, **kw)
-    return zigzag_layout(docs, n) if layout == "zigzag" else pack(docs, n, tpr, method=layout)
+    return per_doc_zigzag_layout(docs, n) if layout == "zigzag" else pack(docs, n, tpr, method=layout)
 
 
 def timed(fn, runs: int):
@@ -203,7 +206,7 @@ def _distca_summary(rows) -> dict:
     imb = {k: np.array([r[f"{k}_imbalance"] for r in rows]) for k in ("distca", "cadg", "eq")}
     return {
         "what": "ratio = cadg_gb / distca_gb: cadlib's scheduler with its guard / DistCA's released planner "
-                "(cadlib.distca_planner), same tolerance and min_shard; reached: max <= (1 + tolerance) "
+                "(cadlib.scheduling.distca), same tolerance and min_shard; reached: max <= (1 + tolerance) "
                 "x mean",
         "ours_more_bytes": sum(r["cadg_gb"] > r["distca_gb"] for r in rows),
         "ours_more_bytes_distca_reached": sum(r["cadg_gb"] > r["distca_gb"] for r in both),
@@ -256,17 +259,16 @@ def run_random(n: int, model) -> dict:
 
 def _metadata(plan, r):
     """Rank ``r``'s device metadata on the host: the dispatch, the merged call's metadata and both
-    packed for the device (``to``: the runs in one buffer; on CUDA pinned and copied ``non_blocking``,
+    packed for the device (``to_device``: the runs in one buffer; on CUDA pinned and copied ``non_blocking``,
     here a CPU tensor). The per-token maps are expanded later, on the device, on first use."""
     d = build_dispatch(plan, r)
-    d.to("cpu")
-    d.shared().to("cpu")
+    to_device(d, "cpu")
     return d
 
 
 def _expand_all(d):
     """Expand (torch, CPU here) every map a forward + backward with the merged call reads."""
-    dd = d.to("cpu")
+    dd = to_device(d, "cpu")
     for name in ("q_send_index", "kv_send_index", "q_rows", "ret_rows", "self_rows", "self_local",
                  "kv_send_uniq", "kv_send_slot"):
         getattr(dd, name)
@@ -361,7 +363,7 @@ def main(argv=None):
     ap.add_argument("--host-cases", nargs="+", default=list(HOST_CASES), metavar="DIST:LAYOUT",
                     help="host-path cases (default: all four)")
     ap.add_argument("--sent-last", action="store_true",
-                    help="host path: re-order each plan with cadlib.sentlast first (timed)")
+                    help="host path: re-order each plan with cadlib.scheduling.sentlast first (timed)")
     args = ap.parse_args(argv)
     if args.quick:
         args.servers, args.tokens_per_rank, args.runs = [8, 64], [128 * 1024], 1

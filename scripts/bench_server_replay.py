@@ -10,7 +10,7 @@ what the server's own overhead costs (the KV rows it gathers), apart from everyt
 
 Methods (``--methods``): ``colocated`` (every rank serves its own chunks: ``scheduler.colocated``),
 ``cad`` (the scheduler's plan), ``cad-pingpong`` (the two nano-batches' plans, summed per rank); a
-``+sl`` suffix takes the ``--sent-last`` layout (:mod:`cadlib.sentlast`). Per batch: each method's
+``+sl`` suffix takes the ``--sent-last`` layout (:mod:`cadlib.scheduling.sentlast`). Per batch: each method's
 slowest rank against colocated's slowest (the straggler) and mean (perfect balance):
 ``recovered = (colocated max - method max) / (colocated max - colocated mean)``.
 
@@ -30,11 +30,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from benchutil import time_fn  # noqa: E402
-from cadlib import e2e, scheduler, train  # noqa: E402
-from cadlib.dispatch import build_dispatch  # noqa: E402
-from cadlib.packing import pack  # noqa: E402
-from cadlib.results import save_result  # noqa: E402
-from cadlib.stages import _OFF, _Serve  # noqa: E402
+
+from cadlib import train  # noqa: E402
+from cadlib.core import defaults  # noqa: E402
+from cadlib.data.packing import pack  # noqa: E402
+from cadlib.dispatch.build import build_dispatch  # noqa: E402
+from cadlib.infra.results import save_result  # noqa: E402
+from cadlib.runtime.device import to_device  # noqa: E402
+from cadlib.runtime.stages import _OFF, _Serve  # noqa: E402
+from cadlib.scheduling import (
+    recipes,  # noqa: E402
+    scheduler,  # noqa: E402
+)
 
 METHODS = ("colocated", "cad", "cad-pingpong", "cad+sl", "cad-pingpong+sl")
 
@@ -48,8 +55,8 @@ def plans_of(method: str, layout, args) -> list:
         return [scheduler.colocated(layout)]
     args = argparse.Namespace(**{**vars(args), "sent_last": sl})
     if base == "cad":
-        return [train.cad_plan(layout, args, args.spec)]
-    return list(train.nano_plans(layout, args, args.spec)[1])
+        return [recipes.cad_plan(layout, args, args.spec)]
+    return list(recipes.nano_plans(layout, args, args.spec)[1])
 
 
 def serve_once(dd, spec, device, dtype, backend, gen):
@@ -75,14 +82,14 @@ def replay(args, device, dtype, backend) -> list[dict]:
     gen = torch.Generator(device=device).manual_seed(0)
     rows = []
     for b in range(args.batches):
-        docs = train.batch_docs(args, b, args.world)
+        docs = recipes.batch_docs(args, b, args.world)
         layout = pack(docs, args.world, args.tokens_per_rank, method="sequential", model=args.model)
         for method in args.replay_methods:
             plans = plans_of(method, layout, args)
             for rank in range(args.world):
                 ms, n_q, n_kv, g_q, g_kv = 0.0, 0, 0, 0, 0
                 for plan in plans:
-                    dd = build_dispatch(plan, rank).to(device)
+                    dd = to_device(build_dispatch(plan, rank), device)
                     if dd.meta.n_tasks == 0:
                         continue
                     fn, nq, nkv = serve_once(dd, args.spec, device, dtype, backend, gen)
@@ -133,9 +140,9 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", type=int, default=10)
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--model", default="llama3-8b")
-    ap.add_argument("--tolerance", type=float, default=e2e.DEFAULT_TOLERANCE)
+    ap.add_argument("--tolerance", type=float, default=defaults.DEFAULT_TOLERANCE)
     ap.add_argument("--min-shard", type=int, default=512)
-    ap.add_argument("--nano-split", default=e2e.DEFAULT_NANO_SPLIT, choices=("whole", "docs"))
+    ap.add_argument("--nano-split", default=defaults.DEFAULT_NANO_SPLIT, choices=("whole", "docs"))
     ap.add_argument("--uniform-len", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--iters", type=int, default=3)
@@ -166,7 +173,7 @@ def main(argv=None) -> int:
                                                                               a.iters, a.warmup)
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    from cadlib import kernels
+    from cadlib.runtime import kernels
     backend = kernels.resolve_backend(a.backend, device, dtype, args.spec.head_dim)
     rows = replay(args, device, dtype, backend)
     out = summarise(rows, a.world)

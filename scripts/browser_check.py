@@ -33,7 +33,7 @@ import urllib.request
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from cadlib import proctree  # noqa: E402
+from cadlib.infra import proctree  # noqa: E402
 
 LAB_SETTINGS = {   # JupyterLab user settings for the run: every cell in the DOM, no autosave, no popups
     "@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {"windowingMode": "none"},

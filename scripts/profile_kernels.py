@@ -1,5 +1,5 @@
 """Profile the attention server's fused kernel: latency over (query length, KV length) and fused-call
-shapes, forward and forward+backward, for :class:`cadlib.measured.MeasuredCost`.
+shapes, forward and forward+backward, for :class:`cadlib.core.measured.MeasuredCost`.
 
 * ``task`` rows: one fused call of ``n_seg`` identical causal segments, ``q_len`` queries the suffix
   of ``kv_len`` KV tokens each; ``n_seg`` makes the call big enough to time (about ``--target-pairs``
@@ -8,7 +8,7 @@ shapes, forward and forward+backward, for :class:`cadlib.measured.MeasuredCost`.
 
 CUDA events after warm-up (perf_counter on the CPU); points run cheapest first within
 ``--time-budget-s`` (per backend, shared equally), the ones not reached are listed in
-``not_reached``. Writes ``{"meta", "config", "results"}`` with :func:`cadlib.results.save_result`.
+``not_reached``. Writes ``{"meta", "config", "results"}`` with :func:`cadlib.infra.results.save_result`.
 
     python scripts/profile_kernels.py --backends fa4,torch_flash --time-budget-s 170 \\
         --out results/kernel_profile_h200.json                              # 1x H200, llama3-8b heads
@@ -27,9 +27,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from benchutil import backend_versions, rand, time_fn  # noqa: E402
-from cadlib import kernels  # noqa: E402
-from cadlib.measured import segment_pairs  # noqa: E402
-from cadlib.results import RESULTS_DIR, save_result  # noqa: E402
+
+from cadlib.core.measured import segment_pairs  # noqa: E402
+from cadlib.infra.results import RESULTS_DIR, save_result  # noqa: E402
+from cadlib.runtime import kernels  # noqa: E402
 
 FULL = {"q": [128, 256, 512, 1024, 2048, 8192], "kv": [128, 512, 2048, 8192, 32768, 65536],
         "fused": (512, 8192), "heads": (32, 8, 128), "target_pairs": 1 << 28, "max_seg": 64,

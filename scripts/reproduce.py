@@ -15,7 +15,7 @@ stops the run with a message naming the notebook, the parameter and what is vali
 Executed notebooks land in runs/<timestamp>-<profile>/ with their HTML (every plotly figure drawn;
 plotly.js loaded from plotly.min.js beside them), report.md, a self-contained report.html with each
 notebook's summary, key figures and the paper-vs-ours metrics that its cells recorded through
-``cadlib.report.record``, ending with the table of every claim of the papers (``cadlib.claims``: a
+``cadlib.analysis.report.record``, ending with the table of every claim of the papers (``cadlib.analysis.claims``: a
 claim this profile did not run says so; end-to-end ones fall back to the committed results), and
 report.json. Exit status 1 when any notebook failed.
 """
@@ -36,8 +36,12 @@ import tokenize
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from cadlib import claims, report  # noqa: E402
-from cadlib.results import atomic_write_text, environment_info, new_run_dir  # noqa: E402
+from cadlib.analysis import (  # noqa: E402
+    claims,
+    figures_html,  # noqa: E402
+    report,
+)
+from cadlib.infra.results import atomic_write_text, environment_info, new_run_dir  # noqa: E402
 
 # Parameter profiles: per-notebook overrides on top of each notebook's own defaults (the defaults are the
 # CPU profile). Keys are substrings of notebook paths under notebooks/ ("*": every notebook that defines
@@ -86,8 +90,8 @@ RULES: dict[str, dict] = {
     "dp_sizes": {"min": 1, "nonempty": True},
     "context_lengths": {"min": 1, "nonempty": True},
     "tolerances": {"min": 0, "nonempty": True},
-    "distribution": {"check": "cadlib.workload:sample_kwargs", "split": ","},
-    "model_name": {"check": "cadlib.cost:as_model"},
+    "distribution": {"check": "cadlib.data.workload:sample_kwargs", "split": ","},
+    "model_name": {"check": "cadlib.core.cost:as_model"},
     "dtype": {"choices": ["fp32", "bf16", "fp16"]},
     "cases": {"choices": "cadlib.verify:CASES", "split": ","},
 }
@@ -341,7 +345,7 @@ def run_notebook(nb: pathlib.Path, out: pathlib.Path, params: dict, run_dir: pat
     row = {"notebook": rel(nb), "parameters": params, "executed": str(out), "error": "", "links": {}}
     env = {"CADLIB_REPORT_DIR": str(run_dir), "CADLIB_NOTEBOOK": rel(nb)}
     saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)                    # the kernel inherits these: cadlib.report.record writes
+    os.environ.update(env)                    # the kernel inherits these: cadlib.analysis.report.record writes
     t0 = time.perf_counter()
     try:
         pm.execute_notebook(str(nb), str(out), parameters=params, cwd=str(nb.parent),
@@ -418,8 +422,8 @@ def main(argv=None) -> int:
             row["links"]["ipynb"] = out.name
             if not args.no_html:
                 try:
-                    report.write_plotlyjs(run_dir)
-                    report.notebook_html(out, out.with_suffix(".html"), plotlyjs_src="plotly.min.js")
+                    figures_html.write_plotlyjs(run_dir)
+                    figures_html.notebook_html(out, out.with_suffix(".html"), plotlyjs_src="plotly.min.js")
                     row["links"]["html"] = out.with_suffix(".html").name
                 except Exception as e:  # the report must not fail because a viewer could not be made
                     print(f"  (html export of {out.name} failed: {type(e).__name__}: {e})")

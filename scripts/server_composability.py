@@ -7,7 +7,7 @@ fused call, three ways (``--kv-share``):
   KV prefix ``[0, b)`` (what the committed ``..._lpt_*.json`` files measured);
 * ``copy``: the whole server path with ``kv_share="copy"``: gather one prefix copy per task, the
   kernel, and (backward) the fp32 ``index_add_`` of every copy's dK/dV;
-* ``merged``: the server path with ``kv_share="merged"`` (:mod:`cadlib.kvshare`): contiguous shards
+* ``merged``: the server path with ``kv_share="merged"`` (:mod:`cadlib.dispatch.kvshare`): contiguous shards
   as one segment over one KV copy.
 
 ``--pattern all`` gives the server every shard of the document (they merge into one segment);
@@ -21,13 +21,15 @@ exceeds ``--mem-budget-gb`` is skipped with the reason; an out-of-memory error i
 from __future__ import annotations
 
 import torch
-
 from benchutil import GB, peak_gb, rand, reset_peak, tflops, time_fn
-from cadlib import kernels
-from cadlib.cost import ModelSpec, causal_pairs
-from cadlib.dispatch import build_dispatch
-from cadlib.plan import CATask, Layout, Plan
-from cadlib.server import serve_backward_tasks, serve_forward
+
+from cadlib.core.cost import ModelSpec, causal_pairs
+from cadlib.core.layout import Layout
+from cadlib.core.plan import CATask, Plan
+from cadlib.dispatch.build import build_dispatch
+from cadlib.runtime import kernels
+from cadlib.runtime.device import to_device
+from cadlib.runtime.server import serve_backward_tasks, serve_forward
 
 MODES = ("merged", "copy", "kernel")
 PATTERNS = ("all", "alternate")
@@ -63,7 +65,7 @@ def server_dispatch(doc_len: int, bounds, pattern: str, device):
     layout = Layout([[(0, 0, doc_len)], []] if two else [[(0, 0, doc_len)]], [doc_len])
     tasks = [CATask(0, a, b, 0, (i % 2) if two else 0) for i, (a, b) in enumerate(bounds)]
     d = build_dispatch(Plan(layout, tasks), 0)
-    return d.to(device), [(a, b) for i, (a, b) in enumerate(bounds) if not two or i % 2 == 0]
+    return to_device(d, device), [(a, b) for i, (a, b) in enumerate(bounds) if not two or i % 2 == 0]
 
 
 def _kernel_fns(q, k, v, mine, order, backend, device, backward):

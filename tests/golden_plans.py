@@ -19,14 +19,14 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from cadlib import scheduler  # noqa: E402
-from cadlib.cost import as_model  # noqa: E402
-from cadlib.dispatch import build_dispatch  # noqa: E402
-from cadlib.e2e import load_committed  # noqa: E402
-from cadlib.packing import pack  # noqa: E402
-from cadlib.scheduler import place  # noqa: E402
-from cadlib.train import batch_docs, cad_plan, nano_plans  # noqa: E402
-from cadlib.workload import sample_docs, sample_kwargs  # noqa: E402
+from cadlib.analysis.e2e import load_committed  # noqa: E402
+from cadlib.core.cost import as_model  # noqa: E402
+from cadlib.data.packing import pack  # noqa: E402
+from cadlib.data.workload import sample_docs, sample_kwargs  # noqa: E402
+from cadlib.dispatch.build import build_dispatch  # noqa: E402
+from cadlib.scheduling import scheduler  # noqa: E402
+from cadlib.scheduling.recipes import batch_docs, cad_plan, nano_plans  # noqa: E402
+from cadlib.scheduling.scheduler import place  # noqa: E402
 
 GOLDEN = ROOT / "tests" / "golden" / "plans.json"
 GRID_DISTS = ("distca-pretrain", "prolong")

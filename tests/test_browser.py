@@ -12,7 +12,7 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_notebook
 
-from cadlib import proctree
+from cadlib.infra import proctree
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(os.environ.get("CADLIB_BROWSER_TEST") != "1",

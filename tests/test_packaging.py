@@ -51,4 +51,4 @@ def test_paper_figures_are_defined_once():
     for path in (ROOT / "cadlib").rglob("*.py"):
         if path.name == "paper.py":
             continue
-        assert "1.35" not in path.read_text(), f"{path} restates a paper figure; import cadlib.paper"
+        assert "1.35" not in path.read_text(), f"{path} restates a paper figure; import cadlib.core.paper"

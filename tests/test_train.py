@@ -10,14 +10,15 @@ import numpy as np
 import pytest
 import torch
 
-from cadlib import scheduler
-from cadlib.cost import ModelSpec
-from cadlib.packing import pack
-from cadlib.pingpong import split_nano_batches
-from cadlib.plan import Layout
-from cadlib.stages import staged_attention
-from cadlib.verify import global_rows, random_inputs, rank_inputs, reference_errors
-from cadlib.workload import sample_docs
+from cadlib.core.cost import ModelSpec
+from cadlib.core.layout import Layout
+from cadlib.cp import layout_rows as global_rows
+from cadlib.data.packing import pack
+from cadlib.data.workload import sample_docs
+from cadlib.runtime.stages import staged_attention
+from cadlib.scheduling import recipes, scheduler
+from cadlib.scheduling.nanosplit import split_nano_batches
+from cadlib.testing import random_inputs, rank_inputs, reference_errors
 
 TINY = ModelSpec.from_name("tiny")
 TINY_HEADS = (TINY.n_heads, TINY.n_kv_heads, TINY.head_dim)
@@ -53,7 +54,7 @@ def test_nano_batches_keep_documents_whole(balance, seed):
 
 
 def test_comm_group_rejects_bad_ctas():
-    from cadlib.distributed import comm_group
+    from cadlib.infra.groups import comm_group
     for bad in (0, -2, 2.5, True, "4"):
         with pytest.raises(ValueError, match="max_ctas must be a positive int"):
             comm_group(None, bad)
@@ -79,7 +80,7 @@ def test_timeline_batches_auto_picks_the_two_worst_stragglers():
     from cadlib import train
     args = train.parse_args(["--tokens-per-rank", "4096", "--steps", "6", "--timeline-batches", "auto"])
     picked = train.timeline_batches(args, 2)
-    imb = {b: scheduler.colocated(train.pack(train.batch_docs(args, b, 2), 2, 4096, method="sequential",
+    imb = {b: scheduler.colocated(pack(recipes.batch_docs(args, b, 2), 2, 4096, method="sequential",
                                              model=args.model)).imbalance() for b in range(6)}
     assert len(picked) == 2 and min(imb[b] for b in picked) >= max(imb[b] for b in set(imb) - picked)
     assert train.timeline_batches(train.parse_args(["--timeline-batches", "3,1"]), 2) == {1, 3}
@@ -90,11 +91,11 @@ def test_timeline_batches_auto_picks_the_two_worst_stragglers():
 @pytest.mark.parametrize("sent_last", [False, True])
 @pytest.mark.parametrize("world", [2, 4])
 def test_methods_agree_on_loss_and_gradients(world, sent_last, tmp_path):
-    launch = pytest.importorskip("cadlib.launch")
+    launch = pytest.importorskip("cadlib.infra.launch")
     methods = ["colocated", "wlb", "cad", "cad-pingpong"]
     split = "whole" if world == 2 else "docs"          # ping-pong's nano-batches: both forms
     own = ["--comm-ctas", "2"] if world == 4 else []    # CAD's all-to-alls on a group of their own
-    if sent_last:                                       # donors' rows sent last (cadlib.sentlast)
+    if sent_last:                                       # donors' rows sent last (cadlib.scheduling.sentlast)
         methods, own = ["colocated", "cad", "cad-pingpong"], own + ["--sent-last"]
     df = launch.run_torchrun("cadlib.train", world,
                              own + ["--methods", ",".join(methods), "--nano-split", split,
@@ -125,11 +126,11 @@ def test_methods_agree_on_loss_and_gradients(world, sent_last, tmp_path):
 
 def test_signal_only_receives_real_values_not_zeros():
     """The control's received rows are the receiver's own rows, cycled and packed as the sender packs:
-    on zeros a GPU's attention runs ~16% faster (scripts/probe_input_values.py)."""
+    on zeros a GPU's attention runs ~16% faster (scripts/probes/probe_input_values.py)."""
     from functools import partial
 
-    from cadlib.cad import cycled_rows, pack_rows, unpack_rows
-    from cadlib.stages import received_like
+    from cadlib.runtime.cad import cycled_rows, pack_rows, unpack_rows
+    from cadlib.runtime.stages import received_like
     k = torch.randn(5, 2, 4)
     lse = torch.randn(5, 3)                        # another dtype width, packed beside k as bytes
     send = pack_rows([k[:2], lse[:2]])

@@ -10,7 +10,7 @@ of an explicit process group and computes its core attention. Every mechanism of
                                              # differentiable in q, k, v; lse float32 [n_local, Hq]
 
 The mask is given by ``doc_lens`` and ``causal``: ``full`` / ``causal`` are one document of length
-``T``; ``full_document`` / ``causal_document`` are several (see :mod:`cadlib.masks`). Token ``i`` of a
+``T``; ``full_document`` / ``causal_document`` are several (see :mod:`cadlib.data.masks`). Token ``i`` of a
 document attends to tokens ``[0, i]`` (causal) or all tokens (full) of its own document. No
 mechanism requires document lengths, or ``T``, to divide by the group size; those that need equal
 shards pad internally and say so in their docstring.
@@ -34,7 +34,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..plan import Chunk, Layout
+from ..core.layout import Chunk, Layout
 
 MECHANISMS = ("allgather", "ring", "ulysses", "usp", "cad")
 

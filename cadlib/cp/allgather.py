@@ -5,7 +5,7 @@ computes attention for exactly those queries. Causal per document: token ``i`` o
 to tokens ``[0, i]`` of the same document (``causal=False``: to the whole document). A document held
 by one rank needs nothing from elsewhere; the K, V rows of every document held by more than one rank
 ("shared" documents) are all-gathered over the group, so each rank can read any shared document's
-prefix. Then ONE fused varlen call (:func:`cadlib.kernels.attend`) computes every local chunk
+prefix. Then ONE fused varlen call (:func:`cadlib.runtime.kernels.attend`) computes every local chunk
 ``(d, s, e)`` as one segment: queries = the chunk's ``e - s`` rows, KV = document ``d``'s prefix
 ``[0, e)`` (bottom-right causal alignment, as on an attention server)::
 
@@ -30,15 +30,14 @@ value is read on the host in the communication path.
 from __future__ import annotations
 
 import contextlib
-
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..kernels import attend, attend_backward
-from ..plan import Layout
+from ..core.layout import Layout
+from ..runtime.kernels import attend, attend_backward
 from . import CPMechanism, zigzag_layout
 
 _CACHE_ATTR = "_cp_allgather_meta"
@@ -157,7 +156,7 @@ def prepare(layout: Layout, group, device, causal: bool = True) -> DeviceGatherM
     """This rank's metadata on ``device``, built once per ``(layout, rank, causal)`` and cached on the
     layout object. Raises ValueError when the layout's rank count differs from the group's size."""
     if not isinstance(layout, Layout):
-        raise ValueError(f"layout must be a cadlib.plan.Layout, got {type(layout).__name__}")
+        raise ValueError(f"layout must be a cadlib.core.layout.Layout, got {type(layout).__name__}")
     rank = dist.get_rank(group) if dist.is_initialized() else 0
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     if layout.n_ranks != world:
@@ -244,7 +243,7 @@ class AllGatherAttention(torch.autograd.Function):
 
 
 def _span(timeline, phase: str):
-    """``timeline.span("compute", phase)`` (a :class:`cadlib.stages.Timeline`), or nothing."""
+    """``timeline.span("compute", phase)`` (a :class:`cadlib.runtime.stages.Timeline`), or nothing."""
     return timeline.span("compute", phase) if timeline is not None else contextlib.nullcontext()
 
 
@@ -272,7 +271,7 @@ def layout_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
     """Per-document attention of this rank's tokens (layout order), K, V of documents held by several
     ranks all-gathered over ``group``. ``q [n_local, Hq, D]``, ``k, v [n_local, Hkv, D]``; returns
     ``o`` like ``q`` (and the float32 ``lse [n_local, Hq]`` with ``return_lse``). Differentiable in
-    q, k, v. Every check happens before any collective. ``timeline`` (a :class:`cadlib.stages.Timeline`)
+    q, k, v. Every check happens before any collective. ``timeline`` (a :class:`cadlib.runtime.stages.Timeline`)
     records the kernel calls alone as ``("compute", "attn")`` / ``"attn'"`` spans, without the
     all-gathers and the waits for other ranks inside them."""
     dm = prepare(layout, group, q.device, causal)

@@ -1,6 +1,6 @@
 """CAD as a CP mechanism: the linear layout stays where the tokens are (contiguous parts of the
-sequence), the CAD scheduler (:func:`cadlib.scheduler.schedule`) cuts the documents into CA-tasks and
-places them on attention servers, and :func:`cadlib.cad.cad_attention` runs them (all-to-all Q and
+sequence), the CAD scheduler (:func:`cadlib.scheduling.scheduler.schedule`) cuts the documents into CA-tasks and
+places them on attention servers, and :func:`cadlib.runtime.cad.cad_attention` runs them (all-to-all Q and
 deduplicated KV to the servers, one fused call per server, outputs back; exact backward).
 
 CA-tasks are causal, so CAD serves the causal masks (``causal``, ``causal_document``); asking for a
@@ -8,8 +8,9 @@ full mask raises ValueError.
 """
 from __future__ import annotations
 
-from ..cad import cad_attention
-from ..cost import MIN_SHARD_TOKENS, as_model
+from ..core.cost import MIN_SHARD_TOKENS, as_model
+from ..runtime.cad import cad_attention
+from ..scheduling.scheduler import schedule
 from . import CPMechanism, contiguous_layout
 
 
@@ -22,7 +23,6 @@ class CADCP(CPMechanism):
             raise ValueError("CAD serves causal masks only (CA-tasks are causal); use causal or "
                              "causal_document")
         super().__init__(group, doc_lens, causal, attn_backend)
-        from ..scheduler import schedule
 
         self.set_layout(contiguous_layout(self.doc_lens, self.world))
         self.plan = schedule(self.layout, model=as_model(model), tolerance=tolerance, min_shard=min_shard)

@@ -1,7 +1,7 @@
 """Check the CP mechanisms against a single-process reference (a torchrun entry; one launch, many cases).
 
     python -m torch.distributed.run --nproc-per-node 4 -m cadlib.cp.check --suite layout,protocol
-    # from a notebook or a test: cadlib.launch.run_torchrun("cadlib.cp.check", 4, [...], pg_backend="gloo")
+    # from a notebook or a test: cadlib.infra.launch.run_torchrun("cadlib.cp.check", 4, [...], pg_backend="gloo")
 
 Every rank builds the same problem from the seed (no broadcast): documents, global q, k, v, dO.
 Each rank takes its local rows, runs forward and backward, and the errors
@@ -16,7 +16,7 @@ math with autograd). Suites:
   among them) and at ``world - 1`` tokens (some ranks hold nothing, every document is shorter than
   the group); checks no NaN and that ``undispatch(dispatch(x)) == x``. CAD skips the full masks.
 
-Each rank writes its cases with :func:`cadlib.distributed.write_result`; exit code 1 if any failed.
+Each rank writes its cases with :func:`cadlib.infra.progress.write_result`; exit code 1 if any failed.
 """
 from __future__ import annotations
 
@@ -27,12 +27,13 @@ import time
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from ..distributed import destroy, init_from_env, log, report_progress, write_result
-from ..plan import Layout
-from ..verify import random_inputs, rank_inputs
+from ..infra.groups import destroy, init_from_env
+from ..infra.progress import log, report_progress, write_result
+from ..infra.results import save_result
+from ..testing import random_cp_layout, random_inputs, rank_inputs, reference_f64
 from . import MECHANISMS, layout_rows, make
+from .allgather import gathered_tokens, layout_attention, shared_docs
 
 SUITES = ("layout", "protocol")
 PROTOCOL_MASKS = ("full", "causal", "full_document", "causal_document")
@@ -43,32 +44,6 @@ RTOL = {"fp32": 1e-5, "bf16": 2e-2, "fp16": 5e-3}
 # ---------------------------------------------------------------------------------------------------
 # Problems
 # ---------------------------------------------------------------------------------------------------
-
-def random_layout(world: int, seed: int, max_len: int = 40) -> Layout:
-    """Random documents (several of 1 token, one long one) cut into 1-3 pieces on random ranks, chunk
-    order shuffled per rank. For even seeds the last rank (when ``world > 1``) holds only the last
-    token of the longest document (which is then split across ranks); for odd seeds every rank takes
-    pieces."""
-    rng = np.random.default_rng(seed)
-    lens = [int(x) for x in rng.integers(1, max_len, size=2 * world + 2)]
-    lens += [1, 1, 1, int(rng.integers(world * 3, world * 3 + max_len))]
-    rng.shuffle(lens)
-    empty_ish = seed % 2 == 0 and world > 1
-    busy = world - 1 if empty_ish else world
-    ranks: list[list[tuple[int, int, int]]] = [[] for _ in range(world)]
-    long_doc = int(np.argmax(lens))
-    for d, n in enumerate(lens):
-        if d == long_doc and empty_ish:
-            ranks[world - 1].append((d, n - 1, n))      # the nearly empty rank: one token of a split doc
-            n -= 1
-        cuts = sorted(set(int(c) for c in rng.integers(1, n, size=int(rng.integers(0, 3))))) if n > 1 else []
-        bounds = [0, *cuts, n]
-        for s, e in zip(bounds[:-1], bounds[1:]):
-            ranks[int(rng.integers(busy))].append((d, s, e))
-    for r in ranks:
-        rng.shuffle(r)
-    return Layout(ranks, lens)
-
 
 def protocol_docs(mask: str, world: int, seed: int, total: int) -> list[int]:
     """Document lengths of a protocol case: one document for ``full``/``causal``; for the document
@@ -83,23 +58,6 @@ def protocol_docs(mask: str, world: int, seed: int, total: int) -> list[int]:
         lens.append(int(rng.integers(1, hi)))
     lens[-1] -= sum(lens) - total
     return [n for n in lens if n > 0]
-
-
-def reference(q, k, v, dout, doc_lens, causal: bool):
-    """Per-document attention in float64 with autograd: returns o, dq, dk, dv (global, doc-major)."""
-    q, k, v, dout = (t.detach().double() for t in (q, k, v, dout))
-    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
-    rep = q.shape[1] // k.shape[1]
-    outs, pos = [], 0
-    for n in doc_lens:
-        sl = slice(pos, pos + n)
-        kd, vd = (t[sl].repeat_interleave(rep, 1).transpose(0, 1) for t in (k, v))
-        o = F.scaled_dot_product_attention(q[sl].transpose(0, 1), kd, vd, is_causal=causal)
-        outs.append(o.transpose(0, 1))
-        pos += n
-    o = torch.cat(outs)
-    o.backward(dout)
-    return o.detach(), q.grad, k.grad, v.grad
 
 
 ZERO_REF_FLOOR = 1e-3
@@ -134,14 +92,13 @@ def _run(fn, full, rows, doc_lens, causal, group, device):
     o = fn(q, k, v)
     o.backward(dout)
     elapsed = time.perf_counter() - t0
-    ref = reference(*full, doc_lens, causal)
+    ref = reference_f64(*full, doc_lens, causal)
     return {**_errors((o.detach(), q.grad, k.grad, v.grad), ref, rows, group, device), "fwd_bwd_s": elapsed}
 
 
 def check_layout(world, rank, group, device, dtype, seed, heads) -> dict:
-    from .allgather import gathered_tokens, layout_attention, shared_docs
 
-    layout = random_layout(world, seed)
+    layout = random_cp_layout(world, seed)
     full = random_inputs(layout.total_tokens, heads, seed, dtype, device)
     rows = torch.as_tensor(layout_rows(layout, rank), device=device)
     res = _run(lambda q, k, v: layout_attention(q, k, v, layout, group), full, rows, layout.doc_lens, True,
@@ -181,7 +138,7 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="fp32", choices=tuple(DTYPES))
     p.add_argument("--rtol", type=float, default=None)
     p.add_argument("--pg-backend", default=None)
-    p.add_argument("--out", default=None, help="also save rank 0's cases here (cadlib.results.save_result)")
+    p.add_argument("--out", default=None, help="also save rank 0's cases here (cadlib.infra.results.save_result)")
     args = p.parse_args(argv)
     for s in args.suite.split(","):
         if s not in SUITES:
@@ -225,7 +182,6 @@ def main(argv=None) -> int:
     write_result({"rank": env.rank, "world": env.world, "rtol": rtol, "passed": ok, "cases": results,
                   "config": vars(args)})
     if args.out and env.rank == 0:
-        from ..results import save_result
 
         save_result(args.out, {**vars(args), "world": env.world, "device": str(env.device)}, results,
                     passed=ok, rtol=rtol, zero_ref_floor=ZERO_REF_FLOOR)

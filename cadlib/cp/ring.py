@@ -3,7 +3,7 @@
 Rank ``r`` of a ring of ``W`` holds its tokens in layout order (the zigzag layout: pieces ``r`` and
 ``2W - 1 - r`` of the global sequence, so causal work is equal). In step ``s = 0 .. W-1`` it holds the
 K, V block of rank ``src = (r - s) mod W`` and computes the part of its queries' attention that falls
-on those keys, in ONE fused varlen call (:func:`cadlib.kernels.attend`), while the block travels on to
+on those keys, in ONE fused varlen call (:func:`cadlib.runtime.kernels.attend`), while the block travels on to
 ``r + 1`` (``isend``/``irecv`` started before the call: communication overlapped with compute).
 
 Per local query chunk ``c`` (doc ``d``, ``[a, b)``) and source chunk ``c'`` of the same document:
@@ -30,8 +30,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..kernels import attend, attend_backward
-from ..plan import Layout
+from ..core.layout import Layout
+from ..runtime.kernels import attend, attend_backward
 from . import CPMechanism, global_rank, zigzag_layout
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import torch.distributed as dist
 
-from . import CPMechanism, contiguous_layout, split_points, layout_rows, zigzag_layout
+from . import CPMechanism, contiguous_layout, global_rank, layout_rows, split_points, zigzag_layout
 from .ring import build_ring_meta, ring_attention
 from .ulysses import kv_head_map, ulysses_attention
 
@@ -28,7 +28,6 @@ def _subgroups(group, world: int, u: int):
     per Ulysses index ``i`` the group of ranks ``i, u + i, ...`` (group ranks of ``group``)."""
     if not dist.is_initialized() or world == 1:
         return [None], [None]
-    from . import global_rank
 
     ranks = tuple(global_rank(group, r) for r in range(world))
     key = (ranks, u)

@@ -19,7 +19,7 @@
 # half of tolerance each); comp (the composability benchmark with its bracketed reference on GPU 0 beside
 # FlexAttention's cells that the kernels stage's time budget left out, on GPU 1, ~3 min); e2e:DIST:TOKENS
 # (one NVLink setting, e.g. e2e:prolong:131072); verify (cadlib.verify, bf16, 2 GPUs, ~1 min); probe
-# (scripts/probe_comm_overlap.py on both links, ~2 min); sdpaeff (SDPA's memory-efficient backend on the
+# (scripts/probes/probe_comm_overlap.py on both links, ~2 min); sdpaeff (SDPA's memory-efficient backend on the
 # cells the kernels stage's budget left out, one half per GPU, ~3.5 min); replay (scripts/bench_server_replay.py,
 # the three settings of results/server_replay_2x_*.json over both GPUs, ~2 min). E2E_ARGS adds flags to every
 # e2e run (e.g. "--sent-last") and E2E_TAG its file-name tag (bench_e2e adds _sentlast itself); VERIFY_ARGS
@@ -72,7 +72,7 @@ st_probe() {  # NCCL's all-to-all beside attention and GEMMs, per CTA limit, on 
   for link in nvlink inter-node-like; do
     stage "probe $link start"; sfx=$link
     env $([ $link = inter-node-like ] && echo NCCL_P2P_DISABLE=1) timeout -k 10 150 torchrun --standalone \
-      --nproc-per-node 2 scripts/probe_comm_overlap.py $args --out "$OUT/comm_overlap_probe_2xh200_$sfx.json" \
+      --nproc-per-node 2 scripts/probes/probe_comm_overlap.py $args --out "$OUT/comm_overlap_probe_2xh200_$sfx.json" \
       --recommend-out "$OUT/e2e_args_$sfx" > "$OUT/probe_$sfx.log" 2>&1
     stage "probe $link rc=$? ($(grep -h 'recommended' "$OUT/probe_$sfx.log" | cut -c1-80))"
   done

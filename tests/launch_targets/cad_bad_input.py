@@ -7,9 +7,11 @@ torchrun --standalone --nproc-per-node=2 tests/launch_targets/cad_bad_input.py
 """
 import torch
 
-from cadlib.cad import cad_attention
-from cadlib.distributed import destroy, init_from_env, write_result
-from cadlib.plan import CATask, Layout, Plan
+from cadlib.core.layout import Layout
+from cadlib.core.plan import CATask, Plan
+from cadlib.infra.groups import destroy, init_from_env
+from cadlib.infra.progress import write_result
+from cadlib.runtime.cad import cad_attention
 
 
 def main():

@@ -2,7 +2,7 @@
 import sys
 from pathlib import Path
 
-from cadlib import launch
+from cadlib.infra import launch
 
 launch.KILL_GRACE_S = 1.0
 try:

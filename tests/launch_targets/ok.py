@@ -9,7 +9,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from cadlib.distributed import destroy, init_from_env, log, report_progress, write_result
+from cadlib.infra.groups import destroy, init_from_env
+from cadlib.infra.progress import log, report_progress, write_result
 
 
 def main():

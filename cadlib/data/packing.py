@@ -1,0 +1,217 @@
+"""Packing documents into the **linear layout**: which rank holds which tokens for the linear layers.
+
+* ``sequential`` fills rank 0, then rank 1, ... and cuts a document that crosses a rank boundary into
+  head/tail chunks (every rank holds exactly ``tokens_per_rank`` tokens), as DistCA does.
+* ``balanced`` is WLB-LLM-style variable-length packing that evens out the estimated cost per rank
+  under a token cap.
+* :func:`per_doc_zigzag_layout` is per-document context parallelism's layout: every document in ``2R``
+  pieces, rank ``r`` holding a head and a tail;
+* :func:`rank_costs` gives each rank's linear and attention load when every chunk runs where it lives.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Sequence
+
+import numpy as np
+
+from ..core.cost import ModelSpec, as_model, causal_pairs
+from ..core.layout import Chunk, Layout
+
+PACK_METHODS: tuple[str, ...] = ("sequential", "balanced")
+DEFAULT_CAP_FACTOR = 1.25
+"""``balanced`` packing lets a rank hold up to this many times ``tokens_per_rank`` tokens."""
+PIECE_COST_FRACTION = 0.5
+"""``balanced`` packing cuts a document costing more than this fraction of the mean rank cost into
+equal-cost pieces: no placement of a whole document can bring a rank's cost below the document's own.
+Half (not one) leaves LPT room to pair pieces; on 120 sampled batches (6 settings x 20 seeds) it
+lowered max/mean attention FLOPs vs sequential by 35% on average and never raised total-FLOP max/mean."""
+
+# ---------------------------------------------------------------------------------------------------
+# Packing into the linear layout
+# ---------------------------------------------------------------------------------------------------
+
+def _check_docs(doc_lens: Sequence[int]) -> list[int]:
+    lens = [int(n) for n in doc_lens]
+    if not lens:
+        raise ValueError("doc_lens is empty; pack needs at least one document")
+    for i, (n, raw) in enumerate(zip(lens, doc_lens)):
+        if n < 1 or n != raw:
+            raise ValueError(f"document {i} has length {raw!r}; document lengths must be integers >= 1")
+    return lens
+
+
+def _check_int(name: str, value) -> int:
+    """``value`` as an int if it is an integer >= 1 (Python or numpy), else ValueError."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    return int(value)
+
+
+def pack(doc_lens: Sequence[int], n_ranks: int, tokens_per_rank: int | None = None,
+         method: str = "sequential", model: ModelSpec | str | None = None,
+         cap: int | None = None) -> Layout:
+    """Place documents on ``n_ranks`` ranks for the linear layers; returns a validated ``Layout``.
+
+    ``sequential``: documents in order fill rank 0, then rank 1, ...; a document crossing a rank
+    boundary is cut into chunks, so every rank holds exactly ``tokens_per_rank`` tokens (default
+    ``sum(doc_lens) / n_ranks``, which must be whole; ``sum(doc_lens) == n_ranks * tokens_per_rank``).
+
+    ``balanced`` (WLB-LLM var-len packing): documents, costliest (= longest) first, go to the rank with
+    the lowest estimated cost ``attention_flops(pairs) + linear_flops_per_token * tokens`` (fwd+bwd,
+    all layers of ``model``, default llama3-8b) among ranks with room for the whole document, under a
+    token cap per rank (default ``floor(1.25 * tokens_per_rank)``, ``tokens_per_rank`` defaulting to
+    ``ceil(sum / n_ranks)``). A document costing more than ``PIECE_COST_FRACTION`` of the mean rank
+    cost is first cut into consecutive equal-cost pieces (head/tail chunks), placed like documents.
+    A piece that fits nowhere whole is cut again: its next chunk fills the rank with the most room
+    (ties: lowest cost), and so on until nothing is left. Ranks hold between 0 and ``cap`` tokens.
+    """
+    lens = _check_docs(doc_lens)
+    n_ranks = _check_int("n_ranks", n_ranks)
+    if method not in PACK_METHODS:
+        raise ValueError(f"unknown pack method {method!r}; choose one of: {', '.join(PACK_METHODS)}")
+    if tokens_per_rank is not None:
+        tokens_per_rank = _check_int("tokens_per_rank", tokens_per_rank)
+    if cap is not None:
+        cap = _check_int("cap", cap)
+    n_ranks, total = int(n_ranks), sum(lens)
+    if method == "sequential":
+        if cap is not None:
+            raise ValueError("cap applies only to method 'balanced'; sequential ranks hold exactly "
+                             "tokens_per_rank tokens")
+        if tokens_per_rank is None:
+            if total % n_ranks:
+                raise ValueError(f"{total} tokens do not split evenly over {n_ranks} ranks; pass "
+                                 "tokens_per_rank, or documents whose total is a multiple of n_ranks")
+            tokens_per_rank = total // n_ranks
+        if total != n_ranks * tokens_per_rank:
+            raise ValueError(f"sequential packing needs sum(doc_lens) == n_ranks * tokens_per_rank; got "
+                             f"{total} != {n_ranks} * {tokens_per_rank}")
+        return _pack_sequential(lens, n_ranks, int(tokens_per_rank))
+    if tokens_per_rank is None:
+        tokens_per_rank = -(-total // n_ranks)
+    if cap is None:
+        cap = int(DEFAULT_CAP_FACTOR * tokens_per_rank)
+    if cap < tokens_per_rank:
+        raise ValueError(f"cap ({cap}) must be >= tokens_per_rank ({tokens_per_rank})")
+    if total > n_ranks * cap:
+        raise ValueError(f"{total} tokens do not fit on {n_ranks} ranks of at most cap={cap} tokens; "
+                         "raise cap or tokens_per_rank")
+    return _pack_balanced(lens, n_ranks, int(cap), as_model(model))
+
+
+def _pack_sequential(lens: list[int], n_ranks: int, tokens_per_rank: int) -> Layout:
+    """Cut the concatenated token stream at multiples of ``tokens_per_rank``."""
+    ranks: list[list[Chunk]] = [[] for _ in range(n_ranks)]
+    rank, room = 0, tokens_per_rank
+    for d, n in enumerate(lens):
+        pos = 0
+        while pos < n:
+            take = min(n - pos, room)
+            ranks[rank].append(Chunk(d, pos, pos + take))
+            pos += take
+            room -= take
+            if room == 0 and rank + 1 < n_ranks:
+                rank, room = rank + 1, tokens_per_rank
+    return Layout(ranks, lens)
+
+
+def _pieces_by_cost(lens: list[int], n_ranks: int, a: float, b: float) -> list[tuple[float, int, int, int]]:
+    """Cut every document costing more than ``target = PIECE_COST_FRACTION * sum C(n_d) / n_ranks``
+    (half the mean rank cost) into ``k = ceil(C(n) / target)`` consecutive pieces of equal cost,
+    where the cost of tokens ``[0, e)`` is ``C(e) = a e(e+1)/2 + b e`` (``a``: FLOPs per attention
+    pair, ``b``: linear FLOPs per token), and the ``j``-th cut is ``C^-1(c), c = j C(n) / k``, with
+    ``C^-1(c) = 2c / (h + sqrt(h^2 + 2ac))``, ``h = a/2 + b``.
+    Returns ``(cost, doc, start, end)`` per piece."""
+    def cum(e):
+        return a * causal_pairs(0, e) + b * e
+
+    target = PIECE_COST_FRACTION * sum(cum(n) for n in lens) / n_ranks
+    h = a / 2 + b
+    out = []
+    for d, n in enumerate(lens):
+        k = max(1, math.ceil(cum(n) / target - 1e-9))
+        cuts = {min(n - 1, max(1, round(2 * c / (h + math.sqrt(h * h + 2 * a * c)))))
+                for c in (j * cum(n) / k for j in range(1, k))}
+        bounds = [0, *sorted(cuts), n] if n > 1 else [0, n]
+        out += [(cum(e) - cum(s), d, s, e) for s, e in zip(bounds[:-1], bounds[1:])]
+    return out
+
+
+def _pack_balanced(lens: list[int], n_ranks: int, cap: int, model: ModelSpec) -> Layout:
+    """Longest-cost-first greedy assignment to the cheapest rank with room (see ``pack``).
+
+    Cost of a piece ``[s, e)``: ``attention_flops(pairs(s, e)) + linear_flops_per_token * (e - s)``,
+    fwd+bwd over all layers. Causal pairs add up over consecutive pieces, so cutting a document moves
+    its attention work between ranks without changing the total."""
+    a = float(model.attention_flops(1, backward=True))
+    b = model.linear_flops_per_token(backward=True)
+    ranks: list[list[Chunk]] = [[] for _ in range(n_ranks)]
+    tokens = np.zeros(n_ranks, dtype=np.int64)
+    cost = np.zeros(n_ranks, dtype=np.float64)
+    for _, d, pos, end in sorted(_pieces_by_cost(lens, n_ranks, a, b), key=lambda p: (-p[0], p[1], p[2])):
+        while pos < end:
+            room = cap - tokens
+            fits = room >= end - pos
+            if fits.any():
+                r = int(np.argmin(np.where(fits, cost, np.inf)))
+            else:
+                r = int(np.lexsort((cost, -room))[0])         # most room, then lowest cost
+            take = int(min(end - pos, room[r]))
+            ranks[r].append(Chunk(d, pos, pos + take))
+            cost[r] += a * causal_pairs(pos, pos + take) + b * take
+            tokens[r] += take
+            pos += take
+    return Layout([_merge(r) for r in ranks], lens)
+
+
+def _merge(chunks: list[Chunk]) -> list[Chunk]:
+    """Sort a rank's chunks and join neighbours of one document (``[s, e)`` + ``[e, f)`` = ``[s, f)``)."""
+    out: list[Chunk] = []
+    for c in sorted(chunks):
+        if out and out[-1].doc == c.doc and out[-1].end == c.start:
+            out[-1] = Chunk(c.doc, out[-1].start, c.end)
+        else:
+            out.append(c)
+    return out
+
+
+def per_doc_zigzag_layout(doc_lens: Sequence[int], n_ranks: int) -> Layout:
+    """Per-document CP layout: each document cut into ``2R`` near-equal pieces (integer bounds
+    ``n*k // 2R``); rank ``r`` holds piece ``r`` (head) and piece ``2R-1-r`` (tail), so causal work
+    is balanced. Empty pieces of documents shorter than ``2R`` are dropped."""
+    if int(n_ranks) != n_ranks or n_ranks < 1:
+        raise ValueError(f"n_ranks must be an integer >= 1, got {n_ranks}")
+    R = int(n_ranks)
+    n = np.asarray([int(x) for x in doc_lens], dtype=np.int64)
+    piece = np.stack([np.arange(R), 2 * R - 1 - np.arange(R)], axis=1)[:, None, :]    # [R, 1, 2]
+    start, end = n[None, :, None] * piece // (2 * R), n[None, :, None] * (piece + 1) // (2 * R)
+    shape = (R, n.size, 2)                                  # rank-major, then document, head before tail
+    rows = np.stack([np.broadcast_to(np.arange(n.size)[None, :, None], shape), start, end,
+                     np.broadcast_to(np.arange(R)[:, None, None], shape)], axis=-1).reshape(-1, 4)
+    rows = rows[rows[:, 2] > rows[:, 1]]
+    rows.flags.writeable = False                            # handed over, not copied
+    return Layout.from_chunks(rows, n.tolist(), R)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Per-rank costs of a layout
+# ---------------------------------------------------------------------------------------------------
+
+def rank_costs(layout: Layout, model: ModelSpec | str | None = None, backward: bool = False,
+               layers: int | None = None) -> dict[str, np.ndarray]:
+    """Per-rank load of a layout when every chunk runs where it lives (no CAD).
+
+    A chunk ``(doc, s, e)`` is the causal CA-task ``[s, e)`` with KV prefix ``[0, e)``:
+    ``pairs = (e(e+1) - s(s+1)) / 2``. Returns arrays ``tokens``, ``attention_pairs``,
+    ``linear_flops`` (``tokens * linear_flops_per_token``), ``attention_flops``
+    (``4 * pairs * n_heads * head_dim`` per layer, x3.5 with backward) and ``total_flops``;
+    ``layers=None`` counts all of ``model``'s layers (default model llama3-8b)."""
+    m = as_model(model)
+    tokens = layout.tokens_per_rank()
+    pairs = np.array([sum(causal_pairs(c.start, c.end) for c in r) for r in layout.ranks], dtype=np.float64)
+    lin = tokens * m.linear_flops_per_token(backward=backward, layers=layers)
+    attn = np.asarray(m.attention_flops(pairs, backward=backward, layers=layers), dtype=np.float64)
+    return {"tokens": tokens, "attention_pairs": pairs, "linear_flops": lin, "attention_flops": attn,
+            "total_flops": lin + attn}

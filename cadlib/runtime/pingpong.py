@@ -1,0 +1,183 @@
+"""Ping-pong: two nano-batches per rank, so one's all-to-all hides behind the other's compute.
+
+Every rank's tokens form two **nano-batches** A and B. By default a document lies wholly in one of
+them (a query's KV prefix never crosses nano-batches), and each nano-batch has its own layout and its
+own plan, as DistCA plans its ping and pong batches independently. :func:`split_nano_batches` assigns
+documents so that every rank's two halves carry about the same tokens (so the linear layers of one
+can cover the communication of the other), or the same attention work (``balance="attention"``).
+With ``split_docs=True`` it may also cut a document: its prefix in A, the rest in B, whose attention
+then reads A's K, V of the prefix as KV-only context (:mod:`cadlib.scheduling.nanosplit`; B's send at tick 2
+runs after A's q, k, v of tick 0, and the backward sums both nano-batches' dK, dV into A's k, v).
+With ``--sent-last`` each nano-batch's rows are re-ordered for its own plan
+(:func:`cadlib.scheduling.sentlast.sent_last_nanos`; B's context indices follow A's new order).
+
+Per layer, the tick order of DistCA (compute stream | communication stream)::
+
+    tick 0   linear A (pre-attention)            |
+    tick 1   linear B                            |  send A (q, k, v -> servers)
+    tick 2   attention A (servers)               |  send B
+    tick 3   attention B                         |  return A (o -> homes)
+    tick 4   linear A (post, then next pre)      |  return B
+             ... next layer's tick 1 runs B's post-attention linear beside A's send
+
+Between ticks a two-way stream barrier (each stream waits for the other; no host synchronisation).
+The barrier is an autograd node that takes the live tensors of BOTH nano-batches and returns them:
+it joins the two chains at every tick, so the backward (plain ``loss.backward()``) meets the same
+barriers in mirror order, and each backward tick overlaps one nano-batch's communication (on the
+stream its forward used) with the other's compute. On CPU/gloo the same schedule runs in order.
+"""
+from __future__ import annotations
+
+import torch
+
+from .cad import check_inputs
+from .stages import _OFF, Streams, Timeline, ret, send, serve
+
+
+def _tuple(out) -> tuple:
+    """A custom Function returns a bare tensor for one output: make it a tuple again."""
+    return (out,) if isinstance(out, torch.Tensor) else tuple(out)
+
+
+class _Barrier(torch.autograd.Function):
+    """Identity on the live tensors of both nano-batches; a two-way stream barrier forward and
+    backward."""
+
+    @staticmethod
+    def forward(ctx, streams: Streams, *tensors):
+        streams.barrier()
+        ctx.streams = streams
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.streams.barrier()
+        return (None, *grads)
+
+
+class _SpanEnd(torch.autograd.Function):
+    """Identity; its backward opens the backward span of the block it closes (see :func:`_spanned`)."""
+
+    @staticmethod
+    def forward(ctx, tl, box, *tensors):
+        ctx.tl, ctx.box = tl, box
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.box["start"] = ctx.tl.mark()
+        return (None, None, *grads)
+
+
+class _SpanStart(torch.autograd.Function):
+    """Identity; its backward closes the backward span opened by the matching :class:`_SpanEnd`."""
+
+    @staticmethod
+    def forward(ctx, tl, box, lane, phase, *tensors):
+        ctx.tl, ctx.box, ctx.lane, ctx.phase = tl, box, lane, phase
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        if "start" in ctx.box:
+            ctx.tl.add(ctx.lane, ctx.phase, ctx.box.pop("start"), ctx.tl.mark())
+        return (None, None, None, None, *grads)
+
+
+def _spanned(tl: Timeline, phase: str, fn, *inputs):
+    """``fn(*inputs)`` recorded as ``("compute", phase)`` forward and ``("compute", phase + "'")``
+    backward (the backward span runs from the first gradient reaching the block's outputs to the
+    last one leaving through its inputs)."""
+    if not tl.enabled:
+        return fn(*inputs)
+    box: dict = {}
+    grad_in = [t for t in inputs if t.requires_grad]
+    if grad_in:
+        moved = iter(_tuple(_SpanStart.apply(tl, box, "compute", phase + "'", *grad_in)))
+        inputs = tuple(next(moved) if t.requires_grad else t for t in inputs)
+    with tl.span("compute", phase):
+        out = fn(*inputs)
+    single = isinstance(out, torch.Tensor)
+    outs = (out,) if single else tuple(out)
+    if grad_in and any(t.requires_grad for t in outs):
+        outs = _tuple(_SpanEnd.apply(tl, box, *outs))
+    return outs[0] if single else outs
+
+
+def pingpong_layers(model, xs, ropes, dds, comm, streams: Streams, attn_backend=None,
+                    tl: Timeline = _OFF, context=None):
+    """Run every decoder layer of ``model`` over nano-batches A and B in DistCA's tick order.
+
+    ``xs``: the two nano-batches' embeddings ``[n_A, hidden]``, ``[n_B, hidden]``; ``ropes``: their
+    ``(cos, sin)``; ``dds``: their :class:`~cadlib.runtime.device.DeviceDispatch` (one plan each).
+    ``context``: B's KV-only context on this rank (an int64 tensor of rows of A's local buffer,
+    :attr:`cadlib.scheduling.nanosplit.NanoBatch.context`; None or empty: none). B's plan then expects
+    ``n_B + len(context)`` local rows: q is padded with zeros, k and v take A's rows.
+    Returns the two residual streams after the last layer (before the final norm)."""
+    layers = list(model.layers)
+    st: dict[str, torch.Tensor] = {"xA": xs[0], "xB": xs[1]}
+    ctx = context if context is not None and context.numel() else None
+    n_ctx, n_b = (0 if ctx is None else ctx.numel()), xs[1].shape[0]
+
+    def barrier():
+        keys = [k for k, v in st.items() if v.requires_grad]
+        if keys:
+            st.update(zip(keys, _tuple(_Barrier.apply(streams, *[st[k] for k in keys]))))
+        else:
+            streams.barrier()
+
+    def pre(i, s):
+        q, k, v = _spanned(tl, f"linear {s}", lambda x: layers[i].pre_attention(x, *ropes["AB".index(s)]),
+                           st["x" + s])
+        if ctx is not None and s == "A":           # B's context rows, before A's send takes k, v
+            st["kcA"], st["vcA"] = k.index_select(0, ctx), v.index_select(0, ctx)
+        elif ctx is not None:
+            q = torch.cat([q, q.new_zeros((n_ctx, *q.shape[1:]))])
+            k, v = torch.cat([k, st.pop("kcA")]), torch.cat([v, st.pop("vcA")])
+        st["q" + s], st["k" + s], st["v" + s] = q, k, v
+
+    def post(i, s):
+        st["x" + s] = _spanned(tl, f"linear {s}", layers[i].post_attention, st["x" + s], st.pop("o" + s))
+
+    def send_(s):
+        d = dds["AB".index(s)]
+        bufs = send(st.pop("q" + s), st.pop("k" + s), st.pop("v" + s), d, comm, streams, tl, s)
+        st["qb" + s], st["kb" + s], st["vb" + s] = bufs
+
+    def serve_(s):
+        d = dds["AB".index(s)]
+        st["out" + s] = serve(st.pop("qb" + s), st.pop("kb" + s), st.pop("vb" + s), d, attn_backend, tl, s)
+
+    def ret_(s):
+        o = ret(st.pop("out" + s), dds["AB".index(s)], comm, streams, tl, s)
+        st["o" + s] = o[:n_b] if s == "B" and ctx is not None else o
+
+    pre(0, "A")                                        # tick 0
+    # every rank checks, before the first all-to-all: A's tensors fully, B's row count (B's q, k, v
+    # come from the same layer, so they share A's dtype, heads and head_dim)
+    attn_backend = check_inputs(st["qA"], st["kA"], st["vA"], dds[0].meta.n_local, attn_backend, comm.group)
+    for s, n, d in zip("AB", (xs[0].shape[0], n_b + n_ctx), dds):
+        if n != d.meta.n_local:
+            extra = f" ({n_b} tokens + {n_ctx} context rows)" if s == "B" and n_ctx else " tokens"
+            raise ValueError(f"nano-batch {s} has {n}{extra} on this rank but its plan expects "
+                             f"n_local={d.meta.n_local}")
+    for i in range(len(layers)):
+        barrier()                                      # tick 1: send A | linear B
+        send_("A")
+        if i > 0:
+            post(i - 1, "B")
+        pre(i, "B")
+        barrier()                                      # tick 2: send B | attention A
+        send_("B")
+        serve_("A")
+        barrier()                                      # tick 3: return A | attention B
+        ret_("A")
+        serve_("B")
+        barrier()                                      # tick 4: return B | linear A
+        ret_("B")
+        post(i, "A")
+        if i + 1 < len(layers):
+            pre(i + 1, "A")
+    barrier()
+    post(len(layers) - 1, "B")
+    return st["xA"], st["xB"]

@@ -1,0 +1,268 @@
+"""The claims registry (cadlib.core.paper.CLAIMS), verdicts, the end-to-end reader and the report's claims
+table."""
+import json
+import pathlib
+
+import pytest
+
+from cadlib.analysis import claims, report, server_bench
+from cadlib.core import paper
+from cadlib.infra.results import REPO_ROOT, save_result
+
+NOTEBOOKS = REPO_ROOT / "notebooks"
+BEING_BUILT = {"03_pingpong/01_overlap.ipynb", "04_benchmarks/01_end_to_end.ipynb"}
+
+
+def test_every_claim_is_complete_and_once():
+    assert len(paper.CLAIMS) == len(paper.CLAIMS_LIST) >= 20
+    for c in paper.CLAIMS_LIST:
+        assert c.id.startswith(("distca.", "longca.")) and c.claim and c.source and c.setting and c.verified
+        assert c.kind in report.KINDS
+        assert (NOTEBOOKS / c.notebook).exists() or c.notebook in BEING_BUILT, c.notebook
+        if c.paper is None:
+            assert c.text, f"{c.id}: a qualitative claim says what it claims"
+        elif isinstance(c.paper, tuple):
+            lo, hi = c.paper
+            assert (lo is not None or hi is not None) and (lo is None or hi is None or lo <= hi)
+        assert c.paper_str()
+    issue_claims = ["distca.idle_dp4", "distca.idle_dp8", "distca.speedup_max", "distca.speedup_3d_pretrain",
+                    "distca.cp_allgather_32nodes", "distca.memory_divergence", "distca.composability",
+                    "distca.tolerance_comm_cut", "distca.pingpong_gain", "distca.comm_hidden",
+                    "distca.scheduler_bytes", "longca.flop_accounting", "longca.sliding_window_count",
+                    "longca.published_figures"]
+    assert set(issue_claims) <= set(paper.CLAIMS)
+
+
+def test_figures_are_defined_once_and_old_names_still_work():
+    assert paper.CLAIMS["distca.idle_dp4"].paper == paper.DISTCA_IDLE_DP4.value == 19
+    assert paper.CLAIMS["distca.idle_dp8"].paper == paper.DISTCA_IDLE_DP8.value == 55
+    assert paper.CLAIMS["distca.speedup_max"].high == paper.DISTCA_MAX_SPEEDUP.value == 1.35
+    assert paper.CLAIMS["longca.flop_accounting"].paper == paper.LONGCA_MASK_TYPES.value
+    assert paper.DISTCA_IDLE_DP2.value == 2 and "1.35" in paper.compare(paper.DISTCA_MAX_SPEEDUP, 1.2)
+    assert paper.CLAIMS["distca.speedup_max"].paper_str() == "≤ 1.35x"
+    assert paper.CLAIMS["distca.speedup_3d_pretrain"].paper_str() == "1.07–1.2x"
+    with pytest.raises(ValueError, match="unknown claim 'nope'; choose one of: distca.idle_dp4"):
+        paper.claim("nope")
+
+
+@pytest.mark.parametrize("cid, ours, expected", [
+    ("distca.speedup_3d_pretrain", 1.1, "within the paper's range"),
+    ("distca.speedup_3d_pretrain", 1.0, "below the paper's range by 0.07x"),
+    ("distca.speedup_3d_pretrain", 1.3, "above the paper's range by 0.1x"),
+    ("distca.speedup_max", 0.5, "within the paper's range"),              # "up to": open below
+    ("distca.speedup_max", 1.45, "above the paper's range by 0.1x"),
+    ("distca.idle_dp8", 55, "matches the paper"),
+    ("distca.idle_dp8", 58, "matches the paper (within 10%)"),
+    ("distca.idle_dp4", 35.5, "above the paper by 16.5 points"),
+    ("distca.pingpong_gain", 1.0, "below the paper's range by 9 points"),
+    ("distca.scheduler_bytes", True, "holds"),
+    ("distca.composability", False, "does not hold"),
+    ("longca.published_figures", "own harness", "no paper figure to compare"),
+    ("distca.idle_dp4", None, "not run"),
+])
+def test_verdict(cid, ours, expected):
+    assert claims.verdict(cid, ours) == expected
+    assert claims.verdict(cid, ours, reason="why").endswith("; why")
+
+
+def test_verdict_rejects_non_numbers_and_takes_holds():
+    with pytest.raises(ValueError, match="finite number"):
+        claims.verdict("distca.idle_dp4", float("nan"))
+    assert claims.verdict("longca.sliding_window_count", 0.5, holds=True) == "holds"
+
+
+def test_record_writes_the_claim_with_its_verdict(tmp_path, monkeypatch):
+    monkeypatch.setenv("CADLIB_REPORT_DIR", str(tmp_path))
+    monkeypatch.setenv("CADLIB_NOTEBOOK", "01_imbalance/01_stragglers.ipynb")
+    row = claims.record("distca.idle_dp8", 63.9, how="sim", reason="batch not public")
+    assert row.loc[0, "paper"] == "55" and row.loc[0, "unit"] == "%"
+    assert "above the paper" in row.loc[0, "note"]
+    claims.record("distca.memory_divergence", 1.1, how="sim", setting="dp4")
+    claims.record("distca.memory_divergence", 1.3, how="sim", setting="dp8")
+    rows = {m["metric"]: m for m in report.load_metrics(tmp_path)}
+    assert set(rows) == {"distca.idle_dp8", "distca.memory_divergence@dp4", "distca.memory_divergence@dp8"}
+    assert rows["distca.idle_dp8"]["verdict"] == "above the paper by 8.9 points; batch not public"
+    assert rows["distca.memory_divergence@dp4"]["paper"] == [1.08, 1.2]
+    assert "Figure 3" in rows["distca.memory_divergence@dp4"]["paper_source"]
+    table = claims.claims_table(report.load_metrics(tmp_path), "cpu", results_dir=tmp_path)
+    div = [r for r in table if r["claim"].startswith("distca.memory_divergence")]
+    assert [r["ours"] for r in div] == ["1.1x (dp4)", "1.3x (dp8)"]
+    assert [r["verdict"] for r in div] == ["within the paper's range", "above the paper's range by 0.1x"]
+    with pytest.raises(ValueError, match="setting must be"):
+        claims.record("distca.idle_dp8", 1, how="x", setting="a@b")
+    with pytest.raises(ValueError, match="unknown claim"):
+        claims.record("distca.nope", 1, how="x")
+
+
+def _e2e(path, dist, steps):
+    per_batch = [{"batch": i, "step_ms colocated": c, "step_ms wlb": w, "step_ms cad": n,
+                  "step_ms cad-pingpong": p, "step_ms signal-only": s}
+                 for i, (c, w, n, p, s) in enumerate(steps)]
+    summary = {"mean_pingpong_gain": sum(b[2] / b[3] for b in steps) / len(steps),
+               "mean_exposed_comm_frac": sum((b[3] - b[4]) / b[3] for b in steps) / len(steps)}
+    save_result(path, {"model": "llama3-8b", "layers": 4, "tokens_per_rank": 65536, "dist": dist, "nproc": 2},
+                {"summary": summary, "per_batch": per_batch})
+
+
+def test_e2e_ours_reads_committed_style_results(tmp_path):
+    _e2e(tmp_path / "bench_e2e_2x_pretrain_64k_nvlink.json", "pretrain",
+         [(110.0, 120.0, 115.0, 100.0, 99.0), (120.0, 110.0, 110.0, 100.0, 98.0)])
+    rows = {r["claim"]: r for r in claims.e2e_ours(tmp_path)}
+    assert set(rows) == {"distca.speedup_3d_pretrain", "distca.pingpong_gain", "distca.comm_hidden"}
+    assert rows["distca.speedup_3d_pretrain"]["ours"] == pytest.approx(1.1)       # best baseline / CAD pp
+    assert rows["distca.speedup_3d_pretrain"]["verdict"] == "within the paper's range"
+    assert rows["distca.pingpong_gain"]["ours"] == pytest.approx(12.5)
+    assert rows["distca.comm_hidden"]["ours"] == pytest.approx(1.5)
+    assert rows["distca.pingpong_gain"]["setting"] == "pretrain_64k_2gpu_nvlink"
+    assert all(r["kind"].startswith("measured on ") for r in rows.values())
+    assert claims.e2e_ours(tmp_path / "empty") == []
+    # a variant of the same setting (another tolerance) is its own row, not a replacement
+    _e2e(tmp_path / "bench_e2e_2x_pretrain_64k_nvlink_eps0.02.json", "pretrain",
+         [(110.0, 120.0, 115.0, 100.0, 99.0)])
+    gains = {r["setting"]: r for r in claims.e2e_ours(tmp_path) if r["claim"] == "distca.pingpong_gain"}
+    assert set(gains) == {"pretrain_64k_2gpu_nvlink", "pretrain_64k_2gpu_nvlink_eps0.02"}
+    assert "(eps0.02)" in gains["pretrain_64k_2gpu_nvlink_eps0.02"]["how"]
+
+
+def test_e2e_ours_on_this_repositorys_results():
+    rows = claims.e2e_ours()
+    if not rows:
+        pytest.skip("no committed end-to-end results")
+    assert {r["claim"] for r in rows} <= set(claims.E2E_CLAIMS)
+    assert all("H200" in r["kind"] and r["verdict"] for r in rows)
+
+
+def test_record_e2e_records_every_setting(tmp_path, monkeypatch):
+    monkeypatch.setenv("CADLIB_REPORT_DIR", str(tmp_path / "run"))
+    _e2e(tmp_path / "bench_e2e_a.json", "pretrain", [(110.0, 120.0, 115.0, 100.0, 99.0)])
+    _e2e(tmp_path / "bench_e2e_b.json", "prolong", [(104.0, 103.0, 101.0, 100.0, 99.9)])
+    frame = claims.record_e2e(tmp_path)
+    assert len(frame) == 6
+    metrics = report.load_metrics(tmp_path / "run")
+    assert len(metrics) == 6 and all("@" in m["metric"] and m["verdict"] for m in metrics)
+
+
+def test_claims_table_shows_every_claim_run_or_not(tmp_path):
+    table = claims.claims_table([], "cpu", results_dir=tmp_path)
+    assert len(table) == len(paper.CLAIMS) and all(list(r) == claims.TABLE_COLUMNS for r in table)
+    by_id = {r["claim"].split(":")[0]: r for r in table}
+    assert by_id["distca.idle_dp4"]["verdict"] == "not run in profile cpu: its cell did not run"
+    assert by_id["distca.composability"]["verdict"].startswith("not run in profile cpu: measured on GPUs")
+    assert by_id["distca.speedup_4d_34b_prolong"]["verdict"].startswith("not reproduced: ")
+    assert by_id["distca.idle_dp4"]["paper"] == "19%" and by_id["distca.idle_dp4"]["ours"] == "—"
+    _e2e(tmp_path / "bench_e2e_x.json", "prolong", [(104.0, 103.0, 101.0, 100.0, 99.9)])
+    table = claims.claims_table([], "cpu", results_dir=tmp_path)
+    row = next(r for r in table if r["claim"].startswith("distca.speedup_3d_prolong"))
+    assert row["ours"] == "1.03x (prolong_64k_2gpu_nvlink)"
+    assert "committed results/bench_e2e_x.json" in row["kind"]
+    assert "not run in profile cpu" in row["kind"]
+    recorded = [{"metric": "distca.speedup_3d_prolong@run", "ours": 1.06, "kind": "measured on 2x H200",
+                 "notebook": "04_benchmarks/01_end_to_end.ipynb"}]
+    row = next(r for r in claims.claims_table(recorded, "h200x2", results_dir=tmp_path)
+               if r["claim"].startswith("distca.speedup_3d_prolong"))
+    assert row["ours"] == "1.06x (run)" and row["verdict"] == "within the paper's range"
+
+
+def test_report_ends_with_the_claims_table(tmp_path):
+    table = claims.claims_table([{"metric": "distca.idle_dp8", "ours": 55.0, "kind": "simulated"}], "cpu",
+                                results_dir=tmp_path)
+    md, html = report.write_report(tmp_path, [], {"device": "cpu"}, "cpu", [], claims=table)
+    text = md.read_text()
+    assert text.rstrip().splitlines()[-1].startswith("| longca.published_figures")
+    assert "## Claims: paper vs ours" in text and "| " + " | ".join(report.CLAIM_COLUMNS) + " |" in text
+    page = html.read_text()
+    assert page.index("Claims: paper vs ours") > page.index("Paper vs ours")
+    assert "class='claim-ok'" in page and "class='claim-missing'" in page
+    md, _ = report.write_report(tmp_path / "none", [], {"device": "cpu"}, "cpu", [])
+    assert "Claims: paper vs ours" not in md.read_text()
+    assert json.loads(json.dumps(table))                       # plain data, as report.json would hold it
+    assert pathlib.Path(claims.__file__).exists()
+
+
+def test_memory_divergence_is_measured_from_wlb_peak_memory():
+    """The worst batch's max/mean peak memory over ranks under WLB-ideal, recorded by the e2e notebook."""
+    from cadlib.analysis.claims import _memory_divergence
+    recs = [{"method": "wlb", "batch": 0, "rank": 0, "peak_mem_gib": 40.0},
+            {"method": "wlb", "batch": 0, "rank": 1, "peak_mem_gib": 40.0},
+            {"method": "wlb", "batch": 1, "rank": 0, "peak_mem_gib": 44.0},
+            {"method": "wlb", "batch": 1, "rank": 1, "peak_mem_gib": 36.0},
+            {"method": "colocated", "batch": 1, "rank": 0, "peak_mem_gib": 90.0}]
+    worst, median = _memory_divergence(recs, "wlb")
+    assert worst == pytest.approx(1.1) and median == pytest.approx(1.05)
+    assert _memory_divergence(recs, "cad") is None
+
+
+def _comp(tmp_path):
+
+    def row(doc, shard, kv, fb, fwd):
+        r = {"backend": "fa4", "doc_len": doc, "shard": shard, "fwd_tflops": 600.0, "fwd_vs_unsplit": fwd,
+             "fwd_bwd_tflops": 500.0, "fwd_bwd_vs_unsplit": fb}
+        return {**r, "kv_share": kv} if kv else r
+
+    for name, rows, commit, date in (
+            ("lpt", [row(16384, 128, None, 0.44, 0.97), row(16384, 512, None, 0.78, 0.96)], "9964619",
+             "2026-01-01"),
+            ("kvshare", [row(16384, 128, "merged", 0.92, 0.91), row(16384, 512, "merged", 0.90, 0.98),
+                         row(65536, 512, "merged", 0.99, 1.0), row(16384, 512, "kernel", 0.70, 0.94)],
+             "42d4937", "2026-02-01")):
+        (tmp_path / f"bench_attention_server_composability_1gpu_{name}.json").write_text(json.dumps(
+            {"meta": {"device": "1x H200", "commit": commit, "date": date}, "config": {"order": "lpt"},
+             "results": rows}))
+    return server_bench.composability(tmp_path)
+
+
+def test_composability_reports_the_merged_server_path_with_the_copies_beside(tmp_path):
+    got = {r["setting"]: r for r in claims.composability_ours(_comp(tmp_path))}
+    fb, fwd = got["fwd_bwd"], got["fwd"]
+    assert fb["ours"] == 0.9 and fb["holds"] and fb["before"] == 0.44      # lowest merged vs the first copies
+    assert fwd["ours"] == 0.91 and fwd["before"] == 0.96
+    assert "before (one KV copy per shard, kernel alone, commit 9964619): 0.440" in fb["note"]
+    assert "16K 0.90 (missed; single reference), 64K 0.99 (met; single reference)" in fb["note"]
+    table = claims.record_composability(_comp(tmp_path))
+    assert list(table.metric) == ["distca.composability@fwd", "distca.composability@fwd_bwd"]
+    assert claims.composability_ours(_comp(tmp_path)[lambda d: d.kv_share != "merged"]) == []
+
+
+def test_committed_composability_claim_holds_on_the_merged_path():
+    got = {r["setting"]: r for r in claims.composability_ours(server_bench.composability())}
+    if not got:
+        pytest.skip("no committed KV-sharing composability results")
+    assert got["fwd_bwd"]["holds"] and got["fwd_bwd"]["before"] < claims.NEAR_PEAK <= got["fwd_bwd"]["ours"]
+    note = got["fwd_bwd"]["note"]
+    assert "16K 0.97 (met; bracketed reference), earlier 0.90-0.90" in note and "64K 1.00 (met" in note
+
+
+def test_composability_claim_is_judged_on_each_documents_latest_run(tmp_path):
+    """A later run (here with the reference bracketed) replaces the earlier ones in ``ours`` and in the
+    target's verdict; the earlier range stays in the note."""
+    _comp(tmp_path)
+    rows = [{"backend": "fa4", "doc_len": 16384, "shard": 16384, "kv_share": "unsplit", "when": w,
+             "fwd_tflops": 600.0, "fwd_vs_unsplit": 1.0, "fwd_bwd_tflops": 500.0, "fwd_bwd_vs_unsplit": 1.0}
+            for w in ("before the cases", "after the cases")]
+    rows += [{"backend": "fa4", "doc_len": 16384, "shard": s, "kv_share": "merged", "fwd_tflops": 600.0,
+              "fwd_vs_unsplit": f, "fwd_bwd_tflops": 500.0, "fwd_bwd_vs_unsplit": fb}
+             for s, fb, f in ((128, 0.98, 1.02), (512, 0.96, 1.01))]
+    (tmp_path / "bench_attention_server_composability_1gpu_bracketed.json").write_text(json.dumps(
+        {"meta": {"device": "1x H200", "commit": "a90939d", "date": "2026-03-01"}, "config": {"order": "lpt"},
+         "results": rows}))
+    got = {r["setting"]: r for r in claims.composability_ours(server_bench.composability(tmp_path))}
+    fb = got["fwd_bwd"]
+    assert fb["ours"] == 0.96 and fb["before"] == 0.44 and "commits 42d4937, a90939d" in fb["how"]
+    assert "earlier merged runs (42d4937, the unsplit reference timed once): 0.900-0.920" in fb["note"]
+    assert ("16K 0.96 (met; bracketed reference), earlier 0.90-0.90, 64K 0.99 (met; single reference)"
+            in fb["note"])
+    t = server_bench.composability_targets(server_bench.composability(tmp_path))
+    assert list(t.latest) == [False, True, True] and list(t.reference) == ["single", "bracketed", "single"]
+
+
+def test_record_cost_model_reads_the_check(tmp_path):
+    assert claims.record_cost_model(tmp_path).empty
+    summ = [{"setting": "a", "mae_imbalance_pairs": 0.02, "mae_imbalance_model": 0.01,
+             "speedup_err_default_mean": 0.01, "speedup_err_model_mean": 0.02},
+            {"setting": "b", "mae_imbalance_pairs": 0.04, "mae_imbalance_model": 0.03}]
+    save_result(tmp_path / claims.COST_MODEL_CHECK, {}, {"summary": summ, "per_batch": []})
+    t = claims.record_cost_model(tmp_path).set_index("metric")
+    assert float(t.loc["cost_model.imbalance_mae_pairs", "ours"]) == 0.03
+    assert float(t.loc["cost_model.imbalance_mae_measured", "ours"]) == 0.02
+    assert float(t.loc["cost_model.speedup_error_measured", "ours"]) == 2.0
+    assert t.loc["cost_model.speedup_error_default", "unit"] == "%"

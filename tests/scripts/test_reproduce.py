@@ -1,0 +1,202 @@
+"""scripts/reproduce.py and cadlib.analysis.report: parameters checked up front, a real papermill run of tiny
+notebooks, metrics recorded by cells, and figures in the HTML."""
+import importlib.util
+import json
+import pathlib
+
+import nbformat
+import pytest
+from nbformat.v4 import new_code_cell, new_notebook
+
+from cadlib.analysis import figures_html, report
+from cadlib.core import paper
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+spec = importlib.util.spec_from_file_location("reproduce", ROOT / "scripts" / "reproduce.py")
+reproduce = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(reproduce)
+
+FIGURE = ("import plotly.graph_objects as go\n"
+          "go.Figure(go.Bar(x=[1, 2], y=[n, 2 * n]), layout=dict(title='tiny bars')).show()")
+
+
+def tiny_notebook(path, fail=False, params="n = 3\nlabel = 'x'\nsizes = [1, 2]", extra=()):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    cell = new_code_cell(params)
+    cell.metadata["tags"] = ["parameters"]
+    body = new_code_cell("assert n > 0, 'n must be positive'\nresult = n * 2")
+    summary = new_code_cell("print(f'{label}: doubled to {result}')")
+    summary.metadata["tags"] = ["summary"]
+    cells = [cell, body, summary, *extra] + ([new_code_cell("raise RuntimeError('boom')")] if fail else [])
+    nb = new_notebook(cells=cells)
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, path)
+    return path
+
+
+@pytest.fixture
+def repo(tmp_path, monkeypatch):
+    """A repository root with notebooks/a.ipynb and notebooks/sub/b.ipynb."""
+    monkeypatch.setattr(reproduce, "ROOT", tmp_path)
+    tiny_notebook(tmp_path / "notebooks" / "a.ipynb")
+    tiny_notebook(tmp_path / "notebooks" / "sub" / "b.ipynb", params="n_ranks = 4  # ranks = x\nseed = 0")
+    return tmp_path
+
+
+def test_parameters_cell_reads_names_defaults_comments_and_rules(repo):
+    nb = tiny_notebook(repo / "notebooks" / "c.ipynb", params=(
+        "steps = 10        # how many; default = 10 (papermill's inspector drops this line)\n"
+        "mode = 'auto'\nPARAMETER_RULES = {'steps': {'min': 5, 'max': 20}, 'mode': {'choices': ['a', 'b']}}"))
+    defaults, helps, rules = reproduce.parameters_cell(nb)
+    assert defaults == {"steps": 10, "mode": "auto"} and "PARAMETER_RULES" not in defaults
+    assert helps["steps"].startswith("how many")
+    assert rules == {"steps": {"min": 5, "max": 20}, "mode": {"choices": ["a", "b"]}}
+    nbs = [nb]
+    assert reproduce.plan_parameters(nbs, {}, {"steps": 7, "mode": "b"})[0][nb] == {"steps": 7, "mode": "b"}
+    assert reproduce.plan_parameters(nbs, {}, {"mode": "auto"})[0][nb] == {"mode": "auto"}   # its default
+    with pytest.raises(reproduce.ParameterError, match=r"c.ipynb: -p steps=30 is invalid: must be <= 20"):
+        reproduce.plan_parameters(nbs, {}, {"steps": 30})
+    with pytest.raises(reproduce.ParameterError, match=r"'z' is not one of: a, b"):
+        reproduce.plan_parameters(nbs, {}, {"mode": "z"})
+
+
+def test_overrides_apply_only_to_notebooks_that_define_them(repo):
+    a, b = repo / "notebooks" / "a.ipynb", repo / "notebooks" / "sub" / "b.ipynb"
+    over = reproduce.parse_overrides(["n=5", "label=hello", "seed=2"])
+    assert over == {"n": 5, "label": "hello", "seed": 2}
+    params, notes = reproduce.plan_parameters([a, b], {"*": {"n": 7}}, over)
+    assert params == {a: {"n": 5, "label": "hello"}, b: {"seed": 2}} and notes == []
+    assert reproduce.params_for(a, {"*": {"n": 7}}, {"label": "y"}) == {"n": 7, "label": "y"}
+    with pytest.raises(reproduce.ParameterError, match="name=value"):
+        reproduce.parse_overrides(["oops"])
+
+
+@pytest.mark.parametrize("override, message", [
+    ({"nosuchparam": 3}, r"unknown parameter 'nosuchparam': no selected notebook defines it. Valid names: "
+                         r"a.ipynb: label, n, sizes; sub/b.ipynb: n_ranks, seed"),
+    ({"n_ranks": -3}, r"sub/b.ipynb: -p n_ranks=-3 is invalid: must be >= 1"),
+    ({"n_ranks": 2.5}, r"sub/b.ipynb: -p n_ranks=2.5 is invalid: must be an integer \(default 4\)"),
+    ({"n": "3"}, r"a.ipynb: -p n='3' is invalid: must be an integer"),
+    ({"label": 3}, r"a.ipynb: -p label=3 is invalid: must be a string"),
+    ({"sizes": [1, 2.5]}, r"a.ipynb: -p sizes=\[1, 2.5\] is invalid: must be a list of integers"),
+    ({"sizes": 4}, r"must be a list"),
+])
+def test_bad_overrides_are_rejected_before_anything_runs(repo, override, message, capsys):
+    a, b = repo / "notebooks" / "a.ipynb", repo / "notebooks" / "sub" / "b.ipynb"
+    with pytest.raises(reproduce.ParameterError, match=message):
+        reproduce.plan_parameters([a, b], {}, override)
+    argv = [f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}" for k, v in override.items()]
+    rc = reproduce.main(["--out", str(repo / "runs"), *sum((["-p", x] for x in argv), [])])
+    assert rc == 2 and not (repo / "runs").exists()               # nothing ran, no run folder
+    assert "nothing was run" in capsys.readouterr().err
+
+
+def test_unknown_name_is_checked_against_the_selected_notebooks_only(repo, capsys):
+    rc = reproduce.main(["--out", str(repo / "runs"), "--only", "sub/", "-p", "n=3"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "unknown parameter 'n'" in err and "sub/b.ipynb: n_ranks, seed" in err and "a.ipynb" not in err
+
+
+def test_profiles_check_their_entries_and_skip_notebooks_not_present(repo):
+    a, b = repo / "notebooks" / "a.ipynb", repo / "notebooks" / "sub" / "b.ipynb"
+    profile = {"sub/b": {"n_ranks": 16}, "later/notebook": {"whatever": 1}, "a.ipynb": {}}
+    params, notes = reproduce.plan_parameters([a, b], profile, {}, all_notebooks=[a, b])
+    assert params == {a: {}, b: {"n_ranks": 16}}
+    assert notes == ["profile entry 'later/notebook' matches no notebook in this checkout; skipped"]
+    params, _ = reproduce.plan_parameters([a], profile, {}, all_notebooks=[a, b])   # --only a
+    assert params == {a: {}}
+    with pytest.raises(reproduce.ParameterError, match=r"sub/b.ipynb: profile parameter 'backend' is not "
+                                                       r"defined by the notebook; valid: n_ranks, seed"):
+        reproduce.plan_parameters([a, b], {"sub/b": {"backend": "nccl"}}, {})
+    with pytest.raises(reproduce.ParameterError, match=r"sub/b.ipynb: profile n_ranks=0 is invalid"):
+        reproduce.plan_parameters([a, b], {"sub/b": {"n_ranks": 0}}, {})
+    params, _ = reproduce.plan_parameters([a, b], {"sub/b": {"n_ranks": 0}}, {"n_ranks": 2})
+    assert params[b] == {"n_ranks": 2}                            # -p wins over the profile
+    with pytest.raises(reproduce.ParameterError, match=r"profile entry '\*': no notebook defines"):
+        reproduce.plan_parameters([a, b], {"*": {"backend": "nccl"}}, {})
+
+
+@pytest.mark.parametrize("profile", sorted(reproduce.PROFILES))
+def test_every_profile_is_valid_for_this_repository(profile):
+    nbs = reproduce.find_notebooks([])
+    params, notes = reproduce.plan_parameters(nbs, reproduce.PROFILES[profile], {})
+    assert set(params) == set(nbs)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("nosuchparam=3", "unknown parameter 'nosuchparam': no selected notebook defines it. Valid names: "
+                      "01_imbalance/01_stragglers.ipynb: "),
+    ("n_ranks=-3", "01_imbalance/01_stragglers.ipynb: -p n_ranks=-3 is invalid: must be >= 1"),
+    ("distribution='prolog'", "unknown distribution 'prolog'; choose one of: pretrain"),
+])
+def test_this_repositorys_notebooks_reject_bad_overrides_up_front(tmp_path, capsys, override, message):
+    assert reproduce.main(["--out", str(tmp_path / "runs"), "-p", override]) == 2
+    assert message in capsys.readouterr().err and not (tmp_path / "runs").exists()
+
+
+def test_record_writes_a_json_line_and_returns_a_row(tmp_path, monkeypatch):
+    monkeypatch.delenv("CADLIB_REPORT_DIR", raising=False)
+    row = report.record("speedup", 1.2, paper=paper.DISTCA_MAX_SPEEDUP, how="sim")
+    assert list(row.columns) == report.METRIC_COLUMNS and row.loc[0, "unit"] == "x"
+    assert row.loc[0, "paper"] == "1.35" and "abstract" in row.loc[0, "source"]
+    assert not list(tmp_path.iterdir())                          # no report dir: nothing written
+    monkeypatch.setenv("CADLIB_REPORT_DIR", str(tmp_path))
+    monkeypatch.setenv("CADLIB_NOTEBOOK", "x/y.ipynb")
+    report.record("idle", 0.2, paper=(0.19, 0.55), unit="", kind="simulated", note="n")
+    report.record("idle", 0.25, paper=(0.19, 0.55))              # a rerun of the cell replaces it
+    r = report.record("tf", 500, kind="measured")
+    assert r.loc[0, "kind"].startswith("measured on ")
+    rows = report.load_metrics(tmp_path)
+    assert [(m["metric"], m["ours"], m["notebook"]) for m in rows] == [("idle", 0.25, "x/y.ipynb"),
+                                                                      ("tf", 500, "x/y.ipynb")]
+    assert report.metrics_frame(rows).loc[0, "paper"] == "0.19–0.55"
+    for bad, match in [(dict(metric_id=""), "metric_id"), (dict(ours=[1]), "ours must be"),
+                       (dict(kind="guessed"), "kind must start with"), (dict(paper=(2, 1)), "low <= high"),
+                       (dict(ours=float("nan")), "finite"), (dict(unit=3), "unit must be a string")]:
+        with pytest.raises(ValueError, match=match):
+            report.record(**{"metric_id": "m", "ours": 1, **bad})
+
+
+def test_run_writes_report_with_summary_metrics_figures_and_failures(repo):
+    rec = new_code_cell("from cadlib.analysis import report\nreport.record('doubled', result, paper=6, how='n * 2')")
+    fig = new_code_cell(FIGURE)
+    fig.metadata["tags"] = ["figure"]
+    untagged = new_code_cell(FIGURE.replace("tiny bars", "not in the report"))
+    tiny_notebook(repo / "notebooks" / "a.ipynb", extra=[rec, fig, untagged])
+    tiny_notebook(repo / "notebooks" / "bad.ipynb", fail=True)
+    rc = reproduce.main(["--out", str(repo / "runs"), "--only", "a.ipynb", "--only", "bad", "-p", "n=4",
+                         "--publish", str(repo / "results" / "reports")])
+    assert rc == 1                                                # one notebook failed
+    run = next((repo / "runs").iterdir())
+    rows = json.loads((run / "report.json").read_text())["notebooks"]
+    assert {r["notebook"]: r["status"] for r in rows} == {"a.ipynb": "ok", "bad.ipynb": "failed"}
+    md = (run / "report.md").read_text()
+    assert "x: doubled to 8" in md and "boom" in md and "1/2 notebooks ran cleanly" in md
+    assert "| doubled | 6 | 8 |" in md                            # paper vs ours, from the cell
+    page = (run / "report.html").read_text()
+    assert page.count("P.newPlot(") == 1 and "tiny bars" in page and "not in the report" not in page
+    assert "id='cadlib-plotlyjs'" in page and 1_000_000 < len(page) < 3_000_000   # plotly.js packed in
+    nb_page = (run / "a.html").read_text()
+    assert nb_page.count("Plotly.newPlot(") == 2 and 'src="plotly.min.js"' in nb_page
+    assert (run / "plotly.min.js").stat().st_size > 1_000_000
+    published = repo / "results" / "reports"
+    assert "href='../../notebooks/a.ipynb'" in (published / "report.html").read_text()
+    assert report.load_metrics(published)[0]["ours"] == 8
+
+
+def test_key_figures_fall_back_to_every_figure_when_no_cell_is_tagged():
+    fig = {"data": [{"type": "bar", "y": [1]}], "layout": {}}
+    cells = [new_code_cell("a"), new_code_cell("b"), new_code_cell("c")]
+    for c in cells[:2]:
+        c.outputs = [nbformat.v4.new_output("display_data", data={figures_html.PLOTLY_MIME: fig})]
+    cells[2].outputs = [nbformat.v4.new_output("display_data", data={"image/png": "iVBORw0KGgo=",
+                                                                       "text/plain": "<Figure>"})]
+    nb = new_notebook(cells=cells)
+    assert [next(iter(f)) for f in figures_html.key_figures(nb)] == [figures_html.PLOTLY_MIME] * 2 + ["image/png"]
+    cells[1].metadata["tags"] = ["figure"]
+    assert figures_html.key_figures(nb) == [{figures_html.PLOTLY_MIME: fig}]
+    assert "data:image/png;base64,iVBORw0KGgo=" in figures_html.figure_html({"image/png": "iVBORw0KGgo="}, "x")
+    html_nb = figures_html.with_html_figures(nb)
+    assert "fig-1-0" in html_nb.cells[1].outputs[0].data["text/html"]
+    assert "text/html" not in nb.cells[1].outputs[0].data      # the input is not modified
