@@ -20,7 +20,7 @@ from .core.plan import CATask, Plan
 from .data.packing import pack
 from .data.workload import sample_docs
 from .infra.launch import run_torchrun
-from .runtime.cad import cad_attention
+from .runtime.stages import cad_attention
 from .scheduling.scheduler import colocated, equal_flops, place, schedule
 
 __all__ = ["ModelSpec", "Chunk", "Layout", "CATask", "Plan", "pack", "sample_docs", "run_torchrun",

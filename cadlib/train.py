@@ -47,10 +47,11 @@ from .data.workload import sample_kwargs
 from .infra.groups import comm_group, destroy, init_from_env
 from .infra.progress import log, report_progress, write_result
 from .runtime.batches import positions, synthetic_tokens
-from .runtime.cad import AllToAll, cad_attention, prepare
+from .runtime.comm import AllToAll, SignalOnly
 from .runtime.model import ChunkedCrossEntropy, Decoder
-from .runtime.pingpong import _spanned, pingpong_layers
-from .runtime.stages import SignalOnly, Streams, Timeline, staged_attention
+from .runtime.pingpong import pingpong_layers
+from .runtime.stages import cad_attention, prepare
+from .runtime.streams import Streams, Timeline, spanned
 from .scheduling import scheduler
 from .scheduling.recipes import batch_docs, cad_plan, nano_plans
 
@@ -108,7 +109,7 @@ def forward(step: Step, model, group, streams, tl, args, signal_only: bool):
 
     def head(h, tgt):
         # the chunked LM-head loss, called directly: Decoder.loss also counts targets on the host
-        return _spanned(tl, "head", lambda x: ChunkedCrossEntropy.apply(x, model.lm_head.weight, tgt,
+        return spanned(tl, "head", lambda x: ChunkedCrossEntropy.apply(x, model.lm_head.weight, tgt,
                                                                         args.ce_chunk), h)
 
     if step.method in ("cad-pingpong", "signal-only"):
@@ -124,17 +125,17 @@ def forward(step: Step, model, group, streams, tl, args, signal_only: bool):
             plan = step.plans[0]
 
             def attn(q, k, v, i):
-                return staged_attention(q, k, v, plan, group, args.attn_backend, comm, streams, tl, "")
+                return cad_attention(q, k, v, plan, group, args.attn_backend, comm, streams, tl)
         elif args.colocated_impl == "allgather":
             fn = _colocated_attention(step.layout, group, args.attn_backend, tl)
 
             def attn(q, k, v, i):
-                return _spanned(tl, "cp", fn, q, k, v)
+                return spanned(tl, "cp", fn, q, k, v)
         else:
             plan = scheduler.colocated(step.layout)
 
             def attn(q, k, v, i):
-                return _spanned(tl, "attn", lambda a, b, c: cad_attention(a, b, c, plan, group,
+                return spanned(tl, "attn", lambda a, b, c: cad_attention(a, b, c, plan, group,
                                                                           args.attn_backend), q, k, v)
         hidden = model(tok, pos, attn)
         loss = head(hidden, tgt)

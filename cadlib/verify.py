@@ -34,15 +34,14 @@ import torch
 import torch.distributed as dist
 
 from .core.cost import MODELS, ModelSpec
-from .core.layout import Layout
+from .core.layout import Layout, global_rows
 from .core.plan import Plan, layout_to_tasks
-from .cp import layout_rows as global_rows
 from .data.packing import pack
 from .data.workload import DISTRIBUTIONS, sample_docs
 from .dispatch.build import build_dispatch
 from .infra.groups import destroy, init_from_env
 from .infra.progress import log, report_progress, write_result
-from .runtime.cad import cad_attention
+from .runtime.stages import cad_attention
 from .scheduling.scheduler import schedule
 from .scheduling.sentlast import sent_last
 from .testing import random_inputs, random_plan, rank_inputs, reference

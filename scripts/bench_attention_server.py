@@ -7,7 +7,7 @@
     as the committed ``..._lpt_*.json`` files); ``--patterns all`` (every shard on the server) or
     ``alternate`` (every other shard: they cannot merge). TF/s are compared with the unsplit document.
     A case whose estimated memory exceeds ``--mem-budget-gb`` is skipped, with the reason recorded.
-(2) **overhead**: the whole CAD attention step (``cadlib.runtime.cad.cad_attention``: plan -> metadata ->
+(2) **overhead**: the whole CAD attention step (``cadlib.runtime.stages.cad_attention``: plan -> metadata ->
     all-to-all -> one fused kernel per server -> return) against the raw fused kernel on the tasks
     this server received, for ``pretrain`` and ``prolong`` batches of 64K and 128K tokens per GPU;
     the all-to-alls are also timed on their own (events around blocking collectives) to give the
@@ -93,7 +93,7 @@ class Config:
 # ---------------------------------------------------------------------------------------------------
 
 class TimedAllToAll:
-    """The all-to-all of :class:`cadlib.runtime.cad.AllToAll`, run blocking with a timer around each call
+    """The all-to-all of :class:`cadlib.runtime.comm.AllToAll`, run blocking with a timer around each call
     (CUDA events on the current stream, or perf_counter on the CPU), to measure communication alone."""
 
     def __init__(self, group, device):
@@ -140,7 +140,7 @@ def make_plan(layout, spec: ModelSpec, cfg: Config):
 def _time_steps(rec, plan, spec, dtype, rt, backend, cfg, gen, flops) -> None:
     """The whole CAD step (dispatch, all-to-all, fused kernel, return), forward and fwd+bwd; then the
     same with every all-to-all blocking and timed, for the fraction of the step spent communicating."""
-    from cadlib.runtime import cad
+    from cadlib.runtime import stages
     n = rec["n_local"]
     q = _rand(gen, n, spec.n_heads, spec, rt.device, dtype)
     k, v = (_rand(gen, n, spec.n_kv_heads, spec, rt.device, dtype) for _ in range(2))
@@ -149,11 +149,11 @@ def _time_steps(rec, plan, spec, dtype, rt, backend, cfg, gen, flops) -> None:
 
     def step_fwd(comm=None):
         with torch.no_grad():
-            cad.cad_attention(q, k, v, plan, rt.group, attn_backend=backend, comm=comm)
+            stages.cad_attention(q, k, v, plan, rt.group, attn_backend=backend, comm=comm)
 
     def step_fb(comm=None):
         qg.grad = kg.grad = vg.grad = None
-        cad.cad_attention(qg, kg, vg, plan, rt.group, attn_backend=backend, comm=comm).backward(dout)
+        stages.cad_attention(qg, kg, vg, plan, rt.group, attn_backend=backend, comm=comm).backward(dout)
 
     for mode, fn in (("fwd", step_fwd), ("fwd_bwd", step_fb)):
         t = time_fn(fn, rt.device, cfg.warmup, cfg.iters, rt.group)
@@ -210,7 +210,7 @@ def overhead_case(dist_name, tpg, spec, dtype, rt, backend, cfg) -> dict:
     """One batch (``tpg`` tokens per GPU of ``dist_name`` documents, sequential packing) on ``rt``."""
     from cadlib.data.packing import pack
     from cadlib.data.workload import sample_docs
-    from cadlib.runtime import cad
+    from cadlib.runtime import stages
 
     docs = sample_docs(dist_name, tpg * rt.world, seed=cfg.seed)
     layout = pack(docs, rt.world)
@@ -218,7 +218,7 @@ def overhead_case(dist_name, tpg, spec, dtype, rt, backend, cfg) -> dict:
     plan = make_plan(layout, spec, cfg)
     plan_ms = (time.perf_counter() - t0) * 1e3
     t0 = time.perf_counter()
-    dd = cad.prepare(plan, rt.group, rt.device)
+    dd = stages.prepare(plan, rt.group, rt.device)
     meta_ms = (time.perf_counter() - t0) * 1e3
     m = dd.meta
     served = [plan.tasks[i] for i in m.tasks]

@@ -1,10 +1,10 @@
 """Each rank's attention-server work in the end-to-end batches, replayed rank by rank on ONE GPU.
 
-``cadlib.train`` times a rank's attention as its ``_Serve`` spans: the fused forward and backward over
+``cadlib.train`` times a rank's attention as its ``attn`` spans (the serve stage): the fused forward and backward over
 the rows the rank's dispatch gives its server (queries and KV, local and received). This script builds
 the same plans for the same batches (``cadlib.train``'s sampler, scheduler and nano-batch split, at the
 same flags as ``scripts/bench_e2e.py``), and for every rank of every plan runs exactly that work,
-``_Serve`` forward + backward for one layer, on random bf16 buffers of the sizes the dispatch gives.
+the serve stage's forward + backward for one layer, on random bf16 buffers of the sizes the dispatch gives.
 No second GPU and no communication: the per-rank times say how well a method balances attention, and
 what the server's own overhead costs (the KV rows it gathers), apart from everything else in a step.
 
@@ -37,7 +37,7 @@ from cadlib.data.packing import pack  # noqa: E402
 from cadlib.dispatch.build import build_dispatch  # noqa: E402
 from cadlib.infra.results import save_result  # noqa: E402
 from cadlib.runtime.device import to_device  # noqa: E402
-from cadlib.runtime.stages import _OFF, _Serve  # noqa: E402
+from cadlib.runtime.stages import serve  # noqa: E402
 from cadlib.scheduling import (
     recipes,  # noqa: E402
     scheduler,  # noqa: E402
@@ -60,7 +60,7 @@ def plans_of(method: str, layout, args) -> list:
 
 
 def serve_once(dd, spec, device, dtype, backend, gen):
-    """``(run, served query rows, KV buffer rows)``: ``run()`` is ``_Serve`` forward + backward on random
+    """``(run, served query rows, KV buffer rows)``: ``run()`` is the serve stage's forward + backward on random
     buffers sized by ``dd``."""
     m = dd.meta
     n_q, n_kv = m.q_keep + m.n_recv_q, m.n_local + m.n_recv_kv
@@ -68,11 +68,11 @@ def serve_once(dd, spec, device, dtype, backend, gen):
     def rnd(n, h):
         return torch.randn(n, h, spec.head_dim, generator=gen, device=device).to(dtype).requires_grad_()
     q, k, v = rnd(n_q, spec.n_heads), rnd(n_kv, spec.n_kv_heads), rnd(n_kv, spec.n_kv_heads)
-    n_out = n_q if m.q_identity else int(m.cu_q[-1])          # _Serve's output: task-row order
+    n_out = n_q if m.q_identity else int(m.cu_q[-1])          # the serve stage's output: task-row order
     dout = torch.randn((n_out, *q.shape[1:]), generator=gen, device=device).to(dtype)
 
     def run():
-        out = _Serve.apply(q, k, v, dd, backend, _OFF, "replay")
+        out = serve(q, k, v, dd, backend)
         out.backward(dout)
         q.grad = k.grad = v.grad = None
     return run, int(m.cu_q[-1]), n_kv
@@ -183,7 +183,7 @@ def main(argv=None) -> int:
         print(f"batch {r['batch']}: gap {r.get('straggler_gap_frac', 0):.3f} " + " ".join(
             f"{k.split(' ', 1)[1]} {v:.2f}" for k, v in r.items() if k.startswith("recovered")))
     config = {**vars(a), "methods": methods, "backend": backend,
-              "dtype": str(dtype), "layer": "one layer's _Serve forward + backward per plan"}
+              "dtype": str(dtype), "layer": "one layer's serve stage, forward + backward, per plan"}
     save_result(a.out, config, {"rows": rows, **out})
     print(f"wrote {a.out}")
     return 0

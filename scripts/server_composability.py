@@ -29,7 +29,7 @@ from cadlib.core.plan import CATask, Plan
 from cadlib.dispatch.build import build_dispatch
 from cadlib.runtime import kernels
 from cadlib.runtime.device import to_device
-from cadlib.runtime.server import serve_backward_tasks, serve_forward
+from cadlib.runtime.server import serve_backward, serve_forward
 
 MODES = ("merged", "copy", "kernel")
 PATTERNS = ("all", "alternate")
@@ -88,14 +88,14 @@ def _kernel_fns(q, k, v, mine, order, backend, device, backward):
 
 
 def _server_fns(q, k, v, dd, mode, backend, backward):
-    """The server path: serve_forward (and serve_backward_tasks) with ``kv_share=mode``."""
+    """The server path: serve_forward (and serve_backward) with ``kv_share=mode``."""
     dout = torch.randn(len(dd.meta.q_rows), *q.shape[1:], device=q.device, dtype=q.dtype)
     if not backward:
         return lambda: serve_forward(q, k, v, dd, backend, mode)
 
     def fn():
         o, lse = serve_forward(q, k, v, dd, backend, mode)
-        serve_backward_tasks(q, k, v, o, dout, lse, dd, backend, mode)
+        serve_backward(q, k, v, o, dout, lse, dd, backend, mode)
     return fn
 
 

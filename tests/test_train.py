@@ -11,11 +11,10 @@ import pytest
 import torch
 
 from cadlib.core.cost import ModelSpec
-from cadlib.core.layout import Layout
-from cadlib.cp import layout_rows as global_rows
+from cadlib.core.layout import Layout, global_rows
 from cadlib.data.packing import pack
 from cadlib.data.workload import sample_docs
-from cadlib.runtime.stages import staged_attention
+from cadlib.runtime.stages import cad_attention
 from cadlib.scheduling import recipes, scheduler
 from cadlib.scheduling.nanosplit import split_nano_batches
 from cadlib.testing import random_inputs, rank_inputs, reference_errors
@@ -30,7 +29,7 @@ def test_staged_attention_matches_reference_one_rank():
     full = random_inputs(layout.total_tokens, TINY_HEADS, seed=0)
     rows = global_rows(layout, 0)
     q, k, v, dout = rank_inputs(full, rows)
-    o = staged_attention(q, k, v, plan, None)
+    o = cad_attention(q, k, v, plan, None)
     o.backward(dout)
     assert max(reference_errors((o, q.grad, k.grad, v.grad), full, layout.doc_lens, rows)) <= 1e-5
 
@@ -129,8 +128,7 @@ def test_signal_only_receives_real_values_not_zeros():
     on zeros a GPU's attention runs ~16% faster (scripts/probes/probe_input_values.py)."""
     from functools import partial
 
-    from cadlib.runtime.cad import cycled_rows, pack_rows, unpack_rows
-    from cadlib.runtime.stages import received_like
+    from cadlib.runtime.comm import cycled_rows, pack_rows, received_like, unpack_rows
     k = torch.randn(5, 2, 4)
     lse = torch.randn(5, 3)                        # another dtype width, packed beside k as bytes
     send = pack_rows([k[:2], lse[:2]])

@@ -261,3 +261,10 @@ class Layout:
 def layout_from_lists(ranks: Sequence[Sequence[Sequence[int]]], doc_lens: Sequence[int]) -> Layout:
     """Build a layout from plain nested lists ``[[(doc, start, end), ...], ...]``."""
     return Layout([[Chunk(*c) for c in r] for r in ranks], list(doc_lens))
+
+
+def global_rows(layout: Layout, rank: int) -> np.ndarray:
+    """Global (doc-major) token positions of ``rank``'s local rows, in layout order."""
+    base = np.concatenate([[0], np.cumsum(layout.doc_lens)]).astype(np.int64)
+    parts = [np.arange(base[c.doc] + c.start, base[c.doc] + c.end) for c in layout.ranks[rank]]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)

@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from ..core.layout import Layout
 from ..runtime.kernels import attend, attend_backward
-from . import CPMechanism, zigzag_layout
+from .protocol import CPMechanism, zigzag_layout
 
 _CACHE_ATTR = "_cp_allgather_meta"
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -1,6 +1,6 @@
 """CAD as a CP mechanism: the linear layout stays where the tokens are (contiguous parts of the
 sequence), the CAD scheduler (:func:`cadlib.scheduling.scheduler.schedule`) cuts the documents into CA-tasks and
-places them on attention servers, and :func:`cadlib.runtime.cad.cad_attention` runs them (all-to-all Q and
+places them on attention servers, and :func:`cadlib.runtime.stages.cad_attention` runs them (all-to-all Q and
 deduplicated KV to the servers, one fused call per server, outputs back; exact backward).
 
 CA-tasks are causal, so CAD serves the causal masks (``causal``, ``causal_document``); asking for a
@@ -9,9 +9,9 @@ full mask raises ValueError.
 from __future__ import annotations
 
 from ..core.cost import MIN_SHARD_TOKENS, as_model
-from ..runtime.cad import cad_attention
+from ..runtime.stages import cad_attention
 from ..scheduling.scheduler import schedule
-from . import CPMechanism, contiguous_layout
+from .protocol import CPMechanism, contiguous_layout
 
 
 class CADCP(CPMechanism):

@@ -28,11 +28,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..core.layout import global_rows
 from ..infra.groups import destroy, init_from_env
 from ..infra.progress import log, report_progress, write_result
 from ..infra.results import save_result
 from ..testing import random_cp_layout, random_inputs, rank_inputs, reference_f64
-from . import MECHANISMS, layout_rows, make
+from . import MECHANISMS, make
 from .allgather import gathered_tokens, layout_attention, shared_docs
 
 SUITES = ("layout", "protocol")
@@ -100,7 +101,7 @@ def check_layout(world, rank, group, device, dtype, seed, heads) -> dict:
 
     layout = random_cp_layout(world, seed)
     full = random_inputs(layout.total_tokens, heads, seed, dtype, device)
-    rows = torch.as_tensor(layout_rows(layout, rank), device=device)
+    rows = torch.as_tensor(global_rows(layout, rank), device=device)
     res = _run(lambda q, k, v: layout_attention(q, k, v, layout, group), full, rows, layout.doc_lens, True,
                group, device)
     return {**res, "suite": "layout", "n_docs": layout.n_docs, "gathered_tokens": gathered_tokens(layout),

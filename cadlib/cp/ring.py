@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from ..core.layout import Layout
 from ..runtime.kernels import attend, attend_backward
-from . import CPMechanism, global_rank, zigzag_layout
+from .protocol import CPMechanism, global_rank, zigzag_layout
 
 
 @dataclass

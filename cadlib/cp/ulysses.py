@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import CPMechanism, contiguous_layout
+from .protocol import CPMechanism, contiguous_layout
 from .ring import build_ring_meta, ring_attention
 
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 import numpy as np
 import torch.distributed as dist
 
-from . import CPMechanism, contiguous_layout, global_rank, layout_rows, split_points, zigzag_layout
+from ..core.layout import global_rows
+from .protocol import CPMechanism, contiguous_layout, global_rank, split_points, zigzag_layout
 from .ring import build_ring_meta, ring_attention
 from .ulysses import kv_head_map, ulysses_attention
 
@@ -62,7 +63,7 @@ class USPCP(CPMechanism):
                        else contiguous_layout(self.doc_lens, 1))
         rows, self.parts_of = [], []
         for g in range(self.R):
-            grp = layout_rows(ring_layout, g)
+            grp = global_rows(ring_layout, g)
             b = split_points(grp.size, u)
             self.parts_of.append([int(x) for x in np.diff(b)])
             rows += [grp[b[i]:b[i + 1]] for i in range(u)]

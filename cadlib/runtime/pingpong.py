@@ -2,7 +2,8 @@
 
 Every rank's tokens form two **nano-batches** A and B. By default a document lies wholly in one of
 them (a query's KV prefix never crosses nano-batches), and each nano-batch has its own layout and its
-own plan, as DistCA plans its ping and pong batches independently. :func:`split_nano_batches` assigns
+own plan, as DistCA plans its ping and pong batches independently.
+:func:`cadlib.scheduling.nanosplit.split_nano_batches` assigns
 documents so that every rank's two halves carry about the same tokens (so the linear layers of one
 can cover the communication of the other), or the same attention work (``balance="attention"``).
 With ``split_docs=True`` it may also cut a document: its prefix in A, the rest in B, whose attention
@@ -30,13 +31,8 @@ from __future__ import annotations
 
 import torch
 
-from .cad import check_inputs
-from .stages import _OFF, Streams, Timeline, ret, send, serve
-
-
-def _tuple(out) -> tuple:
-    """A custom Function returns a bare tensor for one output: make it a tuple again."""
-    return (out,) if isinstance(out, torch.Tensor) else tuple(out)
+from .stages import check_inputs, ret, send, serve
+from .streams import OFF, Streams, Timeline, as_tuple, spanned
 
 
 class _Barrier(torch.autograd.Function):
@@ -55,57 +51,8 @@ class _Barrier(torch.autograd.Function):
         return (None, *grads)
 
 
-class _SpanEnd(torch.autograd.Function):
-    """Identity; its backward opens the backward span of the block it closes (see :func:`_spanned`)."""
-
-    @staticmethod
-    def forward(ctx, tl, box, *tensors):
-        ctx.tl, ctx.box = tl, box
-        return tuple(t.view_as(t) for t in tensors)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.box["start"] = ctx.tl.mark()
-        return (None, None, *grads)
-
-
-class _SpanStart(torch.autograd.Function):
-    """Identity; its backward closes the backward span opened by the matching :class:`_SpanEnd`."""
-
-    @staticmethod
-    def forward(ctx, tl, box, lane, phase, *tensors):
-        ctx.tl, ctx.box, ctx.lane, ctx.phase = tl, box, lane, phase
-        return tuple(t.view_as(t) for t in tensors)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        if "start" in ctx.box:
-            ctx.tl.add(ctx.lane, ctx.phase, ctx.box.pop("start"), ctx.tl.mark())
-        return (None, None, None, None, *grads)
-
-
-def _spanned(tl: Timeline, phase: str, fn, *inputs):
-    """``fn(*inputs)`` recorded as ``("compute", phase)`` forward and ``("compute", phase + "'")``
-    backward (the backward span runs from the first gradient reaching the block's outputs to the
-    last one leaving through its inputs)."""
-    if not tl.enabled:
-        return fn(*inputs)
-    box: dict = {}
-    grad_in = [t for t in inputs if t.requires_grad]
-    if grad_in:
-        moved = iter(_tuple(_SpanStart.apply(tl, box, "compute", phase + "'", *grad_in)))
-        inputs = tuple(next(moved) if t.requires_grad else t for t in inputs)
-    with tl.span("compute", phase):
-        out = fn(*inputs)
-    single = isinstance(out, torch.Tensor)
-    outs = (out,) if single else tuple(out)
-    if grad_in and any(t.requires_grad for t in outs):
-        outs = _tuple(_SpanEnd.apply(tl, box, *outs))
-    return outs[0] if single else outs
-
-
 def pingpong_layers(model, xs, ropes, dds, comm, streams: Streams, attn_backend=None,
-                    tl: Timeline = _OFF, context=None):
+                    tl: Timeline = OFF, context=None):
     """Run every decoder layer of ``model`` over nano-batches A and B in DistCA's tick order.
 
     ``xs``: the two nano-batches' embeddings ``[n_A, hidden]``, ``[n_B, hidden]``; ``ropes``: their
@@ -122,12 +69,12 @@ def pingpong_layers(model, xs, ropes, dds, comm, streams: Streams, attn_backend=
     def barrier():
         keys = [k for k, v in st.items() if v.requires_grad]
         if keys:
-            st.update(zip(keys, _tuple(_Barrier.apply(streams, *[st[k] for k in keys]))))
+            st.update(zip(keys, as_tuple(_Barrier.apply(streams, *[st[k] for k in keys]))))
         else:
             streams.barrier()
 
     def pre(i, s):
-        q, k, v = _spanned(tl, f"linear {s}", lambda x: layers[i].pre_attention(x, *ropes["AB".index(s)]),
+        q, k, v = spanned(tl, f"linear {s}", lambda x: layers[i].pre_attention(x, *ropes["AB".index(s)]),
                            st["x" + s])
         if ctx is not None and s == "A":           # B's context rows, before A's send takes k, v
             st["kcA"], st["vcA"] = k.index_select(0, ctx), v.index_select(0, ctx)
@@ -137,7 +84,7 @@ def pingpong_layers(model, xs, ropes, dds, comm, streams: Streams, attn_backend=
         st["q" + s], st["k" + s], st["v" + s] = q, k, v
 
     def post(i, s):
-        st["x" + s] = _spanned(tl, f"linear {s}", layers[i].post_attention, st["x" + s], st.pop("o" + s))
+        st["x" + s] = spanned(tl, f"linear {s}", layers[i].post_attention, st["x" + s], st.pop("o" + s))
 
     def send_(s):
         d = dds["AB".index(s)]

@@ -1,7 +1,8 @@
 """The attention server: ONE fused varlen kernel call over every CA-task it received.
 
-A server is stateless (DistCA): forward takes Q rows and KV rows, returns O and LSE; backward takes
-Q, K, V, O, dO, LSE again and returns dQ, dK, dV. It reads its inputs from two buffers laid out by
+Forward takes Q rows and KV rows and returns O and LSE; backward takes what the forward had (the
+server keeps its buffers, O and LSE: :mod:`cadlib.runtime.stages`) and dO, and returns dQ, dK, dV.
+The scatter of dK, dV into the KV buffer is here too. It reads its inputs from two buffers laid out by
 :mod:`cadlib.dispatch.build`: the per-query buffer ``cat([local, received Q])`` and the KV buffer
 ``cat([local, received KV])``. For task ``t`` (``[a, b)`` of document ``d``) the call sees the query
 rows ``q_rows[cu_q[t]:cu_q[t+1]]`` and the KV prefix ``[0, b)`` of ``d``; the kernel's segment
@@ -69,24 +70,13 @@ def serve_forward(q_buf: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
     return attend(_q_rows(q_buf, dd), k, v, cu_q, cu_k, mq, mk, causal=True, backend=attn_backend)
 
 
-def serve_backward(q_buf: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, o_buf: torch.Tensor,
-                   do_buf: torch.Tensor, lse_buf: torch.Tensor, dd: DeviceDispatch,
-                   attn_backend: str | None = None, kv_share: str | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One ``attend_backward`` call over this server's tasks; ``o_buf``, ``do_buf``, ``lse_buf`` are
-    per-query buffers laid out like ``q_buf``.
-
-    Returns ``dq`` in task-row order (``[n_rows, Hq, D]``) and ``dk``, ``dv`` aligned with the KV
-    buffer (``[len(k_buf), Hkv, D]``, its dtype), every task's contribution summed."""
-    return serve_backward_tasks(q_buf, k_buf, v_buf, _q_rows(o_buf, dd), _q_rows(do_buf, dd),
-                                _q_rows(lse_buf, dd), dd, attn_backend, kv_share)
-
-
-def serve_backward_tasks(q_buf, k_buf, v_buf, o_t, do_t, lse_t, dd: DeviceDispatch,
+def serve_backward(q_buf, k_buf, v_buf, o_t, do_t, lse_t, dd: DeviceDispatch,
                          attn_backend: str | None = None, kv_share: str | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`serve_backward` with ``o``, ``dO`` and ``lse`` already in task-row order (what
-    :func:`serve_forward` returned): the form a server that kept its forward outputs uses."""
+    """One ``attend_backward`` call over this server's tasks: ``o_t``, ``do_t`` and ``lse_t`` are in
+    task-row order (what :func:`serve_forward` returned and the server kept). Returns ``dq`` in
+    task-row order (``[n_rows, Hq, D]``) and ``dk``, ``dv`` aligned with the KV buffer
+    (``[len(k_buf), Hkv, D]``, its dtype), every task's contribution summed."""
     mode = check_mode(kv_share)
     m = dd.meta
     if m.n_tasks == 0:

@@ -1,167 +1,121 @@
-"""CAD attention in three autograd stages, so that two nano-batches can overlap (ping-pong).
+"""Core attention disaggregation as three autograd stages: ``cad_attention(q, k, v, plan, group)``.
 
-:func:`cadlib.runtime.cad.cad_attention` is one autograd node: dispatch, serve and return happen inside one
-call, and its servers are stateless (the backward resends q, k, v, o, dO, LSE from the homes, as
-DistCA does). Overlapping one nano-batch's communication with the other's compute needs the pieces
-as separate nodes, each on its own stream, so that the forward can interleave them and autograd can
-replay the backward in mirror order:
+Each rank passes its local packed tokens (the linear layout: ``layout.ranks[rank]``'s chunks in
+order), q ``[n_local, Hq, D]`` and k, v ``[n_local, Hkv, D]``, and gets back its attention output
+``o [n_local, Hq, D]``, as if every document had run causal attention on one device. Every GPU is an
+attention server, in place. The data path of one layer (``R`` ranks, each a home of tokens and a
+server)::
 
-* :func:`send` (comm stream): q, k, v of the homes -> all-to-all -> the servers' buffers; its backward
-  returns dQ, dK, dV of the received rows to their homes;
-* :func:`serve` (compute stream): one fused varlen call over the server's tasks; backward: one fused
-  backward call;
-* :func:`ret` (comm stream): O rows of the servers -> all-to-all -> the homes' ``o``; its backward
-  sends dO rows to the servers.
+    forward
+      send   (comm)     home  q[q_send_index]        --all_to_all(Q)-->         q_buf = [q ; recv]
+                        owner [k, v][kv_send_index]  --all_to_all(KV, dedup)--> kv_buf = [kv ; recv]
+      serve  (compute)  server out, lse = attend(q_buf[q_rows], k_buf[kv_rows], v_buf[kv_rows])  ONE call
+      return (comm)     server out[ret_rows]         --all_to_all(O)-->         home o[q_send_index]
+                                 self-served rows stay: o[self_local] = out[self_rows]
+      the server keeps its buffers, out and lse for the backward
+    backward (the stages in mirror order)
+      return' home  dO[q_send_index]                 --all_to_all-->            server dout rows
+      serve'  server dq, dk, dv = attend_backward(...)                            ONE call
+                     dk_buf = dK summed per KV row (fp32 only where rows are shared: cadlib.dispatch.kvshare)
+      send'   server dq of received rows             --all_to_all-->            home dq[q_send_index] +=
+              server [dk, dv] of received KV rows    --all_to_all-->            owner dk[kv_send_index] +=
 
-Here the servers keep what they received (and their outputs) until the backward, so the backward
-moves only dO out and dQ, dK, dV back: half the bytes of the stateless backward, for server memory
-equal to the rows it received. ``staged_attention`` chains the three on one stream (CAD without
-ping-pong); :mod:`cadlib.runtime.pingpong` interleaves two nano-batches.
+DistCA's servers are stateless: its backward resends q, k, v, o, dO and LSE. Here a server keeps what
+it received until the backward, which then moves only dO out and dQ, dK, dV back: half the bytes,
+for server memory equal to the rows it received. On a sent-last plan (:mod:`cadlib.scheduling.sentlast`)
+the dispatch may lay a server's buffers out received first (:class:`cadlib.dispatch.meta.Dispatch`);
+the stages read that layout through :mod:`cadlib.runtime.buffers`.
 
-Streams: a stage's backward runs on the stream that was current when the stage was applied
-(autograd's rule for CUDA), so :func:`send` and :func:`ret` are applied on the comm stream; autograd
-makes a node's stream wait for the streams that produced its gradients when that node runs. Tensors that cross
-streams are kept alive for the stream that uses them (``record_stream``). Nothing here reads a device
-value on the host. On CPU there are no streams: the same code runs in program order.
+The stages are separate autograd nodes so that two nano-batches can overlap (:mod:`cadlib.runtime.pingpong`):
+:func:`send` and :func:`ret` run on the communication stream, :func:`serve` on the compute stream. A
+stage's backward runs on the stream that was current when it was applied (autograd's rule for CUDA),
+and autograd makes a node's stream wait for the streams that produced its gradients. Tensors that
+cross streams are kept alive for the stream that uses them (``record_stream``). Nothing here reads a
+device value on the host. On CPU there are no streams: the same code runs in program order.
 """
 from __future__ import annotations
 
-import contextlib
-import time
-
 import torch
+import torch.distributed as dist
 
-from .cad import (
-    AllToAll,
-    _exchange,
-    check_inputs,
-    kv_rows_cat,
-    local_part,
-    prepare,
-    recv_part,
-    send_rows,
-    server_rows,
-    to_home,
-)
-from .device import DeviceDispatch
-from .server import add_rows, serve_backward_tasks, serve_forward
+from ..core.plan import Plan
+from ..dispatch.build import build_dispatch
+from ..dispatch.kvshare import check_mode
+from ..dispatch.meta import Dispatch
+from .buffers import kv_rows_cat, local_part, recv_part, send_rows, server_rows, to_home
+from .comm import AllToAll, exchange
+from .device import DeviceDispatch, to_device
+from .kernels import resolve_backend
+from .server import add_rows, serve_backward, serve_forward
+from .streams import OFF, Streams, Timeline
 
-
-class Streams:
-    """A compute stream (the current one) and a communication stream on CUDA; no-ops on CPU."""
-
-    def __init__(self, device):
-        device = torch.device(device)
-        self.cuda = device.type == "cuda"
-        self.compute = torch.cuda.current_stream(device) if self.cuda else None
-        self.comm = torch.cuda.Stream(device) if self.cuda else None
-
-    def on_comm(self):
-        return torch.cuda.stream(self.comm) if self.cuda else contextlib.nullcontext()
-
-    def barrier(self) -> None:
-        """Two-way stream barrier: each stream waits for everything queued on the other (no host sync)."""
-        if self.cuda:
-            self.comm.wait_stream(self.compute)
-            self.compute.wait_stream(self.comm)
-
-    def keep(self, tensors, stream) -> None:
-        """Keep ``tensors``' memory alive until ``stream``'s queued work is done."""
-        if self.cuda:
-            for t in tensors:
-                if t is not None and t.is_cuda:
-                    t.record_stream(stream)
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+_AGREED: set = set()
+"""Input signatures every rank of a group has already agreed on (checked once, then cached)."""
 
 
-class Timeline:
-    """Spans ``(lane, phase)`` recorded with CUDA events on the current stream (wall clock on CPU).
+def check_inputs(q, k, v, n_local: int, attn_backend: str | None, group) -> str:
+    """Validate this rank's inputs BEFORE any collective, identically on every rank (a rank that serves
+    no task must fail as loudly as one that does), and return the resolved attention backend.
 
-    ``span`` is a context manager; :meth:`rows` resolves the times (one device synchronisation, after
-    the step) in milliseconds from :meth:`origin`. A disabled timeline records nothing."""
-
-    def __init__(self, device, enabled: bool = True):
-        self.cuda = torch.device(device).type == "cuda"
-        self.enabled = enabled
-        self._spans: list = []
-        self._origin = None
-
-    def mark(self):
-        """A point in time on the current stream (a recorded CUDA event; the wall clock on CPU)."""
-        if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            return ev
-        return time.perf_counter()
-
-    def origin(self) -> None:
-        self._spans.clear()
-        self._origin = self.mark()
-
-    def add(self, lane: str, phase: str, start, end) -> None:
-        """Record a span between two :meth:`mark` points."""
-        self._spans.append((lane, phase, start, end))
-
-    @contextlib.contextmanager
-    def span(self, lane: str, phase: str):
-        if not self.enabled:
-            yield
-            return
-        start = self.mark()
-        try:
-            yield
-        finally:
-            self.add(lane, phase, start, self.mark())
-
-    def _ms(self, a, b) -> float:
-        return a.elapsed_time(b) if self.cuda else (b - a) * 1e3
-
-    def rows(self) -> list[dict]:
-        if self.cuda:
-            torch.cuda.synchronize()
-        return [{"lane": lane, "phase": phase, "start_ms": self._ms(self._origin, a),
-                 "end_ms": self._ms(self._origin, b)} for lane, phase, a, b in self._spans]
+    Checks: ``q [n_local, Hq, D]``, ``k, v [n_local, Hkv, D]``; one floating dtype (float32, float16,
+    bfloat16) and one device; ``Hq`` a multiple of ``Hkv``; the backend available for that dtype. The
+    first time a signature ``(dtype, Hq, Hkv, D, backend)`` is seen on a group, the ranks compare it
+    with one small all-gather (a one-off host synchronisation, never repeated for that signature), so
+    ranks that disagree raise together instead of hanging in the first all-to-all."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise ValueError(f"{name} must be a 3-D tensor [n_local, heads, head_dim]; got "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+        if t.dtype not in _FLOATS:
+            raise ValueError(f"{name} has dtype {t.dtype}; cad_attention takes float32, float16 or bfloat16")
+        if t.shape[0] != n_local:
+            raise ValueError(f"{name} has {t.shape[0]} rows, but this rank holds n_local={n_local} tokens "
+                             "of the plan's layout (its tokens in layout order)")
+    if not q.dtype == k.dtype == v.dtype:
+        raise ValueError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not q.device == k.device == v.device:
+        raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape; got {tuple(k.shape)} and {tuple(v.shape)}")
+    if q.shape[2] != k.shape[2] or q.shape[2] < 1:
+        raise ValueError(f"q and k must share head_dim >= 1; got {q.shape[2]} and {k.shape[2]}")
+    if k.shape[1] < 1 or q.shape[1] % k.shape[1]:
+        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of KV heads ({k.shape[1]})")
+    backend = resolve_backend(attn_backend, q.device, q.dtype, q.shape[2])
+    sig = (str(q.dtype), int(q.shape[1]), int(k.shape[1]), int(q.shape[2]), backend)
+    if dist.is_initialized() and (id(group), sig) not in _AGREED:
+        seen: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(seen, sig, group=group)
+        if any(s != sig for s in seen):
+            raise ValueError("the ranks disagree on (dtype, query heads, KV heads, head_dim, attention "
+                             f"backend): {seen}; every rank must call cad_attention with the same kind of "
+                             "tensors")
+        _AGREED.add((id(group), sig))
+    return backend
 
 
-_OFF = Timeline("cpu", enabled=False)
+def prepare(plan: Plan | Dispatch, group, device) -> DeviceDispatch:
+    """This rank's dispatch for ``plan`` on ``device``: built once per plan (cached on the plan
+    object, which must not change afterwards) so every layer of a step reuses the host metadata and
+    the device index tensors."""
+    rank = dist.get_rank(group) if dist.is_initialized() else 0
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    if isinstance(plan, Dispatch):
+        d = plan
+    elif isinstance(plan, Plan):
+        cache = plan.__dict__.setdefault("_cad_dispatch", {})    # not a dataclass field: never serialised
+        if rank not in cache:
+            cache[rank] = build_dispatch(plan, rank)
+        d = cache[rank]
+    else:
+        raise ValueError(f"plan must be a cadlib.core.plan.Plan or a cadlib.dispatch.meta.Dispatch, got "
+                         f"{type(plan).__name__}")
+    if d.world != world or d.rank != rank:
+        raise ValueError(f"the plan is for rank {d.rank} of {d.world} but this process is rank {rank} "
+                         f"of a group of {world}; build the plan for the group you pass")
+    return to_device(d, device)
 
-
-class SignalOnly(AllToAll):
-    """The control of DistCA's ablation: every all-to-all moves one element per peer. What remains of a
-    step's communication cost is then latency and synchronisation, not bytes.
-
-    The receiver gets rows of the size it expected filled with real values: copies of its own local
-    rows (``fill``, :func:`cadlib.runtime.cad.cycled_rows`), repeated as needed. Not zeros: on an H200 FA4's
-    forward+backward runs 16% faster on all-zero inputs and a bf16 GEMM 16% faster (lower power, higher
-    clock; ``scripts/probes/probe_input_values.py``), so a control that received zeros would time the
-    servers' work on received rows too fast and credit that to exposed communication. The copy costs
-    one gather of the received size, less than the bytes NCCL would have written."""
-
-    def start(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int], fill=None):
-        world = len(send_splits)
-        token = send.new_zeros((world,))
-        pending = super().start(token, [1] * world, [1] * world)
-        return _Ready(received_like(send, int(sum(recv_splits)), fill), pending)
-
-
-def received_like(send: torch.Tensor, n: int, fill=None) -> torch.Tensor:
-    """``n`` rows shaped and packed like ``send``'s: ``fill(n)`` (real values), or zeros when there is
-    nothing to fill them from."""
-    out = fill(n) if fill is not None and n else None
-    if out is None:
-        return send.new_zeros((n, *send.shape[1:]))
-    if out.shape[1:] != send.shape[1:] or out.dtype != send.dtype:
-        raise ValueError(f"fill must pack rows like send {tuple(send.shape[1:])} {send.dtype}, got "
-                         f"{tuple(out.shape[1:])} {out.dtype}")
-    return out
-
-
-class _Ready:
-    def __init__(self, recv, pending):
-        self.recv, self.pending = recv, pending
-
-    def wait(self):
-        self.pending.wait()
-        return self.recv
 
 
 class _Send(torch.autograd.Function):
@@ -171,7 +125,7 @@ class _Send(torch.autograd.Function):
         streams.keep((q, k, v), streams.comm)
         with streams.on_comm(), tl.span("comm", f"send {name}"):
             wait_q = send_rows(comm, [q], dd)
-            wait_kv = _exchange(comm, [k, v], dd.kv_send_index, m.kv_send_splits, m.kv_recv_splits,
+            wait_kv = exchange(comm, [k, v], dd.kv_send_index, m.kv_send_splits, m.kv_recv_splits,
                                 m.kv_traffic)
             (q_recv,) = wait_q()
             k_recv, v_recv = wait_kv()
@@ -186,9 +140,9 @@ class _Send(torch.autograd.Function):
         n = m.n_local
         streams.keep((dq_buf, dk_buf, dv_buf), streams.comm)
         with ctx.tl.span("comm", f"send' {ctx.name}"):
-            wait_q = _exchange(comm, [recv_part(dq_buf, m)], None, m.q_recv_splits, m.q_send_splits,
+            wait_q = exchange(comm, [recv_part(dq_buf, m)], None, m.q_recv_splits, m.q_send_splits,
                                m.q_traffic, source=[dq_buf])
-            wait_kv = _exchange(comm, [recv_part(dk_buf, m, True), recv_part(dv_buf, m, True)], None,
+            wait_kv = exchange(comm, [recv_part(dk_buf, m, True), recv_part(dv_buf, m, True)], None,
                                 m.kv_recv_splits, m.kv_send_splits, m.kv_traffic, source=[dk_buf, dv_buf])
             (rq,) = wait_q()
             rk, rv = wait_kv()
@@ -213,46 +167,52 @@ class _Send(torch.autograd.Function):
 
 class _Serve(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q_buf, k_buf, v_buf, dd: DeviceDispatch, attn_backend, tl: Timeline, name: str):
+    def forward(ctx, q_buf, k_buf, v_buf, dd: DeviceDispatch, attn_backend, tl: Timeline, name: str,
+                kv_share: str):
         with tl.span("compute", f"attn {name}"):
-            out, lse = serve_forward(q_buf, k_buf, v_buf, dd, attn_backend)
+            out, lse = serve_forward(q_buf, k_buf, v_buf, dd, attn_backend, kv_share)
         ctx.save_for_backward(q_buf, k_buf, v_buf, out, lse)
-        ctx.dd, ctx.attn_backend, ctx.tl, ctx.name = dd, attn_backend, tl, name
-        return out
+        ctx.dd, ctx.attn_backend, ctx.tl, ctx.name, ctx.kv_share = dd, attn_backend, tl, name, kv_share
+        ctx.mark_non_differentiable(lse)
+        return out, lse
 
     @staticmethod
-    def backward(ctx, dout):
+    def backward(ctx, dout, _dlse):
         q_buf, k_buf, v_buf, out, lse = ctx.saved_tensors
         dd = ctx.dd
         with ctx.tl.span("compute", f"attn' {ctx.name}"):
-            dq_t, dk, dv = serve_backward_tasks(q_buf, k_buf, v_buf, out, dout.contiguous(), lse, dd,
-                                                ctx.attn_backend)
+            dq_t, dk, dv = serve_backward(q_buf, k_buf, v_buf, out, dout.contiguous(), lse, dd,
+                                          ctx.attn_backend, ctx.kv_share)
             if dd.meta.q_identity:
                 dq = dq_t.to(q_buf.dtype)
             else:
                 dq = torch.zeros_like(q_buf).index_copy_(0, dd.q_rows, dq_t.to(q_buf.dtype))
-        return dq, dk.to(k_buf.dtype), dv.to(v_buf.dtype), None, None, None, None
+        return dq, dk.to(k_buf.dtype), dv.to(v_buf.dtype), None, None, None, None, None
 
 
 class _Return(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, out, dd: DeviceDispatch, comm, streams: Streams, tl: Timeline, name: str):
+    def forward(ctx, out, lse, dd: DeviceDispatch, comm, streams: Streams, tl: Timeline, name: str):
         m = dd.meta
-        streams.keep((out,), streams.comm)
+        rows = [out] if lse is None else [out, lse]
+        streams.keep(rows, streams.comm)
         with streams.on_comm(), tl.span("comm", f"return {name}"):
             if m.q_identity:       # kept rows first, in order; received ones go back unpermuted
-                (back,) = _exchange(comm, [recv_part(out, m)], None, m.q_recv_splits, m.q_send_splits,
-                                    m.q_traffic, source=[out])()
+                back = exchange(comm, [recv_part(r, m) for r in rows], None, m.q_recv_splits, m.q_send_splits,
+                                m.q_traffic, source=rows)()
             else:
-                (back,) = _exchange(comm, [out], dd.ret_rows, m.q_recv_splits, m.q_send_splits, m.q_traffic)()
-            o = to_home(out, back, dd)
-        streams.keep((o,), streams.compute)
+                back = exchange(comm, rows, dd.ret_rows, m.q_recv_splits, m.q_send_splits, m.q_traffic)()
+            homes = [to_home(r, b, dd) for r, b in zip(rows, back)]
+        streams.keep(homes, streams.compute)
         ctx.dd, ctx.comm, ctx.streams, ctx.tl, ctx.name = dd, comm, streams, tl, name
         ctx.n_rows = out.shape[0]
-        return o
+        if lse is None:
+            return homes[0]
+        ctx.mark_non_differentiable(homes[1])
+        return tuple(homes)
 
     @staticmethod
-    def backward(ctx, do):
+    def backward(ctx, do, *_dlse):
         dd, m, streams = ctx.dd, ctx.dd.meta, ctx.streams
         streams.keep((do,), streams.comm)
         with ctx.tl.span("comm", f"return' {ctx.name}"):
@@ -265,10 +225,10 @@ class _Return(torch.autograd.Function):
                 dout.index_copy_(0, dd.self_rows, do.index_select(0, dd.self_local))
                 dout.index_copy_(0, dd.ret_rows, recv)
         streams.keep((dout,), streams.compute)
-        return dout, None, None, None, None, None
+        return dout, None, None, None, None, None, None
 
 
-def send(q, k, v, dd, comm, streams, tl=_OFF, name=""):
+def send(q, k, v, dd, comm, streams, tl=OFF, name=""):
     """Stage 1 (comm stream): q, k, v of this rank's tokens to their servers; returns the server
     buffers ``(q_buf, k_buf, v_buf)`` = ``cat([local, received])``.
 
@@ -279,35 +239,48 @@ def send(q, k, v, dd, comm, streams, tl=_OFF, name=""):
         return _Send.apply(q, k, v, dd, comm, streams, tl, name)
 
 
-def serve(q_buf, k_buf, v_buf, dd, attn_backend=None, tl=_OFF, name=""):
-    """Stage 2 (compute stream): this server's tasks in one fused call; returns O in task-row order."""
-    return _Serve.apply(q_buf, k_buf, v_buf, dd, attn_backend, tl, name)
+def serve(q_buf, k_buf, v_buf, dd, attn_backend=None, tl=OFF, name="", kv_share=None, with_lse=False):
+    """Stage 2 (compute stream): this server's tasks in one fused call; returns O in task-row order
+    (and the float32 LSE with ``with_lse``). ``kv_share``: the server's KV layout, ``"merged"`` (the
+    default) or ``"copy"``, its reference (:mod:`cadlib.runtime.server`)."""
+    out, lse = _Serve.apply(q_buf, k_buf, v_buf, dd, attn_backend, tl, name, check_mode(kv_share))
+    return (out, lse) if with_lse else out
 
 
-def ret(out, dd, comm, streams, tl=_OFF, name=""):
-    """Stage 3 (comm stream): O rows back to their homes; returns ``o [n_local, Hq, D]`` (applied on
-    the comm stream, like :func:`send`)."""
+def ret(out, dd, comm, streams, tl=OFF, name="", lse=None):
+    """Stage 3 (comm stream): O rows back to their homes; returns ``o [n_local, Hq, D]`` (with ``lse``,
+    the servers' LSE rows travel with them: ``(o, lse [n_local, Hq])``). Applied on the comm stream,
+    like :func:`send`."""
     with streams.on_comm():
-        return _Return.apply(out, dd, comm, streams, tl, name)
+        return _Return.apply(out, lse, dd, comm, streams, tl, name)
 
 
-def prepare_staged(q, k, v, plan, group, attn_backend=None):
-    """Validate inputs (every rank, before any collective) and return ``(dd, attn_backend)``."""
+def cad_attention(q, k, v, plan: Plan | Dispatch, group, attn_backend: str | None = None, comm=None,
+                  streams: Streams | None = None, tl: Timeline = OFF, name: str = "",
+                  kv_share: str | None = None, return_lse: bool = False):
+    """Causal core attention of the local packed tokens, computed on the plan's attention servers:
+    send, serve and return in sequence (one nano-batch; :mod:`cadlib.runtime.pingpong` interleaves two).
+
+    ``o_i = sum_{j <= i, same doc} softmax_j(q_i . k_j / sqrt(D)) v_j`` for every local token ``i``.
+    ``group`` is the process group whose ranks are the plan's ranks (``None`` = the default group, or
+    a single process). ``comm`` replaces the all-to-all (an object with ``start(send, send_splits,
+    recv_splits, fill=None).wait() -> recv``, where ``fill(n)`` makes ``n`` rows like the received ones
+    from local rows, for a control that moves no bytes; default :class:`cadlib.runtime.comm.AllToAll`
+    on ``group``). ``streams``, ``tl`` and ``name``: the streams to run on and the timeline whose spans
+    the stages record. ``kv_share``: the server's KV layout, ``"merged"`` (default) or ``"copy"``.
+    A re-ordered plan (``cadlib.scheduling.sentlast.sent_last(plan).plan``, whose donors read in place)
+    works as any other: each rank then passes its tokens in that plan's layout order. Returns ``o``
+    (and the float32 ``lse [n_local, Hq]`` with ``return_lse``)."""
+    kv_share = check_mode(kv_share)
     dd = prepare(plan, group, q.device)
-    return dd, check_inputs(q, k, v, dd.meta.n_local, attn_backend, group)
-
-
-def staged_attention(q, k, v, plan, group, attn_backend=None, comm=None, streams=None, tl=_OFF, name=""):
-    """CAD attention as send -> serve -> return, one nano-batch, no overlap: the same result as
-    :func:`cadlib.runtime.cad.cad_attention` (tested), with the stateful servers described above."""
-    dd, attn_backend = prepare_staged(q, k, v, plan, group, attn_backend)
+    attn_backend = check_inputs(q, k, v, dd.meta.n_local, attn_backend, group)
     comm = comm if comm is not None else AllToAll(group)
     streams = streams if streams is not None else Streams(q.device)
     streams.barrier()
     bufs = send(q, k, v, dd, comm, streams, tl, name)
     streams.barrier()
-    out = serve(*bufs, dd, attn_backend, tl, name)
+    out, lse = serve(*bufs, dd, attn_backend, tl, name, kv_share, with_lse=True)
     streams.barrier()
-    o = ret(out, dd, comm, streams, tl, name)
+    o = ret(out, dd, comm, streams, tl, name, lse if return_lse else None)
     streams.barrier()
     return o

@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from cadlib.core.layout import Layout
-from cadlib.cp import MECHANISMS, contiguous_layout, layout_rows, make, zigzag_layout
+from cadlib.core.layout import Layout, global_rows
+from cadlib.cp import MECHANISMS, make
 from cadlib.cp.allgather import build_meta, gathered_tokens, layout_attention, prepare, shared_docs
 from cadlib.cp.check import PROTOCOL_MASKS
+from cadlib.cp.protocol import contiguous_layout, zigzag_layout
 from cadlib.cp.ring import build_ring_meta
 from cadlib.cp.ulysses import kv_head_map
 from cadlib.testing import random_cp_layout, reference_f64
@@ -24,7 +25,7 @@ def run_one_rank(layout, causal=True, seed=0, heads=(4, 2, 8)):
     hq, hkv, d = heads
     gen = torch.Generator().manual_seed(seed)
     full = [torch.randn(layout.total_tokens, h, d, generator=gen) for h in (hq, hkv, hkv, hq)]
-    rows = torch.as_tensor(layout_rows(layout, 0))
+    rows = torch.as_tensor(global_rows(layout, 0))
     q, k, v, dout = (t.index_select(0, rows).clone() for t in full)
     q, k, v = (t.requires_grad_(True) for t in (q, k, v))
     o, lse = layout_attention(q, k, v, layout, None, causal=causal, return_lse=True)
@@ -88,7 +89,7 @@ def test_zigzag_and_contiguous_layouts_cover_every_token():
     for world in (1, 2, 3, 8):
         for lens in ([5], [1, 1, 1], [7, 1, 30, 2], [100]):
             for lay in (zigzag_layout(lens, world), contiguous_layout(lens, world)):
-                rows = np.concatenate([layout_rows(lay, r) for r in range(world)])
+                rows = np.concatenate([global_rows(lay, r) for r in range(world)])
                 assert sorted(rows.tolist()) == list(range(sum(lens)))
                 assert lay.tokens_per_rank().max() - lay.tokens_per_rank().min() <= 2
     z = zigzag_layout([16], 2)

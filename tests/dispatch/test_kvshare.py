@@ -11,14 +11,13 @@ from helpers import random_scattered_plan
 
 from cadlib.analysis.server_bench import sharing_stats
 from cadlib.core.cost import ModelSpec
-from cadlib.core.layout import Layout
+from cadlib.core.layout import Layout, global_rows
 from cadlib.core.plan import CATask, Plan, merge_groups
-from cadlib.cp import layout_rows as global_rows
 from cadlib.dispatch.build import build_all, build_dispatch, simulate_exchange
 from cadlib.dispatch.kvshare import build_shared, check_mode, kv_accounting
-from cadlib.runtime.cad import cad_attention
 from cadlib.runtime.device import to_device
 from cadlib.runtime.server import add_rows, serve_backward, serve_forward
+from cadlib.runtime.stages import cad_attention
 from cadlib.testing import reference
 
 TINY = ModelSpec.from_name("tiny")
@@ -43,9 +42,7 @@ def run_servers(plan, full, kv_share, backend="sdpa_ref"):
         out, lse = serve_forward(qb, kb, vb, dd, backend, kv_share)
         rows = qid[dd.q_rows]
         o[rows] = out
-        ob = torch.zeros_like(qb).index_copy_(0, dd.q_rows, out)
-        lb = torch.zeros(qb.shape[:2]).index_copy_(0, dd.q_rows, lse)
-        g_q, g_k, g_v = serve_backward(qb, kb, vb, ob, dout[qid], lb, dd, backend, kv_share)
+        g_q, g_k, g_v = serve_backward(qb, kb, vb, out, dout[qid][dd.q_rows], lse, dd, backend, kv_share)
         assert g_k.dtype == kb.dtype and g_k.shape == kb.shape
         dq[rows] = g_q
         dk.index_add_(0, kid, g_k)

@@ -11,7 +11,7 @@ from cadlib.core.layout import Layout
 from cadlib.core.plan import CATask, Plan
 from cadlib.infra.groups import destroy, init_from_env
 from cadlib.infra.progress import write_result
-from cadlib.runtime.cad import cad_attention
+from cadlib.runtime.stages import cad_attention
 
 
 def main():

@@ -10,12 +10,12 @@ import torch
 
 from cadlib import testing
 from cadlib.core.cost import ModelSpec
-from cadlib.core.layout import Layout
+from cadlib.core.layout import Layout, global_rows
 from cadlib.core.plan import CATask, Plan
-from cadlib.cp import layout_rows as global_rows
 from cadlib.data.workload import DISTRIBUTIONS
 from cadlib.dispatch.build import build_dispatch
-from cadlib.runtime.cad import cad_attention, pack_rows, prepare, unpack_rows
+from cadlib.runtime.comm import pack_rows, unpack_rows
+from cadlib.runtime.stages import cad_attention, prepare
 from cadlib.testing import random_inputs, random_plan, rank_inputs, reference, reference_errors
 
 TINY = ModelSpec.from_name("tiny")
@@ -67,7 +67,7 @@ def test_wrong_dispatch_is_detected(kv_share):
 
 
 def test_home_rows_view_only_when_the_rest_is_small():
-    from cadlib.runtime.cad import home_rows
+    from cadlib.runtime.buffers import home_rows
 
     out = torch.arange(18.0).view(18, 1)
     assert home_rows(out, 16).data_ptr() == out.data_ptr()          # 2 rows after 16: a view

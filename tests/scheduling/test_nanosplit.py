@@ -13,11 +13,10 @@ import torch
 
 from cadlib import train
 from cadlib.core.cost import ModelSpec
-from cadlib.core.layout import Layout
-from cadlib.cp import layout_rows as global_rows
+from cadlib.core.layout import Layout, global_rows
 from cadlib.data.packing import pack
 from cadlib.data.workload import sample_docs
-from cadlib.runtime.stages import staged_attention
+from cadlib.runtime.stages import cad_attention
 from cadlib.scheduling import recipes
 from cadlib.scheduling.nanosplit import (
     build_nano_batches,
@@ -132,10 +131,10 @@ def test_context_attention_matches_reference_one_rank():
     ia, ib, ctx = (torch.as_tensor(x) for x in (a.rows[0], b.rows[0], b.context[0]))
     qa, ka, va = (t.index_select(0, ia) for t in (q, k, v))
     qb, kb, vb = (t.index_select(0, ib) for t in (q, k, v))
-    oa = staged_attention(qa, ka, va, plans[0], None)
+    oa = cad_attention(qa, ka, va, plans[0], None)
     qb = torch.cat([qb, qb.new_zeros((ctx.numel(), *qb.shape[1:]))])
     kb, vb = torch.cat([kb, ka.index_select(0, ctx)]), torch.cat([vb, va.index_select(0, ctx)])
-    ob = staged_attention(qb, kb, vb, plans[1], None)[:ib.numel()]
+    ob = cad_attention(qb, kb, vb, plans[1], None)[:ib.numel()]
     o = torch.zeros_like(q).index_copy(0, ia, oa).index_copy(0, ib, ob)
     o.backward(dout)
     assert max(reference_errors((o, q.grad, k.grad, v.grad), full, layout.doc_lens, rows)) <= 1e-5
