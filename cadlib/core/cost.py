@@ -15,6 +15,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from .paper import DISTCA_IB_GBPS
+
 # ---------------------------------------------------------------------------------------------------
 # Constants
 # ---------------------------------------------------------------------------------------------------
@@ -44,8 +46,8 @@ H200_MATMUL_TFLOPS = 790.0
 """bf16 8192^3 matmul on one H200, measured: 769-798 TF/s on random data."""
 H200_NVLINK_ALL_TO_ALL_GBPS = 300 * 1.073741824
 """NCCL all-to-all between two H200s over NVLink at 1 GiB per rank: ~300 GiB/s measured, in GB/s."""
-IB_GBPS_PER_GPU = 50.0
-"""Assumed inter-node bandwidth per GPU (one 400 Gb/s NIC per GPU); not measured here."""
+IB_GBPS_PER_GPU = DISTCA_IB_GBPS
+"""Inter-node bandwidth per GPU (one 400 Gb/s NIC per GPU), as the paper assumes; not measured here."""
 
 
 def _interp_log2(table: dict[int, float], x: float) -> float:
@@ -106,6 +108,22 @@ class ModelSpec:
         if key not in MODELS:
             raise ValueError(f"unknown model {name!r}; choose one of: {', '.join(MODELS)}")
         return replace(MODELS[key], **overrides) if overrides else MODELS[key]
+
+    def shard(self, tp: int) -> "ModelSpec":
+        """The part of the model one GPU of a tensor-parallel group of ``tp`` computes (Megatron's
+        column- and row-parallel cut): ``n_heads / tp`` query and ``n_kv_heads / tp`` KV heads, an MLP of
+        ``ffn / tp``, a vocabulary of ``vocab / tp``; the hidden size and the layers are the model's.
+        ``tp = 1`` is the model itself."""
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tp must be an integer >= 1, got {tp!r}")
+        if tp == 1:
+            return self
+        bad = [f"{f}={getattr(self, f)}" for f in ("n_heads", "n_kv_heads", "ffn", "vocab") if getattr(self, f) % tp]
+        if bad:
+            raise ValueError(f"tp={tp} must divide n_heads, n_kv_heads, ffn and vocab of {self.name}; "
+                             f"it does not divide {', '.join(bad)}")
+        return replace(self, name=f"{self.name}/tp{tp}", n_heads=self.n_heads // tp,
+                       n_kv_heads=self.n_kv_heads // tp, ffn=self.ffn // tp, vocab=self.vocab // tp)
 
     # -- parameters and FLOPs of the linear layers ------------------------------------------------
     @property

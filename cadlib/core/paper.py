@@ -57,6 +57,40 @@ DISTCA_PINGPONG_OVERLAP = PaperFigure(
     "communication with compute\")", DISTCA + ", abstract")
 
 # ---------------------------------------------------------------------------------------------------
+# The evaluation's configurations and the motivation's figures, read in the paper's text (arXiv 2510.18121)
+# ---------------------------------------------------------------------------------------------------
+
+DISTCA_TP = 8
+"""Tensor parallelism of every DistCA run: "we fix TP=8 in our experiments" (section 6.1), one node."""
+DISTCA_GPUS_PER_NODE = 8
+"""DGX H200 nodes, "8x 140GB H200 GPUs" each (section 6.1)."""
+DISTCA_TABLE3_8B = ((131072, (8, 16, 32), (64, 128, 256)),
+                    (262144, (4, 8, 16), (64, 128, 256)),
+                    (524288, (2, 4, 8), (64, 128, 256)))
+"""Table 3, 3D training configurations of Llama-8B: (MaxDocLen, batch sizes, GPUs), the i-th batch size
+with the i-th GPU count."""
+DISTCA_TABLE4_8B = ((131072, (32, 64, 128), (64, 128, 256)),
+                    (262144, (16, 32, 32), (64, 128, 256)),
+                    (524288, (8, 8, 16), (64, 128, 256)))
+"""Table 4, 4D (with PP) training configurations of Llama-8B, as Table 3."""
+DISTCA_FIG4B_IDLE = {1: 1.7, 2: 1.9, 4: 19.2, 8: 55.4}
+"""Figure 4b, idle time over iteration time (%) of variable-length chunking by DP degree, 8B model,
+512K-token data chunks, TP=8 (the bars' labels; the text: "19% at DP=4 and 55% at DP=8")."""
+DISTCA_FIG3_ALLGATHER = {2: 2.7, 4: 6.0, 8: 13.5, 16: 26.5, 32: 39.7}
+"""Figure 3a, per-document CP all-gather latency share of the step (%) by number of nodes, Llama-8B,
+every document 32K tokens: read off the chart (the text: "from merely 3% on 2 nodes to nearly 40% on
+32 nodes")."""
+DISTCA_FIG3_KV_MEMORY = {2: 3.0, 16: 30.0}
+"""Figure 3b, the all-gathered KV's share of a GPU's memory (%): "from 3% at 2 nodes to almost 30% at 16
+nodes" (the text)."""
+DISTCA_IB_GBPS = 50.0
+"""InfiniBand bandwidth per GPU, GB/s: "We assume the InfiniBand bandwidth is 50GB/s" (Appendix A)."""
+IB_GBPS_LOW = 40.0
+"""A lower inter-node bandwidth per GPU, GB/s, for the sensitivity of the scale replay (ours, not the
+paper's)."""
+
+
+# ---------------------------------------------------------------------------------------------------
 # The claims registry: every headline claim of the two papers, once
 # ---------------------------------------------------------------------------------------------------
 

@@ -195,6 +195,53 @@ def per_doc_zigzag_layout(doc_lens: Sequence[int], n_ranks: int) -> Layout:
     return Layout.from_chunks(rows, n.tolist(), R)
 
 
+def per_doc_gather_tokens(layout: Layout) -> tuple[np.ndarray, np.ndarray]:
+    """Per-document context parallelism's all-gather, per rank, in tokens: ``(sent, received)``. A
+    document held by several ranks (``H_d`` of them) has its K, V gathered by every holder: rank ``r``
+    receives the tokens of ``d`` it does not hold, ``len_d - own_{r,d}``, and sends its own
+    ``own_{r,d}`` to the ``|H_d| - 1`` others. Documents held by one rank move nothing."""
+    ch = layout.chunk_array()
+    R = layout.n_ranks
+    if not ch.shape[0]:
+        return np.zeros(R, dtype=np.int64), np.zeros(R, dtype=np.int64)
+    key = ch[:, 0] * R + ch[:, 3]
+    uk, inv = np.unique(key, return_inverse=True)
+    own = np.bincount(inv, weights=ch[:, 2] - ch[:, 1]).astype(np.int64)
+    doc, rank = uk // R, uk % R
+    holders = np.bincount(doc, minlength=layout.n_docs)[doc]
+    shared = holders > 1
+    lens = np.asarray(layout.doc_lens, dtype=np.int64)[doc]
+    recv = np.bincount(rank[shared], weights=(lens - own)[shared], minlength=R).astype(np.int64)
+    sent = np.bincount(rank[shared], weights=(own * (holders - 1))[shared], minlength=R).astype(np.int64)
+    return sent, recv
+
+
+def wlb_layout(doc_lens: Sequence[int], n_ranks: int, cp: int, tokens_per_rank: int,
+               model: ModelSpec | str | None = None) -> Layout:
+    """WLB-LLM's layout with context parallelism of degree ``cp``: the documents balanced over
+    ``n_ranks / cp`` replicas (:func:`pack`, ``balanced``, ``cp * tokens_per_rank`` tokens each), then
+    every chunk of a replica cut into ``2 cp`` pieces shared by its ``cp`` ranks head and tail (rank
+    ``i`` of the group holds pieces ``i`` and ``2 cp - 1 - i``: equal causal work). ``cp = 1`` is the
+    balanced packing itself."""
+    n_ranks, cp = _check_int("n_ranks", n_ranks), _check_int("cp", cp)
+    if n_ranks % cp:
+        raise ValueError(f"cp={cp} must divide n_ranks={n_ranks}")
+    lens = _check_docs(doc_lens)
+    rep = pack(lens, n_ranks // cp, cp * int(tokens_per_rank), method="balanced", model=model)
+    if cp == 1:
+        return rep
+    ch = rep.chunk_array()
+    n = ch[:, 2] - ch[:, 1]
+    piece = np.stack([np.arange(cp), 2 * cp - 1 - np.arange(cp)], axis=1)[None]      # [1, cp, 2]
+    start = ch[:, 1, None, None] + n[:, None, None] * piece // (2 * cp)
+    end = ch[:, 1, None, None] + n[:, None, None] * (piece + 1) // (2 * cp)
+    shape = (ch.shape[0], cp, 2)
+    rank = ch[:, 3, None, None] * cp + np.arange(cp)[None, :, None]
+    rows = np.stack([np.broadcast_to(ch[:, 0, None, None], shape), start, end,
+                     np.broadcast_to(rank, shape)], axis=-1).reshape(-1, 4)
+    return Layout.from_chunks(rows[rows[:, 2] > rows[:, 1]], lens, n_ranks)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Per-rank costs of a layout
 # ---------------------------------------------------------------------------------------------------

@@ -1,0 +1,295 @@
+"""The paper's scale on one GPU: time every rank's work of every sampled batch, then compose the steps.
+
+Two steps (:mod:`cadlib.analysis.replay` says what a rank's work is):
+
+* ``time`` (a GPU): builds every setting's batches, plans and dispatches on the host and times, on this
+  one GPU, every distinct kernel shape the steps need that the cache does not hold yet: each rank's
+  attention-server call (the serve stage, forward and backward, on random buffers of the dispatch's
+  sizes), one decoder layer's linear parts and the LM head on a grid of token counts, and one
+  optimizer step. The cache (``--cache``, JSON) grows across runs; a run stops at ``--budget-s`` and
+  writes what it has, so the next one continues.
+* ``compose`` (any machine): composes every batch's step from the cache and the link model
+  (:mod:`cadlib.analysis.compose`) and writes a JSON per setting under ``--out`` and the summary.
+
+    python scripts/bench_replay.py time --suite validation,3d --cache $OUT/replay_times.json --budget-s 500
+    python scripts/bench_replay.py compose --suite validation,3d --cache results/replay_times_h200.json
+    python scripts/bench_replay.py time --smoke --cache /tmp/t.json && \
+        python scripts/bench_replay.py compose --smoke --cache /tmp/t.json --out /tmp/replay     # CPU
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from cadlib.analysis import replay  # noqa: E402
+from cadlib.analysis.e2e import load_committed  # noqa: E402
+from cadlib.infra.results import RESULTS_DIR, atomic_write_json, environment_info, load_result, save_result  # noqa: E402
+from cadlib.runtime import kernels  # noqa: E402
+from cadlib.runtime.device import to_device  # noqa: E402
+from cadlib.runtime.model import ChunkedCrossEntropy, DecoderLayer, RMSNorm  # noqa: E402
+from cadlib.runtime.stages import serve  # noqa: E402
+
+SUITES = ("validation", "3d", "smoke")
+
+
+def settings(suites: list[str], batches: int | None) -> list[replay.Setting]:
+    out = []
+    for s in suites:
+        if s == "validation":
+            out += [replay.e2e_setting(it) for it in load_committed() if it["variant"] == ""]
+        elif s == "3d":
+            out += replay.paper_3d_settings(batches or 5)
+        elif s == "smoke":
+            out += [replay.Setting("smoke_pretrain_dp4", "pretrain", 4, tokens=1024, max_doc_len=1024, tp=1,
+                                   model="tiny", batches=2, wlb_cp=(1, 2), min_shard=32, link="nvlink")]
+        else:
+            raise SystemExit(f"unknown suite {s!r}; choose from: {', '.join(SUITES)}")
+    return out
+
+
+# ----------------------------------------------------------------------------------------- timing
+class Timer:
+    """CUDA events around regions of one run (the wall clock on the CPU)."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+
+    def mark(self):
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def ms(self, a, b) -> float:
+        if self.cuda:
+            b.synchronize()
+            return a.elapsed_time(b)
+        return (b - a) * 1e3
+
+
+def time_attention(d, spec, device, dtype, backend, gen, timer, iters: int) -> dict:
+    """The serve stage of dispatch ``d``, forward then backward, on random buffers of its sizes."""
+    dd = to_device(d, device)
+    m = dd.meta
+    n_q, n_kv = m.q_keep + m.n_recv_q, m.n_local + m.n_recv_kv
+
+    def rnd(n, h):
+        return torch.randn(n, h, spec.head_dim, generator=gen, device=device).to(dtype).requires_grad_()
+    q, k, v = rnd(n_q, spec.n_heads), rnd(n_kv, spec.n_kv_heads), rnd(n_kv, spec.n_kv_heads)
+    n_out = n_q if m.q_identity else int(m.cu_q[-1])
+    dout = torch.randn((n_out, spec.n_heads, spec.head_dim), generator=gen, device=device).to(dtype)
+    fw, bw = [], []
+    for _ in range(iters):
+        a = timer.mark()
+        out = serve(q, k, v, dd, backend)
+        b = timer.mark()
+        out.backward(dout)
+        c = timer.mark()
+        fw.append(timer.ms(a, b))
+        bw.append(timer.ms(b, c))
+        q.grad = k.grad = v.grad = None
+    return {"fwd_ms": float(np.median(fw)), "bwd_ms": float(np.median(bw)), "iters": iters}
+
+
+def time_linear(layer, spec, n, device, dtype, timer, iters: int) -> dict:
+    """One decoder layer's linear parts at ``n`` tokens: pre-attention (norm, QKV, RoPE) and
+    post-attention (O projection, MLP with recompute), each forward and backward."""
+    x = torch.randn(n, spec.hidden, device=device, dtype=dtype, requires_grad=True)
+    pos = torch.arange(n, device=device) % 8192
+    inv = 1.0 / (500000.0 ** (torch.arange(0, spec.head_dim, 2, device=device, dtype=torch.float32)
+                              / spec.head_dim))
+    ang = torch.cat([pos[:, None] * inv[None]] * 2, -1)
+    cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
+    o = torch.randn(n, spec.n_heads, spec.head_dim, device=device, dtype=dtype, requires_grad=True)
+    gq = torch.randn(n, spec.n_heads, spec.head_dim, device=device, dtype=dtype)
+    gk = torch.randn(n, spec.n_kv_heads, spec.head_dim, device=device, dtype=dtype)
+    gy = torch.randn(n, spec.hidden, device=device, dtype=dtype)
+    rows = {k: [] for k in ("pre_ms", "pre_bwd_ms", "post_ms", "post_bwd_ms")}
+    for _ in range(iters):
+        t0 = timer.mark()
+        q, k, v = layer.pre_attention(x, cos, sin)
+        t1 = timer.mark()
+        torch.autograd.backward((q, k, v), (gq, gk, gk))
+        t2 = timer.mark()
+        y = layer.post_attention(x, o)
+        t3 = timer.mark()
+        y.backward(gy)
+        t4 = timer.mark()
+        for key, (a, b) in zip(rows, ((t0, t1), (t1, t2), (t2, t3), (t3, t4))):
+            rows[key].append(timer.ms(a, b))
+        x.grad = o.grad = None
+        layer.zero_grad(set_to_none=True)
+    return {k: float(np.median(v)) for k, v in rows.items()}
+
+
+class Head(torch.nn.Module):
+    """The model's ends (:class:`cadlib.runtime.model.Decoder`'s embedding, final norm and LM head),
+    with random weights made on the device."""
+
+    def __init__(self, spec, device, dtype):
+        super().__init__()
+        w = {"device": device, "dtype": dtype}
+        self.embed = torch.nn.Embedding(spec.vocab, spec.hidden, **w)
+        self.norm = RMSNorm(spec.hidden, **w)
+        self.lm_head = torch.nn.Linear(spec.hidden, spec.vocab, bias=False, **w)
+
+
+def time_head(head, spec, n, device, timer, iters: int) -> dict:
+    """Embedding, final norm, LM head and its chunked loss at ``n`` tokens, forward and backward."""
+    tok = torch.randint(0, spec.vocab, (n,), device=device)
+    tgt = torch.randint(0, spec.vocab, (n,), device=device)
+    ms = []
+    for _ in range(iters):
+        a = timer.mark()
+        h = head.norm(head.embed(tok))
+        ChunkedCrossEntropy.apply(h, head.lm_head.weight, tgt, 8192).backward()
+        b = timer.mark()
+        ms.append(timer.ms(a, b))
+        head.zero_grad(set_to_none=True)
+    return {"ms": float(np.median(ms))}
+
+
+def time_optimizer(spec, device, dtype, timer, iters: int) -> dict:
+    """One AdamW step over a GPU's parameters (their shapes; the values do not matter)."""
+    shapes = [(spec.vocab, spec.hidden), (spec.vocab, spec.hidden), (spec.hidden,)]
+    per = [(spec.n_heads * spec.head_dim, spec.hidden), (spec.n_kv_heads * spec.head_dim, spec.hidden),
+           (spec.n_kv_heads * spec.head_dim, spec.hidden), (spec.hidden, spec.n_heads * spec.head_dim),
+           (spec.ffn, spec.hidden), (spec.ffn, spec.hidden), (spec.hidden, spec.ffn), (spec.hidden,),
+           (spec.hidden,)]
+    params = [torch.nn.Parameter(torch.randn(s, device=device, dtype=dtype) * 0.02)
+              for s in shapes + per * spec.n_layers]
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    opt = torch.optim.AdamW(params, lr=1e-5)
+    opt.step()
+    ms = []
+    for _ in range(iters):
+        a = timer.mark()
+        opt.step()
+        b = timer.mark()
+        ms.append(timer.ms(a, b))
+    return {"ms": float(np.median(ms)), "params": sum(p.numel() for p in params)}
+
+
+def cmd_time(a) -> int:
+    device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    cache_path = Path(a.cache)
+    cache = json.loads(cache_path.read_text()) if cache_path.exists() else {}
+    times = cache.setdefault("times", {})
+    t_start = time.perf_counter()
+    timer, gen = Timer(device), torch.Generator(device=device).manual_seed(0)
+    done = skipped = 0
+    warm = False
+
+    def save():
+        cache["meta"] = environment_info()
+        atomic_write_json(cache_path, cache)
+
+    def over() -> bool:
+        return time.perf_counter() - t_start > a.budget_s
+
+    rates = replay.link_rates(load_result("comm_overlap_probe_2xh200_nvlink.json"),
+                              load_result("comm_overlap_probe_2xh200_inter-node-like.json"))
+    for s in settings(a.suite.split(","), a.batches):
+        spec = s.spec
+        backend = kernels.resolve_backend(a.backend, device, dtype, spec.head_dim)
+        need_tokens = []
+        for b in range(s.batches):
+            works = replay.batch_work(s, b, rates)
+            for w in works.values():
+                need_tokens.append(w.tokens.ravel())
+                need_tokens.append(w.tokens.sum(0) if w.pingpong else w.tokens)
+            jobs = {k: d for k, d in replay.attention_jobs(works.values(), spec, backend).items() if k not in times}
+            if jobs and not warm:                       # the kernels' first calls compile: not timed
+                d0 = next(iter(jobs.values()))
+                time_attention(d0, spec, device, dtype, backend, gen, timer, 2)
+                warm = True
+            for k, d in jobs.items():
+                if over():
+                    skipped += 1
+                    continue
+                times[k] = time_attention(d, spec, device, dtype, backend, gen, timer, a.iters)
+                done += 1
+            print(f"[{time.perf_counter() - t_start:6.0f} s] {s.name} batch {b}: {len(jobs)} new calls "
+                  f"({done} timed, {skipped} left over budget)", flush=True)
+            save()
+        grid = replay.grid_points(np.concatenate(need_tokens))
+        layer = DecoderLayer(spec, mlp_recompute=True, dtype=dtype, device=device)
+        head_model = Head(spec, device, dtype)
+        for n in grid:
+            for key, fn in ((replay.linear_key(spec, backend, n),
+                             lambda: time_linear(layer, spec, n, device, dtype, timer, max(2, a.iters))),
+                            (replay.head_key(spec, backend, n),
+                             lambda: time_head(head_model, spec, n, device, timer, max(2, a.iters)))):
+                if key not in times and not over():
+                    fn()                                              # warm this shape once
+                    times[key] = fn()
+        key = replay.optimizer_key(spec, backend)
+        if key not in times and not over():
+            times[key] = time_optimizer(spec, device, dtype, timer, 3)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        save()
+    print(f"timed {done} attention calls in {time.perf_counter() - t_start:.0f} s; {skipped} left over the "
+          f"budget; cache {cache_path} holds {len(times)} shapes")
+    return 0 if not skipped else 3
+
+
+# ---------------------------------------------------------------------------------------- compose
+def cmd_compose(a) -> int:
+    cache = json.loads(Path(a.cache).read_text())
+    times, meta = cache["times"], cache.get("meta", {})
+    rates = replay.link_rates(load_result("comm_overlap_probe_2xh200_nvlink.json"),
+                              load_result("comm_overlap_probe_2xh200_inter-node-like.json"))
+    backend = a.backend or "fa4"
+    out_dir = Path(a.out)
+    summary = []
+    for s in settings(a.suite.split(","), a.batches):
+        res = replay.replay_setting(s, times, rates, backend)
+        if res is None:
+            print(f"{s.name}: shapes missing from the cache; run `time` first")
+            continue
+        save_result(out_dir / f"replay_{s.name}.json", replay.setting_config(s, rates, backend, meta), res)
+        summary += res["summary"]
+        print(replay.summary_line(s, res), flush=True)
+    if summary:
+        save_result(out_dir / f"replay_summary{a.tag}.json", {"cache": str(a.cache), "times_meta": meta,
+                                                               "rates_gbps": rates}, summary)
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("command", choices=("time", "compose"))
+    ap.add_argument("--suite", default="validation,3d", help=f"comma-separated: {', '.join(SUITES)}")
+    ap.add_argument("--smoke", action="store_true", help="the CPU smoke suite (tiny model, sdpa_ref)")
+    ap.add_argument("--cache", default=str(RESULTS_DIR / "replay_times_h200.json"))
+    ap.add_argument("--out", default=str(RESULTS_DIR))
+    ap.add_argument("--tag", default="")
+    ap.add_argument("--batches", type=int, default=None, help="batches per paper setting (default 5)")
+    ap.add_argument("--budget-s", type=float, default=math.inf)
+    ap.add_argument("--iters", type=int, default=1, help="timed runs per attention call (median)")
+    ap.add_argument("--backend", default=None)
+    ap.add_argument("--device", default=None)
+    a = ap.parse_args(argv)
+    if a.smoke:
+        a.suite, a.device = "smoke", "cpu"
+        a.backend = a.backend or "sdpa_ref"
+    if a.iters < 1 or (a.batches is not None and a.batches < 1):
+        ap.error("--iters and --batches must be >= 1")
+    return cmd_time(a) if a.command == "time" else cmd_compose(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
