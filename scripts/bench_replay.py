@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import multiprocessing
 import sys
 import time
 from pathlib import Path
@@ -181,6 +182,15 @@ def time_optimizer(spec, device, dtype, timer, iters: int) -> dict:
     return {"ms": float(np.median(ms)), "params": sum(p.numel() for p in params)}
 
 
+def _plan_batch(task):
+    """A pool worker: one batch's work (host only): its distinct server calls and token counts."""
+    s, b, rates, backend = task
+    works = replay.batch_work(s, b, rates)
+    tokens = [np.concatenate([w.tokens.ravel(), (w.tokens.sum(0) if w.pingpong else w.tokens)])
+              for w in works.values()]
+    return s.name, b, replay.attention_jobs(works.values(), s.spec, backend), np.concatenate(tokens)
+
+
 def cmd_time(a) -> int:
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -188,9 +198,16 @@ def cmd_time(a) -> int:
     cache = json.loads(cache_path.read_text()) if cache_path.exists() else {}
     times = cache.setdefault("times", {})
     t_start = time.perf_counter()
+    rates = replay.link_rates(load_result("comm_overlap_probe_2xh200_nvlink.json"),
+                              load_result("comm_overlap_probe_2xh200_inter-node-like.json"))
+    todo = settings(a.suite.split(","), a.batches)
+    backends = {s.name: kernels.resolve_backend(a.backend, device, dtype, s.spec.head_dim) for s in todo}
+    by_name = {s.name: s for s in todo}
+    tasks = [(s, b, rates, backends[s.name]) for s in todo for b in range(s.batches)]
     timer, gen = Timer(device), torch.Generator(device=device).manual_seed(0)
     done = skipped = 0
     warm = False
+    tokens: dict[str, list] = {s.name: [] for s in todo}
 
     def save():
         cache["meta"] = environment_info()
@@ -199,39 +216,17 @@ def cmd_time(a) -> int:
     def over() -> bool:
         return time.perf_counter() - t_start > a.budget_s
 
-    rates = replay.link_rates(load_result("comm_overlap_probe_2xh200_nvlink.json"),
-                              load_result("comm_overlap_probe_2xh200_inter-node-like.json"))
-    for s in settings(a.suite.split(","), a.batches):
-        spec = s.spec
-        backend = kernels.resolve_backend(a.backend, device, dtype, spec.head_dim)
-        need_tokens = []
-        for b in range(s.batches):
-            works = replay.batch_work(s, b, rates)
-            for w in works.values():
-                need_tokens.append(w.tokens.ravel())
-                need_tokens.append(w.tokens.sum(0) if w.pingpong else w.tokens)
-            jobs = {k: d for k, d in replay.attention_jobs(works.values(), spec, backend).items() if k not in times}
-            if jobs and not warm:                       # the kernels' first calls compile: not timed
-                d0 = next(iter(jobs.values()))
-                time_attention(d0, spec, device, dtype, backend, gen, timer, 2)
-                warm = True
-            for k, d in jobs.items():
-                if over():
-                    skipped += 1
-                    continue
-                times[k] = time_attention(d, spec, device, dtype, backend, gen, timer, a.iters)
-                done += 1
-            print(f"[{time.perf_counter() - t_start:6.0f} s] {s.name} batch {b}: {len(jobs)} new calls "
-                  f"({done} timed, {skipped} left over budget)", flush=True)
-            save()
-        grid = replay.grid_points(np.concatenate(need_tokens))
+    def finish(s):
+        """The linear layers, the head and the optimizer of setting ``s``'s shard."""
+        spec, backend = s.spec, backends[s.name]
+        grid = replay.grid_points(np.concatenate(tokens[s.name]))
         layer = DecoderLayer(spec, mlp_recompute=True, dtype=dtype, device=device)
-        head_model = Head(spec, device, dtype)
+        head = Head(spec, device, dtype)
         for n in grid:
             for key, fn in ((replay.linear_key(spec, backend, n),
                              lambda: time_linear(layer, spec, n, device, dtype, timer, max(2, a.iters))),
                             (replay.head_key(spec, backend, n),
-                             lambda: time_head(head_model, spec, n, device, timer, max(2, a.iters)))):
+                             lambda: time_head(head, spec, n, device, timer, max(2, a.iters)))):
                 if key not in times and not over():
                     fn()                                              # warm this shape once
                     times[key] = fn()
@@ -240,7 +235,30 @@ def cmd_time(a) -> int:
             times[key] = time_optimizer(spec, device, dtype, timer, 3)
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        save()
+
+    # the host plans batches in worker processes (started before CUDA) while this one times
+    with multiprocessing.get_context("fork").Pool(max(1, min(a.workers, len(tasks)))) as pool:
+        left = {s.name: s.batches for s in todo}
+        for name, b, jobs, toks in pool.imap(_plan_batch, tasks):
+            s = by_name[name]
+            tokens[name].append(toks)
+            jobs = {k: d for k, d in jobs.items() if k not in times}
+            if jobs and not warm:                       # the kernels' first calls compile: not timed
+                time_attention(next(iter(jobs.values())), s.spec, device, dtype, backends[name], gen, timer, 2)
+                warm = True
+            for k, d in jobs.items():
+                if over():
+                    skipped += 1
+                    continue
+                times[k] = time_attention(d, s.spec, device, dtype, backends[name], gen, timer, a.iters)
+                done += 1
+            print(f"[{time.perf_counter() - t_start:6.0f} s] {name} batch {b}: {len(jobs)} new calls "
+                  f"({done} timed, {skipped} left over budget)", flush=True)
+            left[name] -= 1
+            if not left[name]:
+                finish(s)
+                save()
+    save()
     print(f"timed {done} attention calls in {time.perf_counter() - t_start:.0f} s; {skipped} left over the "
           f"budget; cache {cache_path} holds {len(times)} shapes")
     return 0 if not skipped else 3
@@ -282,6 +300,7 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=1, help="timed runs per attention call (median)")
     ap.add_argument("--backend", default=None)
     ap.add_argument("--device", default=None)
+    ap.add_argument("--workers", type=int, default=12, help="processes planning batches beside the timing")
     a = ap.parse_args(argv)
     if a.smoke:
         a.suite, a.device = "smoke", "cpu"
