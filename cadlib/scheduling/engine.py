@@ -6,15 +6,14 @@ tasks shrink or move); shards cut off are appended to ``shards`` (they sit on re
 give work away, so they never move again). What never changes (the chunks of each document, what each
 rank holds, the colocated prefix ends) is in :class:`cadlib.scheduling.index.ChunkIndex`; per (server,
 doc) the prefix end ``need`` the server fetches (``max q_end`` of its tasks of the doc) is the index's
-colocated value, overridden (``over_key``, ``over_end``) once a move changes it (bytes mode only).
+colocated value, overridden (``over_key``, ``over_end``) once a move changes it.
 
 A donor's tasks change only when it moves, so what the candidates of its tasks need from them (a
 :class:`cadlib.scheduling.views.DonorView`) is built for every donor at once when the greedy starts and
 updated after it has moved (:mod:`cadlib.scheduling.views`). A move is checked against peeling by a
 rollout (:mod:`cadlib.scheduling.rollout`); once no donor can move, the greedy may go back to a move the
-rollout did not take (:mod:`cadlib.scheduling.fortify`). ``mode="flops"`` (``equal_flops``) does not price
-moves: its forward bytes are those of its final tasks less the colocated ones, on the documents it
-touched, counted once at the end.
+rollout did not take (:mod:`cadlib.scheduling.fortify`). The bytes-blind ``equal_flops`` is not computed
+here but by :class:`cadlib.scheduling.water_fill.WaterFill`, from a greedy's state before its moves.
 """
 from __future__ import annotations
 
@@ -27,7 +26,7 @@ from ..core.cost import imbalance
 from .fortify import Check, back_to, restore, snapshot
 from .index import ChunkIndex
 from .rollout import decide
-from .shards import cut_near, cut_shards, end_cut
+from .shards import cut_near, end_cut
 from .views import DonorView, Views
 
 
@@ -54,12 +53,13 @@ class Move:
 
 
 class Greedy(Views):
-    """``mode="bytes"``: ``schedule``'s priority (bytes per pair); ``mode="flops"``: ``equal_flops``."""
+    """``schedule``'s greedy: each move the most loaded donor makes its lowest-priority move (bytes per
+    pair, :func:`cadlib.scheduling.greedy.reference_greedy`)."""
 
     def __init__(self, chunks: np.ndarray, n_docs: int, n_servers: int, tolerance: float, min_shard: int,
-                 q_bytes: int, kv_bytes: int, mode: str):
+                 q_bytes: int, kv_bytes: int):
         S = self.S = int(n_servers)
-        self.n_docs, self.m, self.qb, self.kvb, self.mode = n_docs, int(min_shard), q_bytes, kv_bytes, mode
+        self.n_docs, self.m, self.qb, self.kvb = n_docs, int(min_shard), q_bytes, kv_bytes
         self.chunks = chunks = np.asarray(chunks, dtype=np.int64)
         # few large temporaries (each is fresh memory, page faults, at 10^5 chunks): doc and home are
         # views of the chunks, server too until the first move (prepare copies it)
@@ -85,24 +85,30 @@ class Greedy(Views):
         self.U = (1.0 + tolerance) * int(at[-1]) / S
         self.imbalance_before = self.imbalance()
         self.ix: ChunkIndex | None = None
+        self.prepared = False
         self.shards: list[tuple[int, int, int, int, int]] = []
         self.shard_servers: dict[int, set[int]] = {}          # doc -> servers given shards of it
         self.has_shard = np.zeros(n_docs, dtype=bool)
         self.live: dict[int, np.ndarray] = {}
         self.stuck: set[int] = set()
         self.views: dict[int, DonorView] = {}
-        self.touched: set[int] = set()                         # documents the moves changed
         self.n_moves = self.n_splits = self.n_rollouts = self.n_backtracks = 0
         self.moved_bytes = 0                                   # forward bytes added by the moves (exact)
 
-    def prepare(self, index: ChunkIndex | None = None) -> None:
-        """Index the chunks (only once there is a donor; ``index``: another greedy's, built on the same
-        chunks and servers) and build every donor's view."""
+    def chunk_index(self) -> ChunkIndex:
+        """The chunks' static index, built on first use (before any move: the servers are the
+        colocated ones)."""
+        if self.ix is None:
+            c = self.chunks                                    # (a, b as they are before any move)
+            self.ix = ChunkIndex(self.doc, c[:, 1], c[:, 2], self.home, self.server, self.n_docs, self.S)
+        return self.ix
+
+    def prepare(self) -> None:
+        """Index the chunks (only once there is a donor) and build every donor's view."""
+        self.chunk_index()
         if self.server.base is not None:
             self.server = self.server.copy()                   # servers change from now on
-        c = self.chunks                                        # (a, b as they are before any move)
-        self.ix = index or ChunkIndex(self.doc, c[:, 1], c[:, 2], self.home, self.server, self.n_docs, self.S)
-        self.over_key = self.over_end = np.zeros(0, dtype=np.int64)    # changed prefix ends (bytes mode)
+        self.over_key = self.over_end = np.zeros(0, dtype=np.int64)    # changed prefix ends
         self.need_at: dict[tuple[int, int], int] = {}          # need1's answers
         donors = np.flatnonzero(self.load > self.U).tolist()
         p = self.srv_ptr
@@ -111,6 +117,7 @@ class Greedy(Views):
         self.build_views(donors)
         self.doc_cache: dict = {}                              # the rollouts' (scheduler_rollout._doc)
         self.rollout_donors: dict = {}                         # the rollouts' donors (until they move)
+        self.prepared = True
 
     def need(self, g: np.ndarray, d: np.ndarray) -> np.ndarray:
         """The prefix end server ``g`` fetches of document ``d`` (0 if it serves none), elementwise."""
@@ -166,8 +173,6 @@ class Greedy(Views):
         v = self.views[s]
         if not v.tasks.size:
             return None
-        if self.mode == "flops":
-            return self.largest_move(s, g, v)
         n, nr = v.tasks.size, v.rep.size
         if v.rows is None:
             v.rows = self.candidate_rows(s, v)
@@ -252,20 +257,6 @@ class Greedy(Views):
             bmax = (self.qb * p0 - 1) // (self.qb * k0 + self.kvb * v.b.item(i))   # q_bytes / b > bound
             keep &= (F[10] > bmax) | (F[7] >= p0)
 
-    def largest_move(self, s: int, g: int, v: DonorView) -> Move | None:
-        """``equal_flops``: donor ``s``'s largest valid end shard to the emptiest receiver ``g`` (ties:
-        the first task)."""
-        room = self.U - self.load[g]
-        y = int(np.floor(room))
-        x = max(int(np.ceil(min(self.load[s] - self.U, room))), 1)
-        k, p = cut_shards(v.a, v.b, x, y, self.m, sides=1)
-        k, p = k[0], p[0]
-        pe = np.where((k > 0) & (p <= y) & (v.min_pairs <= y), p, -1)
-        i = int(pe.argmax())
-        if pe[i] < 0:
-            return None
-        return Move(int(v.tasks[i]), g, int(k[i]), int(p[i]), True, 0, i)
-
     def apply(self, s: int, mv: Move) -> None:
         t, r, k, i = mv.task, mv.receiver, mv.k, mv.at
         d, a, b, h = self.doc.item(t), self.a.item(t), self.b.item(t), self.home.item(t)
@@ -279,11 +270,10 @@ class Greedy(Views):
             got = self.shard_servers.setdefault(d, set())
             if r not in got:                                   # a new candidate of d's tasks
                 got.add(r)
-                if self.mode == "bytes":
-                    ix = self.ix
-                    for g in self.server[ix.by_doc[ix.doc_ptr[d]:ix.doc_ptr[d + 1]]].tolist():
-                        if g in self.views:
-                            self.views[g].rows = None
+                ix = self.ix
+                for g in self.server[ix.by_doc[ix.doc_ptr[d]:ix.doc_ptr[d + 1]]].tolist():
+                    if g in self.views:
+                        self.views[g].rows = None
             self.has_shard[d] = True
             self.pairs[t] -= mv.pairs
             if mv.from_end:
@@ -292,34 +282,30 @@ class Greedy(Views):
                 self.a[t] = a = a + k
             e = hi
             self.n_splits += 1
-        self.touched.add(d)
         self.load[s] -= mv.pairs
         self.load[r] += mv.pairs
         self.n_moves += 1
+        self.moved_bytes += mv.bytes
         v = self.views.pop(s)
         self.rollout_donors.pop(s, None)
-        mine = None
-        if self.mode == "bytes":
-            self.moved_bytes += mv.bytes
-            sel = np.flatnonzero(v.doc == d)                   # s's tasks of d, and their ends after the move
-            ends = v.b[sel].tolist()
-            sel = sel.tolist()
-            j = sel.index(i)
-            if whole:
-                del sel[j], ends[j]
-            else:
-                ends[j] = b
-            mine = sel, ends
-            self.set_need(r, d, max(self.need1(r, d), e))
-            self.set_need(s, d, max(ends, default=0))
+        sel = np.flatnonzero(v.doc == d)                       # s's tasks of d, and their ends after the move
+        ends = v.b[sel].tolist()
+        sel = sel.tolist()
+        j = sel.index(i)
+        if whole:
+            del sel[j], ends[j]
+        else:
+            ends[j] = b
+        self.set_need(r, d, max(self.need1(r, d), e))
+        self.set_need(s, d, max(ends, default=0))
         if self.load[s] > self.U:                              # still a donor: its view, updated
-            self.views[s] = self.shrink_view(s, v, i, whole, d, a, b, mine)
+            self.views[s] = self.shrink_view(s, v, i, whole, d, a, b, (sel, ends))
         if self.load[s] < self.U:
             self.stuck.clear()                                 # a new receiver: retry stuck donors
 
     def run(self) -> bool:
         """Move until no donor can: the most loaded donor first. Returns ``reached``."""
-        if self.ix is None and np.any(self.load > self.U):
+        if not self.prepared and np.any(self.load > self.U):
             self.prepare()
         checks: list[Check] = []
         while True:
@@ -331,8 +317,6 @@ class Greedy(Views):
             checks.clear()
             self.n_backtracks += 1
             self.apply(c.s, c.move)
-        if self.mode == "flops" and self.touched:
-            self.moved_bytes = self.touched_bytes()
         return self.reached()
 
     def moves(self, checks: list[Check]) -> None:
@@ -347,7 +331,7 @@ class Greedy(Views):
             if not live[s] > U:
                 break
             mv = self.best_move(s)
-            if mv is not None and self.mode == "bytes":
+            if mv is not None:
                 mv, other = decide(self, s, mv, self.peel)
                 if other is not None:
                     checks.append(Check(snapshot(self), s, *other, self.moved_bytes))
@@ -355,14 +339,6 @@ class Greedy(Views):
                 self.stuck.add(s)
             else:
                 self.apply(s, mv)
-
-    def touched_bytes(self) -> int:
-        """The forward bytes the moves added (flops mode): on the documents they touched, the final
-        tasks' less the colocated chunks'."""
-        docs = np.fromiter(self.touched, dtype=np.int64, count=len(self.touched))
-        c = self.ix.doc_chunks(docs)
-        cols = [x[c] for x in (self.doc, self.a, self.b, self.home, self.server)]
-        return self.ix.moved_bytes(self.chunks[c], cols, self.shards, self.S, self.qb, self.kvb)
 
     def task_arrays(self) -> TaskArrays:
         cols = [self.doc, self.a, self.b, self.home, self.server]

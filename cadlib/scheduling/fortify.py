@@ -55,14 +55,14 @@ def snapshot(g) -> dict:
     st["shards"] = g.shards[:]
     st["shard_servers"] = {d: set(x) for d, x in g.shard_servers.items()}
     st["live"], st["need_at"], st["rollout_donors"] = dict(g.live), dict(g.need_at), dict(g.rollout_donors)
-    st["stuck"], st["touched"] = set(g.stuck), set(g.touched)
+    st["stuck"] = set(g.stuck)
     st["views"] = {s: _copy(v) for s, v in g.views.items()}
     del st["n_rollouts"]                                       # (counts every rollout, kept or not)
     return st
 
 
 def _copy(v: DonorView) -> DonorView:
-    w = DonorView(v.tasks, v.cols.copy(), v.mode)
+    w = DonorView(v.tasks, v.cols.copy())
     w.rep, w.chunk, w.holder = v.rep, v.chunk, v.holder
     return w
 

@@ -1,6 +1,7 @@
 """The CAD scheduler's algorithm, written plainly, one candidate at a time: the reference that
-:mod:`cadlib.scheduling.engine` (the vectorised engine) equals move for move, and the arguments
-every planner of :mod:`cadlib.scheduling` takes."""
+:mod:`cadlib.scheduling.engine` (the vectorised engine) equals move for move, and in its ``flops`` mode
+the reference of ``equal_flops`` (:mod:`cadlib.scheduling.water_fill`); and the arguments every planner
+of :mod:`cadlib.scheduling` takes."""
 from __future__ import annotations
 
 import math
@@ -81,11 +82,12 @@ def reference_greedy(chunks: np.ndarray, n_servers: int, tolerance: float, min_s
     from there)`` lower), the greedy goes back to that state, takes that move and runs on (the
     **fortification**, :mod:`cadlib.scheduling.fortify`).
 
-    ``equal_flops`` (``mode="flops"``) instead takes the largest ``P``, end shards to the emptiest
-    receiver only. Receivers tried: those that hold or serve part of ``d``, and the emptiest receiver,
-    which stands for all others (a receiver with nothing of ``d`` pays ``e`` KV tokens whatever it is;
-    only its room differs, and more room never gives a worse move). Ties: larger ``P``, then task,
-    receiver, end before start."""
+    ``mode="flops"`` is ``equal_flops`` written plainly (the plans
+    :class:`cadlib.scheduling.water_fill.WaterFill` makes): bytes-blind, it takes the largest ``P``,
+    end shards to the emptiest receiver only. Receivers tried: those that hold or serve part of ``d``,
+    and the emptiest receiver, which stands for all others (a receiver with nothing of ``d`` pays ``e``
+    KV tokens whatever it is; only its room differs, and more room never gives a worse move). Ties:
+    larger ``P``, then task, receiver, end before start."""
     S, m = n_servers, int(min_shard)
     tasks = [Task(int(d), int(a), int(b), int(h), int(h) % S) for d, a, b, h in chunks]
     held: dict[tuple[int, int], list[tuple[int, int]]] = {}    # (rank, doc) -> its token ranges

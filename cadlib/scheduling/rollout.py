@@ -42,8 +42,8 @@ MULTI_DONORS = 4          # play out every donor when 2 to MULTI_DONORS servers 
 
 
 def decide(g, s: int, mv, mp):
-    """The move donor ``s`` of the greedy ``g`` (a :class:`cadlib.scheduling.engine.Greedy` in bytes
-    mode) commits, its greedy move ``mv`` or its peeling move ``mp`` (None when it has none), and
+    """The move donor ``s`` of the greedy ``g`` (a :class:`cadlib.scheduling.engine.Greedy`) commits,
+    its greedy move ``mv`` or its peeling move ``mp`` (None when it has none), and
     ``(the other move, its every-donor play-out)`` when every donor was played out and the other move's
     play-out, ``(not cleared, the largest excess left, the total excess left, bytes)``, is the lower
     (else None)."""

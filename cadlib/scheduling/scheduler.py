@@ -11,11 +11,12 @@ whole task or as a query shard cut from its end or its start (``shards.cut_shard
 when no donor can move. Every move lowers ``sum(max(0, load - U))``, so it ends.
 
 ``schedule`` picks the move with the fewest bytes per pair moved (the priority in
-``cadlib.scheduling.greedy.reference_greedy``); ``equal_flops`` is the bytes-blind baseline (the largest end shard to the
-emptiest receiver). Both run on the vectorised engine of :mod:`cadlib.scheduling.engine`;
-:func:`cadlib.scheduling.greedy.reference_greedy` is the same algorithm written plainly, one candidate at a time. The
-guard of :func:`place` computes ``equal_flops``' moves with :mod:`cadlib.scheduling.water_fill` (a few scalar
-steps per move, the same plan as the engine's).
+``cadlib.scheduling.greedy.reference_greedy``), on the vectorised engine of
+:mod:`cadlib.scheduling.engine`. ``equal_flops`` is the bytes-blind baseline (the largest end shard to
+the emptiest receiver), computed by :class:`cadlib.scheduling.water_fill.WaterFill`.
+:func:`cadlib.scheduling.greedy.reference_greedy` is both written plainly, one candidate at a time
+(``mode="bytes"`` and ``"flops"``); the engine and ``WaterFill`` make its plans. The guard of
+:func:`place` runs ``equal_flops`` after the greedy and returns its plan when it is better.
 """
 from __future__ import annotations
 
@@ -75,16 +76,21 @@ def place(layout: Layout, method: str = "cad", n_servers: int | None = None, mod
     qb, kvb = spec.q_bytes(dtype), spec.kv_bytes(dtype)
     t0 = time.perf_counter()
     ch = layout.chunk_array() if chunks is None else chunks
-    mode = "flops" if method == "equal_flops" else "bytes"
-    g = Greedy(ch, layout.n_docs, S, tol, m, qb, kvb, mode)
+    g = Greedy(ch, layout.n_docs, S, tol, m, qb, kvb)
+    imbalance_before, n_rollouts, n_backtracks = g.imbalance_before, 0, 0
     load0 = g.load.copy() if method == "cad" and guard else None
     t1 = time.perf_counter()
-    reached = g.run() if method != "colocated" else g.reached()
+    if method == "equal_flops":
+        g = WaterFill(g, g.load)
+        reached = g.run()
+    else:
+        reached = g.run() if method == "cad" else g.reached()
+        n_rollouts, n_backtracks = g.n_rollouts, g.n_backtracks
     t2 = time.perf_counter()
-    meta = {"method": method, "n_moves": g.n_moves, "n_splits": g.n_splits, "n_rollouts": g.n_rollouts,
-            "n_backtracks": g.n_backtracks, "tolerance": tol,
+    meta = {"method": method, "n_moves": g.n_moves, "n_splits": g.n_splits, "n_rollouts": n_rollouts,
+            "n_backtracks": n_backtracks, "tolerance": tol,
             "reached": reached, "min_shard": m, "n_servers": S, "model": spec.name, "dtype": dtype,
-            "imbalance_before": g.imbalance_before, "imbalance_after": g.imbalance(),
+            "imbalance_before": imbalance_before, "imbalance_after": g.imbalance(),
             "moved_bytes": g.moved_bytes, "guard": False}
     if method == "cad" and guard and g.n_moves:                # no move: equal_flops makes none either
         e = WaterFill(g, load0)                                 # equal_flops' moves, cheaply
@@ -124,8 +130,9 @@ def schedule(layout: Layout, n_servers: int | None = None, model=None, tolerance
 
 def equal_flops(layout: Layout, n_servers: int | None = None, tolerance: float = 0.1,
                 min_shard: int = MIN_SHARD_TOKENS) -> Plan:
-    """Baseline water-filling that ignores bytes: the most loaded donor sends its largest end shard
-    (priority ``-P``) to the emptiest receiver; same donor/receiver rules and shard sizes."""
+    """Baseline water-filling that ignores bytes (:class:`cadlib.scheduling.water_fill.WaterFill`):
+    the most loaded donor sends its largest end shard (priority ``-P``) to the emptiest receiver; same
+    donor/receiver rules and shard sizes."""
     return place(layout, "equal_flops", n_servers, None, tolerance, min_shard)
 
 

@@ -221,7 +221,7 @@ def test_fortification_matches_the_reference():
     n = 0
     for layout, S, tol, m in _random_cases(1500, 11):
         ch = layout.chunk_array()
-        g = Greedy(ch, layout.n_docs, S, tol, m, QB, KVB, "bytes")
+        g = Greedy(ch, layout.n_docs, S, tol, m, QB, KVB)
         reached = g.run()
         if not g.n_backtracks:
             continue
@@ -230,7 +230,7 @@ def test_fortification_matches_the_reference():
         t = g.task_arrays()
         got = sorted(zip(*(c.tolist() for c in (t.doc, t.q_start, t.q_end, t.home, t.server))))
         assert got == sorted(map(tuple, ref)) and reached == ref_reached
-        first = Greedy(ch, layout.n_docs, S, tol, m, QB, KVB, "bytes")
+        first = Greedy(ch, layout.n_docs, S, tol, m, QB, KVB)
         first.prepare()
         first.moves([])                                        # its first run, without going back
         assert outcome(g) < outcome(first)
@@ -245,7 +245,7 @@ def test_greedy_alone_never_loses_with_one_donor():
     n = 0
     for layout, S, tol, m in _random_cases(1500, 9):
         ch = layout.chunk_array()
-        g = Greedy(ch, layout.n_docs, S, tol, m, QB, KVB, "bytes")
+        g = Greedy(ch, layout.n_docs, S, tol, m, QB, KVB)
         if int((g.load > g.U).sum()) != 1:
             continue
         n += 1
