@@ -1,5 +1,5 @@
 """The vectorised engine of the CAD scheduler: the algorithm of
-:func:`cadlib.scheduling.scheduler.reference_greedy`, with each move's candidates scored in one numpy pass.
+:func:`cadlib.scheduling.greedy.reference_greedy`, with each move's candidates scored in one numpy pass.
 
 State: the chunks of the layout are the original tasks (arrays ``a``, ``b``, ``server`` change as
 tasks shrink or move); shards cut off are appended to ``shards`` (they sit on receivers, which never
@@ -10,10 +10,9 @@ colocated value, overridden (``over_key``, ``over_end``) once a move changes it.
 
 A donor's tasks change only when it moves, so what the candidates of its tasks need from them (a
 :class:`cadlib.scheduling.views.DonorView`) is built for every donor at once when the greedy starts and
-updated after it has moved (:mod:`cadlib.scheduling.views`). A move is checked against peeling by a
-rollout (:mod:`cadlib.scheduling.rollout`); once no donor can move, the greedy may go back to a move the
-rollout did not take (:mod:`cadlib.scheduling.fortify`). The bytes-blind ``equal_flops`` is not computed
-here but by :class:`cadlib.scheduling.water_fill.WaterFill`, from a greedy's state before its moves.
+updated after it has moved (:mod:`cadlib.scheduling.views`). Each move's exact forward bytes are added
+to ``moved_bytes`` as it is made. The bytes-blind ``equal_flops`` is not computed here but by
+:class:`cadlib.scheduling.water_fill.WaterFill`, from a greedy's state before its moves.
 """
 from __future__ import annotations
 
@@ -23,9 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..core.cost import imbalance
-from .fortify import Check, back_to, restore, snapshot
 from .index import ChunkIndex
-from .rollout import decide
 from .shards import cut_near, end_cut
 from .views import DonorView, Views
 
@@ -92,7 +89,7 @@ class Greedy(Views):
         self.live: dict[int, np.ndarray] = {}
         self.stuck: set[int] = set()
         self.views: dict[int, DonorView] = {}
-        self.n_moves = self.n_splits = self.n_rollouts = self.n_backtracks = 0
+        self.n_moves = self.n_splits = 0
         self.moved_bytes = 0                                   # forward bytes added by the moves (exact)
 
     def chunk_index(self) -> ChunkIndex:
@@ -115,8 +112,6 @@ class Greedy(Views):
         self.live = {s: (np.arange(p[s], p[s + 1]) if self.by_srv is None else self.by_srv[p[s]:p[s + 1]])
                      for s in donors}
         self.build_views(donors)
-        self.doc_cache: dict = {}                              # the rollouts' (scheduler_rollout._doc)
-        self.rollout_donors: dict = {}                         # the rollouts' donors (until they move)
         self.prepared = True
 
     def need(self, g: np.ndarray, d: np.ndarray) -> np.ndarray:
@@ -226,15 +221,6 @@ class Greedy(Views):
             side, c = np.divmod(best, N)
             best = best[np.lexsort((side, recv[c], v.tasks[col[c]], -p.ravel()[best]))]
         sd, c = divmod(int(best[0]), N)
-        self.peel = None
-        ng = int(np.count_nonzero(keep[-n:]))                     # the last ng rows: to g, tasks in order
-        if ng:                                                    # the peeling move too
-            pe = np.where(valid[0, -ng:], p[0, -ng:], -1)
-            e = int(pe.argmax())                                  # the largest; ties: the first task
-            if pe[e] >= 0:
-                e += N - ng
-                self.peel = Move(int(v.tasks[col[e]]), g, int(k[0, e]), int(p[0, e]), True, int(byt[0, e]),
-                                 int(col[e]))
         return Move(task=int(v.tasks[col[c]]), receiver=int(recv[c]), k=int(k[sd, c]),
                     pairs=int(p[sd, c]), from_end=sd == 0, bytes=int(byt[sd, c]), at=int(col[c]))
 
@@ -247,15 +233,15 @@ class Greedy(Views):
         the donor's KV saving, 0 when the donor fetches no KV for the task), so at least ``q_bytes / b``
         per pair. The largest task's end shard to the emptiest receiver (``k0`` tokens, ``p0`` pairs,
         its end ``b0``) costs at most ``q_bytes k0 + kv_bytes b0``: rows of such tasks with
-        ``q_bytes / b`` above that per pair are worse than it. Tasks with fewer pairs than ``p0`` only:
-        the peeling move (the largest end shard to the emptiest receiver) stays among the rows kept."""
+        ``q_bytes / b`` above that per pair are worse than it (that move's own row is never one: its
+        ``p0 <= k0 b0``)."""
         n = v.tasks.size
         i = int(F[7, -n:].argmax())                               # the task with the most pairs
         x, y = max(math.ceil(min(excess, room)), 1), math.floor(room)    # as best_move's
         k0, p0 = end_cut(v.a.item(i), v.b.item(i), x, y, self.m)
         if p0 > 0:
             bmax = (self.qb * p0 - 1) // (self.qb * k0 + self.kvb * v.b.item(i))   # q_bytes / b > bound
-            keep &= (F[10] > bmax) | (F[7] >= p0)
+            keep &= F[10] > bmax
 
     def apply(self, s: int, mv: Move) -> None:
         t, r, k, i = mv.task, mv.receiver, mv.k, mv.at
@@ -287,7 +273,6 @@ class Greedy(Views):
         self.n_moves += 1
         self.moved_bytes += mv.bytes
         v = self.views.pop(s)
-        self.rollout_donors.pop(s, None)
         sel = np.flatnonzero(v.doc == d)                       # s's tasks of d, and their ends after the move
         ends = v.b[sel].tolist()
         sel = sel.tolist()
@@ -304,24 +289,11 @@ class Greedy(Views):
             self.stuck.clear()                                 # a new receiver: retry stuck donors
 
     def run(self) -> bool:
-        """Move until no donor can: the most loaded donor first. Returns ``reached``."""
-        if not self.prepared and np.any(self.load > self.U):
-            self.prepare()
-        checks: list[Check] = []
-        while True:
-            self.moves(checks)
-            c = back_to(self, checks) if checks else None
-            if c is None:
-                break
-            restore(self, c.state)                             # the fortification: go back, take it
-            checks.clear()
-            self.n_backtracks += 1
-            self.apply(c.s, c.move)
-        return self.reached()
-
-    def moves(self, checks: list[Check]) -> None:
-        """The greedy's loop, from the state as it is; the moves it may go back to, to ``checks``."""
+        """Move until no donor can: the most loaded donor first (a donor with no move waits for a new
+        receiver). Returns ``reached``."""
         load, U = self.load, self.U
+        if not self.prepared and np.any(load > U):
+            self.prepare()
         while True:
             live = load
             if self.stuck:                                     # stuck donors wait for a new receiver
@@ -331,14 +303,11 @@ class Greedy(Views):
             if not live[s] > U:
                 break
             mv = self.best_move(s)
-            if mv is not None:
-                mv, other = decide(self, s, mv, self.peel)
-                if other is not None:
-                    checks.append(Check(snapshot(self), s, *other, self.moved_bytes))
             if mv is None:
                 self.stuck.add(s)
             else:
                 self.apply(s, mv)
+        return self.reached()
 
     def task_arrays(self) -> TaskArrays:
         cols = [self.doc, self.a, self.b, self.home, self.server]
