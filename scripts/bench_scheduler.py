@@ -2,9 +2,8 @@
 water-filling, in four parts:
 
 * **scale** (default): imbalance (max/mean attention pairs per server) before and after, forward
-  dispatch bytes (Q + KV, one layer, bf16, llama3-8b), tasks, moves, rollouts, backtracks (the
-  fortification's, :mod:`cadlib.scheduling.fortify`) and planning time at 8, 64, 512 servers x 128K,
-  512K tokens per rank, for ``pretrain``, ``prolong`` and long documents
+  dispatch bytes (Q + KV, one layer, bf16, llama3-8b), tasks, moves and planning time at 8, 64, 512
+  servers x 128K, 512K tokens per rank, for ``pretrain``, ``prolong`` and long documents
   (``pretrain-x4``: pretrain elongated 4x, as DistCA's 512K runs), sequentially packed, plus DistCA's
   head/tail chunks (``zigzag``: each document in 2R chunks, rank r holding chunks r and 2R-1-r).
   ``plan_ms`` covers layout -> arrays, the greedy and the equal-FLOPs guard, wall clock;
@@ -105,8 +104,7 @@ def scale_case(dist, n, tpr, layout_kind, args, model):
         p, wall, cpu = timed(lambda: place(layout, method, n, model, args.tolerance, args.min_shard, "bf16",
                                            chunks=ch, guard=guard), 1 if method == "colocated" else args.runs)
         r = {"imbalance": p.imbalance(), "n_tasks": p.n_tasks, "n_moves": p.meta["n_moves"],
-             "n_splits": p.meta["n_splits"], "n_rollouts": p.meta["n_rollouts"],
-             "n_backtracks": p.meta["n_backtracks"],
+             "n_splits": p.meta["n_splits"],
              "reached": p.meta["reached"], "guard_used": p.meta["guard"],
              "plan_ms": wall * 1e3, "plan_cpu_ms": cpu * 1e3, "loop_ms": p.meta["loop_seconds"] * 1e3,
              "dispatch_gb": p.forward_bytes(model) / 1e9}
@@ -232,16 +230,13 @@ def _distca_summary(rows) -> dict:
 def run_random(n: int, model) -> dict:
     """The greedy alone vs equal-FLOPs on ``n`` random tiny layouts (seed 0): loss counts."""
     rng = np.random.default_rng(0)
-    out = {"layouts": n, "bytes": 0, "miss": 0, "peak": 0, "peak_at_tolerance_0": 0, "rollouts": 0,
-           "backtracks": 0}
+    out = {"layouts": n, "bytes": 0, "miss": 0, "peak": 0, "peak_at_tolerance_0": 0}
     for _ in range(n):
         layout, S = random_tiny_layout(rng)
         tol, m = float(rng.choice([0.0, 0.02, 0.1, 0.3])), int(rng.choice([1, 8, 32]))
         ch = layout.chunk_array()
         eq = place(layout, "equal_flops", S, model, tol, m, chunks=ch)
         raw = place(layout, "cad", S, model, tol, m, chunks=ch, guard=False)
-        out["rollouts"] += raw.meta["n_rollouts"]
-        out["backtracks"] += raw.meta["n_backtracks"]
         if eq.meta["reached"]:
             if not raw.meta["reached"]:
                 out["miss"] += 1

@@ -1,20 +1,18 @@
 """The vectorised engine of the CAD scheduler: the algorithm of
-:func:`cadlib.scheduling.scheduler.reference_greedy`, with each move's candidates scored in one numpy pass.
+:func:`cadlib.scheduling.greedy.reference_greedy`, with each move's candidates scored in one numpy pass.
 
 State: the chunks of the layout are the original tasks (arrays ``a``, ``b``, ``server`` change as
 tasks shrink or move); shards cut off are appended to ``shards`` (they sit on receivers, which never
 give work away, so they never move again). What never changes (the chunks of each document, what each
 rank holds, the colocated prefix ends) is in :class:`cadlib.scheduling.index.ChunkIndex`; per (server,
 doc) the prefix end ``need`` the server fetches (``max q_end`` of its tasks of the doc) is the index's
-colocated value, overridden (``over_key``, ``over_end``) once a move changes it (bytes mode only).
+colocated value, overridden (``over_key``, ``over_end``) once a move changes it.
 
 A donor's tasks change only when it moves, so what the candidates of its tasks need from them (a
 :class:`cadlib.scheduling.views.DonorView`) is built for every donor at once when the greedy starts and
-updated after it has moved (:mod:`cadlib.scheduling.views`). A move is checked against peeling by a
-rollout (:mod:`cadlib.scheduling.rollout`); once no donor can move, the greedy may go back to a move the
-rollout did not take (:mod:`cadlib.scheduling.fortify`). ``mode="flops"`` (``equal_flops``) does not price
-moves: its forward bytes are those of its final tasks less the colocated ones, on the documents it
-touched, counted once at the end.
+updated after it has moved (:mod:`cadlib.scheduling.views`). Each move's exact forward bytes are added
+to ``moved_bytes`` as it is made. The bytes-blind ``equal_flops`` is not computed here but by
+:class:`cadlib.scheduling.water_fill.WaterFill`, from a greedy's state before its moves.
 """
 from __future__ import annotations
 
@@ -24,10 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..core.cost import imbalance
-from .fortify import Check, back_to, restore, snapshot
 from .index import ChunkIndex
-from .rollout import decide
-from .shards import cut_near, cut_shards, end_cut
+from .shards import cut_near, end_cut
 from .views import DonorView, Views
 
 
@@ -54,12 +50,13 @@ class Move:
 
 
 class Greedy(Views):
-    """``mode="bytes"``: ``schedule``'s priority (bytes per pair); ``mode="flops"``: ``equal_flops``."""
+    """``schedule``'s greedy: each move the most loaded donor makes its lowest-priority move (bytes per
+    pair, :func:`cadlib.scheduling.greedy.reference_greedy`)."""
 
     def __init__(self, chunks: np.ndarray, n_docs: int, n_servers: int, tolerance: float, min_shard: int,
-                 q_bytes: int, kv_bytes: int, mode: str):
+                 q_bytes: int, kv_bytes: int):
         S = self.S = int(n_servers)
-        self.n_docs, self.m, self.qb, self.kvb, self.mode = n_docs, int(min_shard), q_bytes, kv_bytes, mode
+        self.n_docs, self.m, self.qb, self.kvb = n_docs, int(min_shard), q_bytes, kv_bytes
         self.chunks = chunks = np.asarray(chunks, dtype=np.int64)
         # few large temporaries (each is fresh memory, page faults, at 10^5 chunks): doc and home are
         # views of the chunks, server too until the first move (prepare copies it)
@@ -85,32 +82,37 @@ class Greedy(Views):
         self.U = (1.0 + tolerance) * int(at[-1]) / S
         self.imbalance_before = self.imbalance()
         self.ix: ChunkIndex | None = None
+        self.prepared = False
         self.shards: list[tuple[int, int, int, int, int]] = []
         self.shard_servers: dict[int, set[int]] = {}          # doc -> servers given shards of it
         self.has_shard = np.zeros(n_docs, dtype=bool)
         self.live: dict[int, np.ndarray] = {}
         self.stuck: set[int] = set()
         self.views: dict[int, DonorView] = {}
-        self.touched: set[int] = set()                         # documents the moves changed
-        self.n_moves = self.n_splits = self.n_rollouts = self.n_backtracks = 0
+        self.n_moves = self.n_splits = 0
         self.moved_bytes = 0                                   # forward bytes added by the moves (exact)
 
-    def prepare(self, index: ChunkIndex | None = None) -> None:
-        """Index the chunks (only once there is a donor; ``index``: another greedy's, built on the same
-        chunks and servers) and build every donor's view."""
+    def chunk_index(self) -> ChunkIndex:
+        """The chunks' static index, built on first use (before any move: the servers are the
+        colocated ones)."""
+        if self.ix is None:
+            c = self.chunks                                    # (a, b as they are before any move)
+            self.ix = ChunkIndex(self.doc, c[:, 1], c[:, 2], self.home, self.server, self.n_docs, self.S)
+        return self.ix
+
+    def prepare(self) -> None:
+        """Index the chunks (only once there is a donor) and build every donor's view."""
+        self.chunk_index()
         if self.server.base is not None:
             self.server = self.server.copy()                   # servers change from now on
-        c = self.chunks                                        # (a, b as they are before any move)
-        self.ix = index or ChunkIndex(self.doc, c[:, 1], c[:, 2], self.home, self.server, self.n_docs, self.S)
-        self.over_key = self.over_end = np.zeros(0, dtype=np.int64)    # changed prefix ends (bytes mode)
+        self.over_key = self.over_end = np.zeros(0, dtype=np.int64)    # changed prefix ends
         self.need_at: dict[tuple[int, int], int] = {}          # need1's answers
         donors = np.flatnonzero(self.load > self.U).tolist()
         p = self.srv_ptr
         self.live = {s: (np.arange(p[s], p[s + 1]) if self.by_srv is None else self.by_srv[p[s]:p[s + 1]])
                      for s in donors}
         self.build_views(donors)
-        self.doc_cache: dict = {}                              # the rollouts' (scheduler_rollout._doc)
-        self.rollout_donors: dict = {}                         # the rollouts' donors (until they move)
+        self.prepared = True
 
     def need(self, g: np.ndarray, d: np.ndarray) -> np.ndarray:
         """The prefix end server ``g`` fetches of document ``d`` (0 if it serves none), elementwise."""
@@ -166,8 +168,6 @@ class Greedy(Views):
         v = self.views[s]
         if not v.tasks.size:
             return None
-        if self.mode == "flops":
-            return self.largest_move(s, g, v)
         n, nr = v.tasks.size, v.rep.size
         if v.rows is None:
             v.rows = self.candidate_rows(s, v)
@@ -221,15 +221,6 @@ class Greedy(Views):
             side, c = np.divmod(best, N)
             best = best[np.lexsort((side, recv[c], v.tasks[col[c]], -p.ravel()[best]))]
         sd, c = divmod(int(best[0]), N)
-        self.peel = None
-        ng = int(np.count_nonzero(keep[-n:]))                     # the last ng rows: to g, tasks in order
-        if ng:                                                    # the peeling move too
-            pe = np.where(valid[0, -ng:], p[0, -ng:], -1)
-            e = int(pe.argmax())                                  # the largest; ties: the first task
-            if pe[e] >= 0:
-                e += N - ng
-                self.peel = Move(int(v.tasks[col[e]]), g, int(k[0, e]), int(p[0, e]), True, int(byt[0, e]),
-                                 int(col[e]))
         return Move(task=int(v.tasks[col[c]]), receiver=int(recv[c]), k=int(k[sd, c]),
                     pairs=int(p[sd, c]), from_end=sd == 0, bytes=int(byt[sd, c]), at=int(col[c]))
 
@@ -242,29 +233,15 @@ class Greedy(Views):
         the donor's KV saving, 0 when the donor fetches no KV for the task), so at least ``q_bytes / b``
         per pair. The largest task's end shard to the emptiest receiver (``k0`` tokens, ``p0`` pairs,
         its end ``b0``) costs at most ``q_bytes k0 + kv_bytes b0``: rows of such tasks with
-        ``q_bytes / b`` above that per pair are worse than it. Tasks with fewer pairs than ``p0`` only:
-        the peeling move (the largest end shard to the emptiest receiver) stays among the rows kept."""
+        ``q_bytes / b`` above that per pair are worse than it (that move's own row is never one: its
+        ``p0 <= k0 b0``)."""
         n = v.tasks.size
         i = int(F[7, -n:].argmax())                               # the task with the most pairs
         x, y = max(math.ceil(min(excess, room)), 1), math.floor(room)    # as best_move's
         k0, p0 = end_cut(v.a.item(i), v.b.item(i), x, y, self.m)
         if p0 > 0:
             bmax = (self.qb * p0 - 1) // (self.qb * k0 + self.kvb * v.b.item(i))   # q_bytes / b > bound
-            keep &= (F[10] > bmax) | (F[7] >= p0)
-
-    def largest_move(self, s: int, g: int, v: DonorView) -> Move | None:
-        """``equal_flops``: donor ``s``'s largest valid end shard to the emptiest receiver ``g`` (ties:
-        the first task)."""
-        room = self.U - self.load[g]
-        y = int(np.floor(room))
-        x = max(int(np.ceil(min(self.load[s] - self.U, room))), 1)
-        k, p = cut_shards(v.a, v.b, x, y, self.m, sides=1)
-        k, p = k[0], p[0]
-        pe = np.where((k > 0) & (p <= y) & (v.min_pairs <= y), p, -1)
-        i = int(pe.argmax())
-        if pe[i] < 0:
-            return None
-        return Move(int(v.tasks[i]), g, int(k[i]), int(p[i]), True, 0, i)
+            keep &= F[10] > bmax
 
     def apply(self, s: int, mv: Move) -> None:
         t, r, k, i = mv.task, mv.receiver, mv.k, mv.at
@@ -279,11 +256,10 @@ class Greedy(Views):
             got = self.shard_servers.setdefault(d, set())
             if r not in got:                                   # a new candidate of d's tasks
                 got.add(r)
-                if self.mode == "bytes":
-                    ix = self.ix
-                    for g in self.server[ix.by_doc[ix.doc_ptr[d]:ix.doc_ptr[d + 1]]].tolist():
-                        if g in self.views:
-                            self.views[g].rows = None
+                ix = self.ix
+                for g in self.server[ix.by_doc[ix.doc_ptr[d]:ix.doc_ptr[d + 1]]].tolist():
+                    if g in self.views:
+                        self.views[g].rows = None
             self.has_shard[d] = True
             self.pairs[t] -= mv.pairs
             if mv.from_end:
@@ -292,52 +268,32 @@ class Greedy(Views):
                 self.a[t] = a = a + k
             e = hi
             self.n_splits += 1
-        self.touched.add(d)
         self.load[s] -= mv.pairs
         self.load[r] += mv.pairs
         self.n_moves += 1
+        self.moved_bytes += mv.bytes
         v = self.views.pop(s)
-        self.rollout_donors.pop(s, None)
-        mine = None
-        if self.mode == "bytes":
-            self.moved_bytes += mv.bytes
-            sel = np.flatnonzero(v.doc == d)                   # s's tasks of d, and their ends after the move
-            ends = v.b[sel].tolist()
-            sel = sel.tolist()
-            j = sel.index(i)
-            if whole:
-                del sel[j], ends[j]
-            else:
-                ends[j] = b
-            mine = sel, ends
-            self.set_need(r, d, max(self.need1(r, d), e))
-            self.set_need(s, d, max(ends, default=0))
+        sel = np.flatnonzero(v.doc == d)                       # s's tasks of d, and their ends after the move
+        ends = v.b[sel].tolist()
+        sel = sel.tolist()
+        j = sel.index(i)
+        if whole:
+            del sel[j], ends[j]
+        else:
+            ends[j] = b
+        self.set_need(r, d, max(self.need1(r, d), e))
+        self.set_need(s, d, max(ends, default=0))
         if self.load[s] > self.U:                              # still a donor: its view, updated
-            self.views[s] = self.shrink_view(s, v, i, whole, d, a, b, mine)
+            self.views[s] = self.shrink_view(s, v, i, whole, d, a, b, (sel, ends))
         if self.load[s] < self.U:
             self.stuck.clear()                                 # a new receiver: retry stuck donors
 
     def run(self) -> bool:
-        """Move until no donor can: the most loaded donor first. Returns ``reached``."""
-        if self.ix is None and np.any(self.load > self.U):
-            self.prepare()
-        checks: list[Check] = []
-        while True:
-            self.moves(checks)
-            c = back_to(self, checks) if checks else None
-            if c is None:
-                break
-            restore(self, c.state)                             # the fortification: go back, take it
-            checks.clear()
-            self.n_backtracks += 1
-            self.apply(c.s, c.move)
-        if self.mode == "flops" and self.touched:
-            self.moved_bytes = self.touched_bytes()
-        return self.reached()
-
-    def moves(self, checks: list[Check]) -> None:
-        """The greedy's loop, from the state as it is; the moves it may go back to, to ``checks``."""
+        """Move until no donor can: the most loaded donor first (a donor with no move waits for a new
+        receiver). Returns ``reached``."""
         load, U = self.load, self.U
+        if not self.prepared and np.any(load > U):
+            self.prepare()
         while True:
             live = load
             if self.stuck:                                     # stuck donors wait for a new receiver
@@ -347,22 +303,11 @@ class Greedy(Views):
             if not live[s] > U:
                 break
             mv = self.best_move(s)
-            if mv is not None and self.mode == "bytes":
-                mv, other = decide(self, s, mv, self.peel)
-                if other is not None:
-                    checks.append(Check(snapshot(self), s, *other, self.moved_bytes))
             if mv is None:
                 self.stuck.add(s)
             else:
                 self.apply(s, mv)
-
-    def touched_bytes(self) -> int:
-        """The forward bytes the moves added (flops mode): on the documents they touched, the final
-        tasks' less the colocated chunks'."""
-        docs = np.fromiter(self.touched, dtype=np.int64, count=len(self.touched))
-        c = self.ix.doc_chunks(docs)
-        cols = [x[c] for x in (self.doc, self.a, self.b, self.home, self.server)]
-        return self.ix.moved_bytes(self.chunks[c], cols, self.shards, self.S, self.qb, self.kvb)
+        return self.reached()
 
     def task_arrays(self) -> TaskArrays:
         cols = [self.doc, self.a, self.b, self.home, self.server]

@@ -11,11 +11,15 @@ whole task or as a query shard cut from its end or its start (``shards.cut_shard
 when no donor can move. Every move lowers ``sum(max(0, load - U))``, so it ends.
 
 ``schedule`` picks the move with the fewest bytes per pair moved (the priority in
-``cadlib.scheduling.greedy.reference_greedy``); ``equal_flops`` is the bytes-blind baseline (the largest end shard to the
-emptiest receiver). Both run on the vectorised engine of :mod:`cadlib.scheduling.engine`;
-:func:`cadlib.scheduling.greedy.reference_greedy` is the same algorithm written plainly, one candidate at a time. The
-guard of :func:`place` computes ``equal_flops``' moves with :mod:`cadlib.scheduling.water_fill` (a few scalar
-steps per move, the same plan as the engine's).
+:func:`cadlib.scheduling.greedy.reference_greedy`: bytes per pair, with the receiver's KV prefix
+shared over the pairs of the document it could take, and a move that leaves part of the donor's excess
+priced, over the whole excess, with the cheapest move that clears it), on the vectorised engine of
+:mod:`cadlib.scheduling.engine`.
+``equal_flops`` is the bytes-blind baseline (the largest end shard to the emptiest receiver),
+computed by :class:`cadlib.scheduling.water_fill.WaterFill`. ``reference_greedy`` is both written
+plainly, one candidate at a time (``mode="bytes"`` and ``"flops"``); the engine and ``WaterFill`` make
+its plans. The guard of :func:`place` runs ``equal_flops`` after the greedy and returns its plan when
+it is better.
 """
 from __future__ import annotations
 
@@ -49,13 +53,11 @@ def place(layout: Layout, method: str = "cad", n_servers: int | None = None, mod
 
     ``guard`` (``cad`` only): if the bytes-blind ``equal_flops`` plan reaches the tolerance while this
     one does not, or both reach it and it moves fewer bytes (neither: a lower peak load), return it
-    instead (``meta['guard']`` records it). The greedy is built to need this rarely; the benchmark
-    reports how often. ``equal_flops``' plan is computed by :class:`cadlib.scheduling.water_fill.WaterFill`
-    (its arrays only when it is returned).
+    instead (``meta['guard']`` records it); so ``cad`` is never worse than ``equal_flops``. The
+    benchmark reports how often the guard is used. ``equal_flops``' plan is computed by
+    :class:`cadlib.scheduling.water_fill.WaterFill` (for the guard, its arrays only when it is returned).
     ``meta['moved_bytes']``: the forward bytes the moves added to the colocated placement's, exact
-    (tracked move by move; ``plan.forward_bytes(model)`` gives the total); ``meta['n_rollouts']``: the
-    greedy's moves checked against peeling by a rollout (:mod:`cadlib.scheduling.rollout`);
-    ``meta['n_backtracks']``: the times it went back to a move not taken (:mod:`cadlib.scheduling.fortify`).
+    (``plan.forward_bytes(model)`` gives the total).
 
     ``min_shard`` None: ``MIN_SHARD_TOKENS``, or with ``cost_model`` (a
     :class:`cadlib.core.measured.MeasuredCost`) its :meth:`~cadlib.core.measured.MeasuredCost.min_shard`; the
@@ -75,16 +77,19 @@ def place(layout: Layout, method: str = "cad", n_servers: int | None = None, mod
     qb, kvb = spec.q_bytes(dtype), spec.kv_bytes(dtype)
     t0 = time.perf_counter()
     ch = layout.chunk_array() if chunks is None else chunks
-    mode = "flops" if method == "equal_flops" else "bytes"
-    g = Greedy(ch, layout.n_docs, S, tol, m, qb, kvb, mode)
+    g = Greedy(ch, layout.n_docs, S, tol, m, qb, kvb)
+    imbalance_before = g.imbalance_before
     load0 = g.load.copy() if method == "cad" and guard else None
     t1 = time.perf_counter()
-    reached = g.run() if method != "colocated" else g.reached()
+    if method == "equal_flops":
+        g = WaterFill(g, g.load)
+        reached = g.run()
+    else:
+        reached = g.run() if method == "cad" else g.reached()
     t2 = time.perf_counter()
-    meta = {"method": method, "n_moves": g.n_moves, "n_splits": g.n_splits, "n_rollouts": g.n_rollouts,
-            "n_backtracks": g.n_backtracks, "tolerance": tol,
+    meta = {"method": method, "n_moves": g.n_moves, "n_splits": g.n_splits, "tolerance": tol,
             "reached": reached, "min_shard": m, "n_servers": S, "model": spec.name, "dtype": dtype,
-            "imbalance_before": g.imbalance_before, "imbalance_after": g.imbalance(),
+            "imbalance_before": imbalance_before, "imbalance_after": g.imbalance(),
             "moved_bytes": g.moved_bytes, "guard": False}
     if method == "cad" and guard and g.n_moves:                # no move: equal_flops makes none either
         e = WaterFill(g, load0)                                 # equal_flops' moves, cheaply
@@ -111,21 +116,22 @@ def place(layout: Layout, method: str = "cad", n_servers: int | None = None, mod
 
 def schedule(layout: Layout, n_servers: int | None = None, model=None, tolerance: float = 0.1,
              min_shard: int | None = None, dtype: str = "bf16", cost_model=None) -> Plan:
-    """DistCA's communication-aware greedy (see :func:`cadlib.scheduling.greedy.reference_greedy` for the priority of a move).
-    ``plan.meta`` records ``n_moves, n_splits, seconds, tolerance, reached`` (all servers
-    ``<= (1 + tolerance) * mean``). End vs start shard: an end shard has the most pairs per query token
-    (token ``i`` carries ``i+1``), so it sends the fewest queries but needs the full prefix ``[0, b)``; a
-    start shard sends more queries but only ``[0, a+k)``. For a receiver holding nothing of ``d`` and a
-    small amount the start shard wins; for one that already holds the prefix (a neighbouring rank
-    under sequential packing) the end shard wins. Both are scored, per candidate. ``cost_model``: see
-    :func:`place`."""
+    """DistCA's communication-aware greedy (see :func:`cadlib.scheduling.greedy.reference_greedy` for
+    the priority of a move), with :func:`place`'s guard. ``plan.meta`` records ``n_moves, n_splits,
+    seconds, tolerance, reached`` (all servers ``<= (1 + tolerance) * mean``). End vs start shard: an
+    end shard has the most pairs per query token (token ``i`` carries ``i+1``), so it sends the fewest
+    queries but needs the full prefix ``[0, b)``; a start shard sends more queries but only
+    ``[0, a+k)``. For a receiver holding nothing of ``d`` and a small amount the start shard wins; for
+    one that already holds the prefix (a neighbouring rank under sequential packing) the end shard
+    wins. Both are scored, per candidate. ``cost_model``: see :func:`place`."""
     return place(layout, "cad", n_servers, model, tolerance, min_shard, dtype, cost_model=cost_model)
 
 
 def equal_flops(layout: Layout, n_servers: int | None = None, tolerance: float = 0.1,
                 min_shard: int = MIN_SHARD_TOKENS) -> Plan:
-    """Baseline water-filling that ignores bytes: the most loaded donor sends its largest end shard
-    (priority ``-P``) to the emptiest receiver; same donor/receiver rules and shard sizes."""
+    """Baseline water-filling that ignores bytes (:class:`cadlib.scheduling.water_fill.WaterFill`):
+    the most loaded donor sends its largest end shard (priority ``-P``) to the emptiest receiver; same
+    donor/receiver rules and shard sizes."""
     return place(layout, "equal_flops", n_servers, None, tolerance, min_shard)
 
 

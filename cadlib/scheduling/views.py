@@ -1,9 +1,9 @@
 """Donor views of the CAD greedy (:mod:`cadlib.scheduling.engine`): what the candidate moves of a
 donor's tasks need from them, gathered once and kept while the donor waits.
 
-A donor's tasks change only when it moves, so its :class:`DonorView` (its live tasks and their fields;
-bytes mode also the other tasks' prefix end per task, the KV it fetches now, and the chunks of each
-task's document with their holders) is built for every donor at once when the greedy starts
+A donor's tasks change only when it moves, so its :class:`DonorView` (its live tasks and their fields,
+the other tasks' prefix end per task, the KV it fetches now, and the chunks of each task's document
+with their holders) is built for every donor at once when the greedy starts
 (:meth:`Views.build_views`, one numpy pass) and updated in place after the donor moves
 (:meth:`Views.shrink_view`). Its candidate (task, receiver) rows, with the task fields they need packed
 beside them (:meth:`Views.candidate_rows`), are kept until the donor moves or one of its documents gets
@@ -15,26 +15,25 @@ import numpy as np
 
 from .index import other_ends
 
-FIELDS = {"flops": ("doc", "a", "b", "home", "min_pairs", "pairs"),
-          "bytes": ("doc", "a", "b", "home", "min_pairs", "pairs", "other", "kv_now", "cheap")}
+FIELDS = ("doc", "a", "b", "home", "min_pairs", "pairs", "other", "kv_now", "cheap")
 _NONE = np.iinfo(np.int64).max
 
 
 class DonorView:
     """A donor's live tasks (plan indices ``tasks``) and their fields, the rows of one array ``cols``
     (:data:`FIELDS`, each also an attribute viewing its row): document, ``a``, ``b``, home, the pairs
-    of the smallest valid move (``min_pairs``) and of the task (``pairs``); bytes mode also the donor's
-    prefix end for the task's document without the task (``other``), the KV tokens the donor fetches
-    for that document now (``kv_now``), the task's end where each of its moves costs at least
+    of the smallest valid move (``min_pairs``) and of the task (``pairs``), the donor's prefix end for
+    the task's document without the task (``other``), the KV tokens the donor fetches for that
+    document now (``kv_now``), the task's end where each of its moves costs at least
     ``q_bytes / end`` per pair (``cheap``: it is served at home and its donor fetches no KV for it;
     else a bound above any end; set with the rows), and the chunks of the task's document (``rep``:
     which task, ``chunk``, its ``holder`` rank or -1 when that rank is not a server); ``rows``:
     :meth:`Views.candidate_rows`, ``None`` until computed and again when the donor moves or a document
     of the view gets a new shard server."""
 
-    def __init__(self, tasks: np.ndarray, cols: np.ndarray, mode: str):
-        self.tasks, self.cols, self.mode = tasks, cols, mode
-        for f, row in zip(FIELDS[mode], cols):
+    def __init__(self, tasks: np.ndarray, cols: np.ndarray):
+        self.tasks, self.cols = tasks, cols
+        for f, row in zip(FIELDS, cols):
             setattr(self, f, row)
         self.rep = self.chunk = self.holder = self.rows = None
 
@@ -54,56 +53,52 @@ class Views:
         d, a, b = self.doc[idx], self.a[idx], self.b[idx]
         e = np.where(b - a >= 2 * self.m, a + self.m, b)             # smallest valid move: m start tokens
         mp = (e * (e + 1) - a * (a + 1)) // 2
-        cols = [d, a, b, self.home[idx], mp, self.pairs[idx]]
+        srv = np.repeat(np.asarray(servers, dtype=np.int64), cnt)
+        other = other_ends(srv * self.n_docs + d, b)
+        kv_now = self.ix.kv(srv, d, np.maximum(other, b))
+        cols = [d, a, b, self.home[idx], mp, self.pairs[idx], other, kv_now, b]
         ends = np.cumsum(cnt)
-        if self.mode == "bytes":
-            srv = np.repeat(np.asarray(servers, dtype=np.int64), cnt)
-            other = other_ends(srv * self.n_docs + d, b)
-            cols += [other, self.ix.kv(srv, d, np.maximum(other, b)), b]
-            lo, n_ch = self.ix.doc_ptr[d], self.ix.doc_ptr[d + 1] - self.ix.doc_ptr[d]
-            rep = np.repeat(np.arange(idx.size), n_ch)
-            pos = np.repeat(lo - np.cumsum(n_ch) + n_ch, n_ch) + np.arange(rep.size)
-            chunk, holder = self.ix.by_doc[pos], self.ix.holder_of[pos]
-            rep_at = np.r_[0, np.cumsum(n_ch)][np.r_[0, ends]].tolist()
+        lo, n_ch = self.ix.doc_ptr[d], self.ix.doc_ptr[d + 1] - self.ix.doc_ptr[d]
+        rep = np.repeat(np.arange(idx.size), n_ch)
+        pos = np.repeat(lo - np.cumsum(n_ch) + n_ch, n_ch) + np.arange(rep.size)
+        chunk, holder = self.ix.by_doc[pos], self.ix.holder_of[pos]
+        rep_at = np.r_[0, np.cumsum(n_ch)][np.r_[0, ends]].tolist()
         cols = np.concatenate(cols).reshape(len(cols), -1)
         ends = np.r_[0, ends].tolist()
         for j, s in enumerate(servers):
             lo, hi = ends[j], ends[j + 1]
-            v = DonorView(idx[lo:hi], cols[:, lo:hi], self.mode)
-            if self.mode == "bytes":
-                r0, r1 = rep_at[j], rep_at[j + 1]
-                v.rep, v.chunk, v.holder = rep[r0:r1] - lo, chunk[r0:r1], holder[r0:r1]
+            v = DonorView(idx[lo:hi], cols[:, lo:hi])
+            r0, r1 = rep_at[j], rep_at[j + 1]
+            v.rep, v.chunk, v.holder = rep[r0:r1] - lo, chunk[r0:r1], holder[r0:r1]
             self.views[s] = v
 
     def shrink_view(self, s: int, v: DonorView, i: int, whole: bool, d: int, a: int, b: int,
-                    mine: tuple[list[int], list[int]] | None) -> DonorView:
+                    mine: tuple[list[int], list[int]]) -> DonorView:
         """Donor ``s``'s view ``v`` after its ``i``-th task (of document ``d``) moved (``whole``) or
-        shrank to ``[a, b)``; ``mine`` (bytes mode): its tasks of ``d`` (positions in ``v``) without
-        the one moved whole, and their ends."""
+        shrank to ``[a, b)``; ``mine``: its tasks of ``d`` (positions in ``v``) without the one moved
+        whole, and their ends."""
         if whole:
             keep = np.arange(v.tasks.size) != i
-            w = DonorView(v.tasks[keep], v.cols[:, keep], self.mode)
-            if self.mode == "bytes":
-                kc = v.rep != i
-                w.rep, w.chunk, w.holder = v.rep[kc], v.chunk[kc], v.holder[kc]
-                w.rep -= w.rep > i
+            w = DonorView(v.tasks[keep], v.cols[:, keep])
+            kc = v.rep != i
+            w.rep, w.chunk, w.holder = v.rep[kc], v.chunk[kc], v.holder[kc]
+            w.rep -= w.rep > i
             v = w
         else:
             v.a[i], v.b[i] = a, b
             e = a + self.m if b - a >= 2 * self.m else b
             v.min_pairs[i] = (e * (e + 1) - a * (a + 1)) // 2
             v.pairs[i] = (b * (b + 1) - a * (a + 1)) // 2
-        if self.mode == "bytes":
-            sel, bs = mine                                     # its tasks of d: the others' prefix ends
-            if whole:
-                sel = [j - (j > i) for j in sel]
-            top = max(bs, default=0)
-            second = max((x for x in bs if x != top), default=0) if bs.count(top) == 1 else top
-            for j, bj in zip(sel, bs):
-                v.other[j] = second if bj == top else top
-            if sel:
-                v.kv_now[sel] = top - self.ix.owned1(s, d, top)
-            v.rows = None
+        sel, bs = mine                                         # its tasks of d: the others' prefix ends
+        if whole:
+            sel = [j - (j > i) for j in sel]
+        top = max(bs, default=0)
+        second = max((x for x in bs if x != top), default=0) if bs.count(top) == 1 else top
+        for j, bj in zip(sel, bs):
+            v.other[j] = second if bj == top else top
+        if sel:
+            v.kv_now[sel] = top - self.ix.owned1(s, d, top)
+        v.rows = None
         return v
 
     def candidate_rows(self, s: int, v: DonorView) -> np.ndarray:

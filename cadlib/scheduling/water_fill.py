@@ -1,20 +1,23 @@
-"""``equal_flops`` for the guard of :func:`cadlib.scheduling.scheduler.place`: the bytes-blind water-filling,
-the same moves as the engine's ``mode="flops"`` (:class:`cadlib.scheduling.engine.Greedy`), computed
-with a few scalar steps per move instead of a numpy pass over the donor's tasks.
+"""``equal_flops``, the bytes-blind water-filling: :func:`cadlib.scheduling.scheduler.equal_flops`
+and the guard of :func:`cadlib.scheduling.scheduler.place` both run it. Its plain reference is
+:func:`cadlib.scheduling.greedy.reference_greedy` with ``mode="flops"`` (the same plans); this computes
+them with a few scalar steps per move.
 
 Each move the most loaded donor sends its largest valid end shard to the emptiest receiver (ties: the
-donor's first task in chunk order). A shard of a task carries at most the task's pairs ``T``, so once
-one task's shard ``P0`` is known, only tasks with ``T >= P0`` can beat or tie it. The task with the
-largest ``T`` gives ``P0``; the few tasks with ``T >= P0`` (one to three on realistic batches) are
-then cut one at a time in exact integer arithmetic (:func:`cadlib.scheduling.shards.end_cut`, the end row of
-:func:`cadlib.scheduling.shards.cut_shards`). When ``P0`` is not valid or more than :data:`SCALAR_MAX` tasks
-remain, the move falls back to ``cut_shards`` over all the donor's tasks, as the engine does.
+donor's first task in chunk order); a donor with no move waits for a new receiver. A shard of a task
+carries at most the task's pairs ``T``, so once one task's shard ``P0`` is known, only tasks with
+``T >= P0`` can beat or tie it. The task with the largest ``T`` gives ``P0``; the few tasks with
+``T >= P0`` (one to three on realistic batches) are then cut one at a time in exact integer arithmetic
+(:func:`cadlib.scheduling.shards.end_cut`, the end row of :func:`cadlib.scheduling.shards.cut_shards`).
+When ``P0`` is not valid or more than :data:`SCALAR_MAX` tasks remain, the move falls back to
+``cut_shards`` over all the donor's tasks, one numpy pass.
 
 Only the initial donors' chunks ever move (a receiver is filled to at most ``U``, so it never becomes
 a donor), so the state is their tasks (per donor: chunk index, ``a``, ``b``, ``T``) and the changes
 (``b`` of cut chunks, the server of moved ones, the shards). The guard needs the plan's forward bytes,
 whether it reaches the tolerance and its peak; :meth:`WaterFill.task_arrays` builds the plan's arrays
-only when the guard returns it.
+(the guard calls it only when it returns this plan). The forward bytes are counted once at the end:
+on the documents the moves touched, the final tasks' less the colocated chunks'.
 """
 from __future__ import annotations
 
@@ -30,15 +33,16 @@ SCALAR_MAX = 16          # tasks cut one at a time per move; more: one numpy pas
 
 
 class WaterFill:
-    """``equal_flops`` from the state of ``g`` (a :class:`Greedy` whose index is built, on the same
-    chunks) and ``load0``, its servers' loads before it moved. After :meth:`run`: ``load``,
-    ``n_moves``, ``n_splits``, ``moved_bytes`` as the engine's."""
+    """``equal_flops`` on the chunks of ``g`` (a :class:`Greedy`: its arrays, ceiling and index are
+    shared) from ``load0``, its servers' loads before it moved (``g.load`` when it has not). After
+    :meth:`run`: ``load``, ``n_moves``, ``n_splits``, ``moved_bytes`` (exact) as the greedy's."""
 
     def __init__(self, g: Greedy, load0: np.ndarray):
         self.S, self.U, self.m, self.qb, self.kvb = g.S, g.U, g.m, g.qb, g.kvb
-        self.chunks, self.ix = g.chunks, g.ix
+        self.chunks = g.chunks
         self.load = np.array(load0, dtype=np.int64)
         donors = np.flatnonzero(self.load > self.U).tolist()
+        self.ix = g.chunk_index() if donors else None          # (for the bytes; no donor, no move)
         p = g.srv_ptr
         parts = [np.arange(p[s], p[s + 1]) if g.by_srv is None else g.by_srv[p[s]:p[s + 1]] for s in donors]
         idx = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
@@ -54,7 +58,7 @@ class WaterFill:
         self.moved_bytes = 0
 
     def run(self) -> bool:
-        """Move until no donor can (the engine's loop); returns ``reached``."""
+        """Move until no donor can: the most loaded donor first; returns ``reached``."""
         load, U = self.load, self.U
         stuck: set[int] = set()
         while True:
@@ -100,7 +104,7 @@ class WaterFill:
                     if (p, -i) > best[:2]:
                         best = (p, -i, k)
             return g, -best[1], best[2], best[0]
-        k, p = cut_shards(a, b, x, y, m, sides=1)              # the engine's pass over all tasks
+        k, p = cut_shards(a, b, x, y, m, sides=1)              # one pass over all the donor's tasks
         k, p = k[0], p[0]
         e = np.where(b - a >= 2 * m, a + m, b)
         pe = np.where((k > 0) & (p <= y) & ((e * (e + 1) - a * (a + 1)) // 2 <= y), p, -1)
@@ -146,7 +150,7 @@ class WaterFill:
 
     def touched_bytes(self) -> int:
         """The forward bytes the moves added: on the documents they touched, the final tasks' less the
-        colocated chunks' (the engine's ``touched_bytes``)."""
+        colocated chunks'."""
         docs = np.fromiter(self.touched, dtype=np.int64, count=len(self.touched))
         c = self.ix.doc_chunks(docs)
         ch = self.chunks[c]

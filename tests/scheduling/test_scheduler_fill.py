@@ -1,12 +1,17 @@
-"""The guard's ``equal_flops`` (cadlib/scheduler_fill.py) against the engine's ``mode="flops"``:
-the same plan, loads, moves and bytes, with the scalar path and with its numpy fallback."""
+"""``equal_flops`` (cadlib/scheduling/water_fill.py) against its plain reference, ``reference_greedy``'s
+``mode="flops"``: the same plan, loads, splits and exact bytes, with the scalar path and with its numpy
+fallback, on random layouts and realistic batches."""
 import numpy as np
 import pytest
-from helpers import KVB, QB
+from helpers import KVB, MODEL, QB
 
+from cadlib.core.cost import causal_pairs
+from cadlib.core.plan import Plan
 from cadlib.data.packing import pack
 from cadlib.data.workload import sample_docs, sample_kwargs
 from cadlib.scheduling.engine import Greedy
+from cadlib.scheduling.greedy import reference_greedy
+from cadlib.scheduling.scheduler import colocated
 from cadlib.scheduling.shards import cut_shards, end_cut
 from cadlib.scheduling.water_fill import WaterFill
 from cadlib.testing import random_tiny_layout
@@ -31,39 +36,49 @@ def test_end_cut_matches_cut_shards():
         assert end_cut(a, b, x, y, m) == ((k, p) if valid else (0, -1)), (a, b, x, y, m)
 
 
-def _same(ch, n_docs, S, tol, m):
-    g = Greedy(ch, n_docs, S, tol, m, QB, KVB, "bytes")
+def _same(layout, S, tol, m, after_greedy):
+    """WaterFill's plan is the reference's, from a fresh greedy or (``after_greedy``, as the guard runs
+    it) from one that has moved."""
+    ch = layout.chunk_array()
+    g = Greedy(ch, layout.n_docs, S, tol, m, QB, KVB)
     load0 = g.load.copy()
-    g.prepare()
-    g.run()                                                    # the fill starts from the greedy's state
-    e = Greedy(ch, n_docs, S, tol, m, QB, KVB, "flops")
-    reached = e.run()
+    if after_greedy:
+        g.run()
     w = WaterFill(g, load0)
-    assert w.run() == reached
-    ta, tb = e.task_arrays(), w.task_arrays()
-    assert all(np.array_equal(getattr(ta, f), getattr(tb, f)) for f in FIELDS)
-    assert (w.moved_bytes, w.n_moves, w.n_splits) == (e.moved_bytes, e.n_moves, e.n_splits)
-    assert np.array_equal(w.load, e.load) and w.imbalance() == e.imbalance()
+    reached = w.run()
+    ref, ref_reached = reference_greedy(ch, S, tol, m, QB, KVB, "flops")
+    t = w.task_arrays()
+    got = sorted(zip(*(getattr(t, f).tolist() for f in FIELDS)))
+    assert got == sorted(map(tuple, ref)) and reached == ref_reached
+    load = np.zeros(S, dtype=np.int64)
+    for d, a, b, h, srv in ref:
+        load[srv] += causal_pairs(a, b)
+    assert np.array_equal(w.load, load) and w.n_splits == len(ref) - len(ch)
+    whole = sum(r[4] != h % S for r, h in zip(ref, ch[:, 3].tolist()))    # (the chunks come first)
+    assert w.n_moves == w.n_splits + whole
+    plan = Plan.from_arrays(layout, *(np.array([r[i] for r in ref], dtype=np.int64) for i in range(5)),
+                            n_servers=S, chunks=ch)
+    assert w.moved_bytes == plan.forward_bytes(MODEL) - colocated(layout, S).forward_bytes(MODEL)
 
 
 @pytest.mark.parametrize("scalar_max", [16, 0])
-def test_fill_matches_engine_on_random_layouts(scalar_max, monkeypatch):
+def test_fill_matches_reference_on_random_layouts(scalar_max, monkeypatch):
     """300 random layouts, several tolerances, shard sizes and server counts; ``scalar_max`` 0 takes
     the numpy fallback on every move."""
     monkeypatch.setattr("cadlib.scheduling.water_fill.SCALAR_MAX", scalar_max)
     rng = np.random.default_rng(0)
-    for _ in range(300):
+    for i in range(300):
         layout, S = random_tiny_layout(rng)
         tol, m = float(rng.choice([0.0, 0.02, 0.1, 0.3])), int(rng.choice([1, 8, 32]))
-        _same(layout.chunk_array(), layout.n_docs, S, tol, m)
+        _same(layout, S, tol, m, after_greedy=i % 2 == 1)
 
 
 @pytest.mark.parametrize("dist", ["distca-pretrain", "prolong"])
 @pytest.mark.parametrize("method", ["sequential", "balanced"])
-def test_fill_matches_engine_on_realistic_batches(dist, method):
+def test_fill_matches_reference_on_realistic_batches(dist, method):
     for seed in range(2):
         kw = sample_kwargs(dist)
         docs = sample_docs(kw.pop("dist"), 16 * 32768, seed=seed, **kw)
         layout = pack(docs, 16, 32768, method=method)
         for tol in (0.02, 0.1):
-            _same(layout.chunk_array(), layout.n_docs, 16, tol, 512)
+            _same(layout, 16, tol, 512, after_greedy=seed == 1)
