@@ -12,7 +12,7 @@ Two steps (:mod:`cadlib.analysis.replay` says what a rank's work is):
   (:mod:`cadlib.analysis.compose`) and writes a JSON per setting under ``--out`` and the summary.
 
     python scripts/bench_replay.py time --suite validation,3d --cache $OUT/replay_times.json --budget-s 500
-    python scripts/bench_replay.py compose --suite validation,3d --cache results/replay_times_h200.json
+    python scripts/bench_replay.py compose --suite validation,3d --cache results/replay/times_h200.json
     python scripts/bench_replay.py time --smoke --cache /tmp/t.json && \
         python scripts/bench_replay.py compose --smoke --cache /tmp/t.json --out /tmp/replay     # CPU
 """
@@ -268,6 +268,10 @@ def cmd_time(a) -> int:
 def cmd_compose(a) -> int:
     cache = json.loads(Path(a.cache).read_text())
     times, meta = cache["times"], cache.get("meta", {})
+    derived = None
+    if a.derive_from:
+        times, derived = replay.derive_backend(times, a.backend or "fa4", a.derive_from)
+        print(f"{a.backend or 'fa4'} from {a.derive_from} where not timed: {derived}")
     rates = replay.link_rates(load_result("comm_overlap_probe_2xh200_nvlink.json"),
                               load_result("comm_overlap_probe_2xh200_inter-node-like.json"))
     backend = a.backend or "fa4"
@@ -278,12 +282,14 @@ def cmd_compose(a) -> int:
         if res is None:
             print(f"{s.name}: shapes missing from the cache; run `time` first")
             continue
-        save_result(out_dir / f"replay_{s.name}.json", replay.setting_config(s, rates, backend, meta), res)
+        save_result(out_dir / f"replay_{s.name}{a.tag}.json",
+                    {**replay.setting_config(s, rates, backend, meta), "derived_times": derived}, res)
         summary += res["summary"]
         print(replay.summary_line(s, res), flush=True)
     if summary:
         save_result(out_dir / f"replay_summary{a.tag}.json", {"cache": str(a.cache), "times_meta": meta,
-                                                               "rates_gbps": rates}, summary)
+                                                               "rates_gbps": rates, "backend": backend,
+                                                               "derived_times": derived}, summary)
     return 0
 
 
@@ -292,13 +298,15 @@ def main(argv=None) -> int:
     ap.add_argument("command", choices=("time", "compose"))
     ap.add_argument("--suite", default="validation,3d", help=f"comma-separated: {', '.join(SUITES)}")
     ap.add_argument("--smoke", action="store_true", help="the CPU smoke suite (tiny model, sdpa_ref)")
-    ap.add_argument("--cache", default=str(RESULTS_DIR / "replay_times_h200.json"))
-    ap.add_argument("--out", default=str(RESULTS_DIR))
+    ap.add_argument("--cache", default=str(RESULTS_DIR / "replay" / "times_h200.json"))
+    ap.add_argument("--out", default=str(RESULTS_DIR / "replay"))
     ap.add_argument("--tag", default="")
     ap.add_argument("--batches", type=int, default=None, help="batches per paper setting (default 5)")
     ap.add_argument("--budget-s", type=float, default=math.inf)
     ap.add_argument("--iters", type=int, default=1, help="timed runs per attention call (median)")
     ap.add_argument("--backend", default=None)
+    ap.add_argument("--derive-from", default=None,
+                    help="compose: where --backend was not timed, scale this backend's times (fitted ratio)")
     ap.add_argument("--device", default=None)
     ap.add_argument("--workers", type=int, default=12, help="processes planning batches beside the timing")
     a = ap.parse_args(argv)

@@ -578,7 +578,7 @@ def summarise(s: Setting, rows: list[dict]) -> list[dict]:
     """Per method: mean (and per-batch) speedup over colocated and over WLB-ideal, the simulator's,
     the replay's error against a measured run, the batch count."""
     by = {(r["method"], r["batch"]): r for r in rows}
-    methods = sorted({r["method"] for r in rows}, key=lambda m: (METHODS.index(m.split("/")[0]), m))
+    methods = sorted({r["method"] for r in rows if "/" not in r["method"]}, key=METHODS.index)
     batches = sorted({r["batch"] for r in rows})
     out = []
     for m in methods:
@@ -624,3 +624,32 @@ def summary_line(s: Setting, res: dict) -> str:
             sp = r.get("speedup_over_wlb")
             parts.append(f"{r['method']} {r['step_s_mean'] * 1e3:.0f} ms" + (f" ({sp:.3f}x wlb)" if sp else ""))
     return f"{s.name}: " + ", ".join(parts)
+
+
+def derive_backend(times: dict, target: str, source: str) -> tuple[dict, dict]:
+    """``times`` completed for backend ``target`` from ``source`` where ``target`` was not timed: the
+    linear layers, the head and the optimizer copied (they do not depend on the attention kernel), each
+    attention call scaled by the time ratio ``target / source`` fitted over the calls timed with both
+    (forward and backward apart, weighted by time). Returns the completed times and the fit:
+    ``{"shapes_both", "ratio_fwd", "ratio_bwd", "derived"}``."""
+    tag_s, tag_t = f"|{source}|", f"|{target}|"
+    both = [(times[k], times[k.replace(tag_s, tag_t, 1)]) for k in times
+            if k.startswith("attn" + tag_s) and k.replace(tag_s, tag_t, 1) in times]
+    if not both:
+        raise ValueError(f"no attention shape is timed with both {source!r} and {target!r}: nothing to fit")
+    rf = sum(t["fwd_ms"] for _, t in both) / sum(s_["fwd_ms"] for s_, _ in both)
+    rb = sum(t["bwd_ms"] for _, t in both) / sum(s_["bwd_ms"] for s_, _ in both)
+    out, derived = dict(times), 0
+    for k, v in times.items():
+        if tag_s not in k:
+            continue
+        kt = k.replace(tag_s, tag_t, 1)
+        if kt in times:
+            continue
+        if k.startswith("attn|"):
+            out[kt] = {"fwd_ms": v["fwd_ms"] * rf, "bwd_ms": v["bwd_ms"] * rb, "derived_from": source}
+            derived += 1
+        else:
+            out[kt] = dict(v)
+    return out, {"shapes_both": len(both), "ratio_fwd": rf, "ratio_bwd": rb, "derived": derived,
+                 "source": source, "target": target}

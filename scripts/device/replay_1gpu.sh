@@ -40,7 +40,7 @@ for st in $STAGES; do
       timeout 150 python3 scripts/bench_kernels.py --backends fa4 --out "$OUT/bench_kernels.json" --merge \
         --time-budget-s 120 2>&1 | tail -6 | tee -a "$LOG" ;;
     time)
-      [ -f "$OUT/replay_times.json" ] || cp results/replay_times_h200.json "$OUT/replay_times.json" 2>/dev/null || true
+      [ -f "$OUT/replay_times.json" ] || cp results/replay/times_h200.json "$OUT/replay_times.json" 2>/dev/null || true
       timeout $(( ${REPLAY_BUDGET:-400} + 60 )) python3 scripts/bench_replay.py time --suite "${REPLAY_SUITE:-validation,3d}" \
         --cache "$OUT/replay_times.json" --budget-s "${REPLAY_BUDGET:-400}" 2>&1 | tail -25 | tee -a "$LOG" ;;
     *) echo "unknown stage $st" | tee -a "$LOG" ;;
