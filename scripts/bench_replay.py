@@ -33,27 +33,36 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cadlib.analysis import replay  # noqa: E402
 from cadlib.analysis.e2e import load_committed  # noqa: E402
+from cadlib.core.measured import MeasuredCost  # noqa: E402
 from cadlib.infra.results import RESULTS_DIR, atomic_write_json, environment_info, load_result, save_result  # noqa: E402
 from cadlib.runtime import kernels  # noqa: E402
 from cadlib.runtime.device import to_device  # noqa: E402
 from cadlib.runtime.model import ChunkedCrossEntropy, DecoderLayer, RMSNorm  # noqa: E402
 from cadlib.runtime.stages import serve  # noqa: E402
 
-SUITES = ("validation", "3d", "smoke")
+SUITES = ("validation", "3d", "idle", "allgather", "smoke")
 
 
-def settings(suites: list[str], batches: int | None) -> list[replay.Setting]:
+def settings(suites: list[str], batches: int | None, only: str = "") -> list[replay.Setting]:
+    """The settings of ``suites`` (``only``: those whose name contains it)."""
     out = []
     for s in suites:
         if s == "validation":
             out += [replay.e2e_setting(it) for it in load_committed() if it["variant"] == ""]
         elif s == "3d":
             out += replay.paper_3d_settings(batches or 5)
+        elif s == "idle":
+            out += replay.idle_settings(batches or 5)
+        elif s == "allgather":
+            out += replay.allgather_settings()
         elif s == "smoke":
             out += [replay.Setting("smoke_pretrain_dp4", "pretrain", 4, tokens=1024, max_doc_len=1024, tp=1,
                                    model="tiny", batches=2, wlb_cp=(1, 2), min_shard=32, link="nvlink")]
         else:
             raise SystemExit(f"unknown suite {s!r}; choose from: {', '.join(SUITES)}")
+    out = [s for s in out if only in s.name]
+    if not out:
+        raise SystemExit(f"no setting of {suites} is named like {only!r}")
     return out
 
 
@@ -200,7 +209,7 @@ def cmd_time(a) -> int:
     t_start = time.perf_counter()
     rates = replay.link_rates(load_result("comm_overlap_probe_2xh200_nvlink.json"),
                               load_result("comm_overlap_probe_2xh200_inter-node-like.json"))
-    todo = settings(a.suite.split(","), a.batches)
+    todo = settings(a.suite.split(","), a.batches, a.only)
     backends = {s.name: kernels.resolve_backend(a.backend, device, dtype, s.spec.head_dim) for s in todo}
     by_name = {s.name: s for s in todo}
     tasks = [(s, b, rates, backends[s.name]) for s in todo for b in range(s.batches)]
@@ -277,19 +286,30 @@ def cmd_compose(a) -> int:
     backend = a.backend or "fa4"
     out_dir = Path(a.out)
     summary = []
-    for s in settings(a.suite.split(","), a.batches):
+    model_check = None
+    if a.model_missing:
+        cost = MeasuredCost.load(RESULTS_DIR / "kernel_profile_h200.json", backend)
+        model_check = replay.kernel_model_check(replay.paper_3d_settings()[:3], cache["times"], cost, backend, rates)
+        print(f"kernel table against the timed calls: {model_check}")
+    for s in settings(a.suite.split(","), a.batches, a.only):
+        if model_check is not None:
+            for b in range(s.batches):
+                times.update(replay.model_attention_times(replay.batch_work(s, b, rates).values(), s.spec,
+                                                          backend, cost, model_check["scale"], times))
         res = replay.replay_setting(s, times, rates, backend)
         if res is None:
             print(f"{s.name}: shapes missing from the cache; run `time` first")
             continue
         save_result(out_dir / f"replay_{s.name}{a.tag}.json",
-                    {**replay.setting_config(s, rates, backend, meta), "derived_times": derived}, res)
+                    {**replay.setting_config(s, rates, backend, meta), "derived_times": derived,
+                     "kernel_model": model_check}, res)
         summary += res["summary"]
         print(replay.summary_line(s, res), flush=True)
     if summary:
         save_result(out_dir / f"replay_summary{a.tag}.json", {"cache": str(a.cache), "times_meta": meta,
                                                                "rates_gbps": rates, "backend": backend,
-                                                               "derived_times": derived}, summary)
+                                                               "derived_times": derived,
+                                                               "kernel_model": model_check}, summary)
     return 0
 
 
@@ -301,10 +321,13 @@ def main(argv=None) -> int:
     ap.add_argument("--cache", default=str(RESULTS_DIR / "replay" / "times_h200.json"))
     ap.add_argument("--out", default=str(RESULTS_DIR / "replay"))
     ap.add_argument("--tag", default="")
+    ap.add_argument("--only", default="", help="only the settings whose name contains this")
     ap.add_argument("--batches", type=int, default=None, help="batches per paper setting (default 5)")
     ap.add_argument("--budget-s", type=float, default=math.inf)
     ap.add_argument("--iters", type=int, default=1, help="timed runs per attention call (median)")
     ap.add_argument("--backend", default=None)
+    ap.add_argument("--model-missing", action="store_true",
+                    help="compose: server calls nobody timed from the kernel table, scaled to the timed ones")
     ap.add_argument("--derive-from", default=None,
                     help="compose: where --backend was not timed, scale this backend's times (fitted ratio)")
     ap.add_argument("--device", default=None)

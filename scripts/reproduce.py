@@ -54,6 +54,7 @@ _SERVERS = {"dtype": "bf16", "model_name": "llama3-8b", "tokens_per_rank": 8192,
             "distribution": "pretrain,prolong"}
 PROFILES: dict[str, dict[str, dict]] = {
     "cpu": {},
+    "h200": {"04_benchmarks/04_at_scale": {"live_replay": True}},
     "h200x2": {
         "02_cad/02_attention_servers": {"nproc": 2, **_SERVERS},
         "03_pingpong/01_overlap": {"nproc": 2, "tokens_per_rank": 65536, **_OVERLAP},

@@ -17,7 +17,7 @@ which is how stragglers propagate. A collective's duration is its bytes over the
 
 The methods (:func:`compose`), per layer, forward then backward in mirror order:
 
-* ``colocated`` / ``wlb`` (per-document context parallelism): linear (pre), the all-gather of shared
+* ``colocated`` / ``wlb`` / ``varlen`` (per-document context parallelism where a document is split): linear (pre), the all-gather of shared
   documents' K, V, attention, linear (post); backward: linear (post'), the all-gather again, attention',
   the reduce-scatter of dK, dV, linear (pre'). One stream.
 * ``cad``: linear, send (all-to-all), attention on the servers, return, linear; backward: return'
@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-METHODS = ("colocated", "wlb", "cad", "cad-pingpong", "signal-only")
-ONE_STREAM = ("colocated", "wlb", "cad")
+METHODS = ("colocated", "wlb", "varlen", "cad", "cad-pingpong", "signal-only")
+ONE_STREAM = ("colocated", "wlb", "varlen", "cad")
 
 
 @dataclass(frozen=True)

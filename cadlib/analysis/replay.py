@@ -42,12 +42,13 @@ from ..infra.results import load_result
 from ..scheduling import scheduler
 from ..scheduling.recipes import batch_docs, cad_plan, nano_plans
 from .compose import Composed, Link, Phases, compose
+from .idle import varlen_chunking
 from .sim import Hardware, attention_seconds, linear_seconds
 
 TOKENS_PER_GROUP = 131072
 """Tokens per data-parallel group in the paper's 3D settings: a batch size of ``B`` MaxDocLen-long
 sequences over ``N`` GPUs of TP=8 is ``B x MaxDocLen / (N / 8)`` = 128K tokens in every row of Table 3."""
-METHODS = ("colocated", "wlb", "cad", "cad-pingpong", "signal-only")
+METHODS = ("colocated", "wlb", "varlen", "cad", "cad-pingpong", "signal-only")
 LINEAR_GRID = (4096, 8192, 16384, 32768, 49152, 65536, 81920, 98304, 114688, 131072, 147456, 163840,
                196608, 262144)
 """Token counts at which the linear layers and the LM head are timed; other counts are interpolated
@@ -224,6 +225,9 @@ def method_work(s: Setting, docs: list[int], method: str, cp: int = 1) -> Work:
         return _colocated_work(method, pack(docs, R, s.tokens), spec, {})
     if method == "wlb":
         return _colocated_work(method, wlb_layout(docs, R, cp, s.tokens, s.model), spec, {"cp": cp})
+    if method == "varlen":
+        lay = varlen_chunking(docs, R, s.tokens, as_model(s.model), Hardware(attn_kernel="fa4"))
+        return _colocated_work(method, lay, spec, {})
     layout = pack(docs, R, s.tokens)
     if method == "cad":
         plan = cad_plan(layout, args, spec)
@@ -315,25 +319,26 @@ def optimizer_key(spec: ModelSpec, backend: str) -> str:
 
 
 def grid_points(tokens) -> list[int]:
-    """The points of ``LINEAR_GRID`` that interpolating every token count of ``tokens`` needs."""
+    """The points of ``LINEAR_GRID`` that interpolating (or extrapolating, past its end) every token
+    count of ``tokens`` needs."""
     t = np.asarray(tokens, dtype=np.int64).ravel()
     g = np.asarray(LINEAR_GRID)
-    if t.size and t.max() > g[-1]:
-        raise ValueError(f"a rank holds {int(t.max())} tokens, beyond the timing grid's {g[-1]}")
     lo = np.clip(np.searchsorted(g, t, side="right") - 1, 0, g.size - 2)
     return sorted({int(x) for x in np.concatenate([g[lo], g[lo + 1]])})
 
 
 def interp(cache: dict, key_of, tokens, field_: str) -> np.ndarray:
-    """A timed quantity (``field_`` of ``cache[key_of(n)]``, ms) at every token count, seconds,
-    linear between grid points, proportional to the tokens below the first one."""
+    """A timed quantity (``field_`` of ``cache[key_of(n)]``, ms) at every token count, seconds: linear
+    between the grid points that were timed (past the last, along the last segment), proportional to
+    the tokens below the first one."""
     t = np.asarray(tokens, dtype=np.float64)
-    g = np.asarray(LINEAR_GRID, dtype=np.float64)
+    g = np.array([n for n in LINEAR_GRID if key_of(n) in cache], dtype=np.float64)
+    if g.size < 2:
+        raise ValueError(f"fewer than two grid points timed for {key_of(0).rsplit('|', 1)[0]}")
+    val = np.array([cache[key_of(int(n))][field_] for n in g])
     lo = np.clip(np.searchsorted(g, t, side="right") - 1, 0, g.size - 2)
-    a = np.array([cache[key_of(int(g[i]))][field_] for i in lo.ravel()]).reshape(t.shape)
-    b = np.array([cache[key_of(int(g[i + 1]))][field_] for i in lo.ravel()]).reshape(t.shape)
     w = (t - g[lo]) / (g[lo + 1] - g[lo])
-    v = np.where(t < g[0], a * t / g[0], a + w * (b - a))        # below the grid: proportional to tokens
+    v = np.where(t < g[0], val[0] * t / g[0], val[lo] + w * (val[lo + 1] - val[lo]))
     return np.where(t > 0, v * 1e-3, 0.0)
 
 
@@ -523,8 +528,10 @@ def missing_times(s: Setting, works: dict[str, Work], times: dict, backend: str)
     keys = set(attention_jobs(works.values(), spec, backend))
     toks = np.concatenate([np.concatenate([w.tokens.ravel(), (w.tokens.sum(0) if w.pingpong else w.tokens)])
                            for w in works.values()])
-    for n in grid_points(toks):
-        keys |= {linear_key(spec, backend, n), head_key(spec, backend, n)}
+    for key_of in (lambda n: linear_key(spec, backend, n), lambda n: head_key(spec, backend, n)):
+        have = [n for n in LINEAR_GRID if key_of(n) in times]
+        if len(have) < 2:               # linear in tokens: two timed points interpolate and extrapolate
+            keys |= {key_of(n) for n in grid_points(toks)}
     keys.add(optimizer_key(spec, backend))
     return sorted(k for k in keys if k not in times)
 
@@ -653,3 +660,57 @@ def derive_backend(times: dict, target: str, source: str) -> tuple[dict, dict]:
             out[kt] = dict(v)
     return out, {"shapes_both": len(both), "ratio_fwd": rf, "ratio_bwd": rb, "derived": derived,
                  "source": source, "target": target}
+
+
+def model_attention_times(works, spec: ModelSpec, backend: str, cost, scale: float = 1.0,
+                          times: dict | None = None) -> dict:
+    """Times for the server calls of ``works`` that ``times`` lacks, from a kernel latency table
+    (:class:`cadlib.core.measured.MeasuredCost`, on the merged segments) times ``scale`` (measured over
+    predicted on the calls the replay timed, :func:`kernel_model_check`); each marked ``"modelled"``."""
+    out = {}
+    for k, d in attention_jobs(works, spec, backend).items():
+        if times is not None and k in times:
+            continue
+        sh = d.shared()
+        q, kv = np.diff(sh.cu_q), np.diff(sh.cu_k)
+        out[k] = {"fwd_ms": cost.fused_seconds(q, kv, "fwd", spec) * 1e3 * scale,
+                  "bwd_ms": cost.fused_seconds(q, kv, "bwd", spec) * 1e3 * scale, "modelled": True}
+    return out
+
+
+def kernel_model_check(settings_, times: dict, cost, backend: str, rates: dict, batches: int = 2) -> dict:
+    """How well the kernel table predicts the calls the replay timed, over the timed calls of the first
+    ``batches`` batches of each setting: measured / predicted (forward + backward), time-weighted (the
+    ``scale`` :func:`model_attention_times` applies), its median, 10th and 90th percentiles, the calls."""
+    meas, pred = [], []
+    for s in settings_:
+        for b in range(min(batches, s.batches)):
+            for k, d in attention_jobs(batch_work(s, b, rates).values(), s.spec, backend).items():
+                if k in times and not times[k].get("modelled"):
+                    sh = d.shared()
+                    meas.append(times[k]["fwd_ms"] + times[k]["bwd_ms"])
+                    pred.append(cost.fused_seconds(np.diff(sh.cu_q), np.diff(sh.cu_k), "fwd_bwd", s.spec) * 1e3)
+    m, p = np.array(meas), np.array(pred)
+    if not m.size:
+        raise ValueError(f"no timed {backend} call among these settings to check the kernel table against")
+    r = m / p
+    return {"calls": int(m.size), "scale": float(m.sum() / p.sum()), "median": float(np.median(r)),
+            "p10": float(np.percentile(r, 10)), "p90": float(np.percentile(r, 90)), "backend": backend}
+
+
+def idle_settings(batches: int = 5) -> list[Setting]:
+    """The motivation's idle figure (Figure 4b): 8B, TP=8, 512K-token data chunks per DP group (DP 1,
+    2, 4, 8), DistCA's Pretrain at MaxDocLen 512K: variable-length chunking of whole documents under a
+    cap of the group's tokens (:func:`cadlib.analysis.idle.varlen_chunking`, the paper's baseline),
+    WLB's balanced packing (documents may be cut) and CAD with ping-pong."""
+    return [Setting(f"idle_512k_dp{dp}", "distca-pretrain", dp, tokens=524288, max_doc_len=524288,
+                    elongate=4.0, batches=batches, methods=("varlen", "wlb", "cad-pingpong"), wlb_cp=(1,))
+            for dp in (1, 2, 4, 8)]
+
+
+def allgather_settings(nodes=(2, 4, 8, 16, 32), tokens_per_node: int = TOKENS_PER_GROUP) -> list[Setting]:
+    """Per-document CP's all-gather at scale (Figure 3): 8B, TP=8, every document 32K tokens,
+    context parallelism over all ``nodes`` (one CP group), ``tokens_per_node`` tokens each."""
+    return [Setting(f"allgather_{n}nodes", "uniform", n, tokens=tokens_per_node, batches=1,
+                    methods=("wlb",), wlb_cp=(n,), config={"doc_len": 32768, "dist": "uniform"})
+            for n in nodes]

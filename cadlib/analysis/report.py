@@ -28,7 +28,7 @@ from ..infra.results import atomic_write_text, device_name
 from .figures_html import figure_html, key_figures, plotlyjs_packed_tag, summary_text
 
 METRICS_FILE = "metrics.jsonl"
-KINDS = ("measured", "simulated", "computed")
+KINDS = ("measured", "replayed", "simulated", "computed")
 """How ours was obtained: ``measured`` on a device, ``simulated`` from the cost model, or ``computed``
 exactly (e.g. a FLOP count). A kind may say more after the word, e.g. ``"measured on 2x H200"``."""
 METRIC_COLUMNS = ["metric", "paper", "ours", "unit", "kind", "source", "how", "note", "notebook"]

@@ -33,15 +33,14 @@ def compare(fig: PaperFigure, measured: float, label: str = "measured here") -> 
 
 DISTCA_BLOG = ("CAD: Disaggregating Core Attention for Efficient Long-context Language Model Training, "
                "the authors' blog post (hao-ai-lab.github.io/blogs/distca)")
-DISTCA_IDLE_DP4 = PaperFigure(
-    19, "%", "share of GPU time idle waiting for the slowest data-parallel rank, 8B model, 512K context, "
-    "DP=4, variable-length chunking", DISTCA + ", motivation")
-DISTCA_IDLE_DP8 = PaperFigure(
-    55, "%", "share of GPU time idle waiting for the slowest data-parallel rank, 8B model, 512K context, "
-    "DP=8, variable-length chunking", DISTCA + ", motivation")
-DISTCA_IDLE_DP2 = PaperFigure(
-    2, "%", "share of GPU time idle from data-parallel stragglers at DP=2 (read as '~2%'; the same curve "
-    "reaches 55% at DP=8)", DISTCA_BLOG + ", Figure 5a")
+DISTCA_FIG4B_IDLE = {1: 1.7, 2: 1.9, 4: 19.2, 8: 55.4}
+"""Figure 4b, idle time over iteration time (%) of variable-length chunking by DP degree, 8B model,
+512K-token data chunks, TP=8 (the bars' labels; the text: "the idle fraction rises to 19% at DP=4 and
+55% at DP=8")."""
+DISTCA_IDLE_DP2, DISTCA_IDLE_DP4, DISTCA_IDLE_DP8 = (
+    PaperFigure(DISTCA_FIG4B_IDLE[dp], "%", "share of GPU time idle waiting for the slowest data-parallel "
+                f"rank, 8B model, 512K-token chunks, DP={dp}, variable-length chunking",
+                DISTCA + ", Figure 4b") for dp in (2, 4, 8))
 
 DISTCA_NO_PINGPONG_SLOWDOWN_MIN = PaperFigure(
     10, "%", "step time added when CAD runs without ping-pong (one nano-batch, communication exposed), "
@@ -73,9 +72,6 @@ DISTCA_TABLE4_8B = ((131072, (32, 64, 128), (64, 128, 256)),
                     (262144, (16, 32, 32), (64, 128, 256)),
                     (524288, (8, 8, 16), (64, 128, 256)))
 """Table 4, 4D (with PP) training configurations of Llama-8B, as Table 3."""
-DISTCA_FIG4B_IDLE = {1: 1.7, 2: 1.9, 4: 19.2, 8: 55.4}
-"""Figure 4b, idle time over iteration time (%) of variable-length chunking by DP degree, 8B model,
-512K-token data chunks, TP=8 (the bars' labels; the text: "19% at DP=4 and 55% at DP=8")."""
 DISTCA_FIG3_ALLGATHER = {2: 2.7, 4: 6.0, 8: 13.5, 16: 26.5, 32: 39.7}
 """Figure 3a, per-document CP all-gather latency share of the step (%) by number of nodes, Llama-8B,
 every document 32K tokens: read off the chart (the text: "from merely 3% on 2 nodes to nearly 40% on
@@ -140,79 +136,93 @@ class Claim(NamedTuple):
 DISTCA_ARXIV = "DistCA, arXiv 2510.18121"
 LONGCA_REPO = "LongCA-bench (github.com/NJUDeepEngine/LongCA-bench)"
 _ABSTRACT = "read in the arXiv abstract (2510.18121v1)"
-_UNREAD = "unverified: not checked against the paper's text (its body could not be read here)"
+_TEXT = "checked against the paper's text (arXiv 2510.18121)"
 _E2E = "04_benchmarks/01_end_to_end.ipynb"
-_GAP_4D = ("4D parallelism (context parallelism inside each data-parallel group) at 64+ GPUs is beyond the "
-           "measured 2-GPU runs; they fill distca.speedup_3d_*")
+_SCALE = "04_benchmarks/04_at_scale.ipynb"
+_REPLAYED = "replayed"
+"""Ours: every rank's compute replayed on 1x H200, the network modelled (cadlib.analysis.replay)."""
 _GAP_34B = "a 34B model at long context needs more GPUs than the measured 2 (and 4D parallelism)"
 
 CLAIMS_LIST: tuple[Claim, ...] = (
     Claim("distca.idle_dp4", "Variable-length chunking still leaves GPUs idle waiting for the slowest "
-          "data-parallel rank at DP=4.", DISTCA_IDLE_DP4.value, "%", DISTCA_ARXIV + ", motivation",
-          "Llama-3 8B, 512K context, DP=4", _UNREAD + "; the authors' blog draws the same curve",
-          "01_imbalance/01_stragglers.ipynb", "simulated"),
+          "data-parallel rank at DP=4.", DISTCA_FIG4B_IDLE[4], "%", DISTCA_ARXIV + ", Figure 4b",
+          "Llama-3 8B, 512K-token data chunks, TP=8, DP=4 (average idle over average iteration time)",
+          _TEXT + ": \"the idle fraction rises to 19% at DP=4\" (bar label 19.2%)", _SCALE, _REPLAYED),
     Claim("distca.idle_dp8", "... and at DP=8 more than half of the GPU time is idle.",
-          DISTCA_IDLE_DP8.value, "%",
-          DISTCA_ARXIV + ", motivation", "Llama-3 8B, 512K context, DP=8",
-          _UNREAD + "; the authors' blog draws the same curve",
-          "01_imbalance/01_stragglers.ipynb", "simulated"),
+          DISTCA_FIG4B_IDLE[8], "%", DISTCA_ARXIV + ", Figure 4b",
+          "Llama-3 8B, 512K-token data chunks, TP=8, DP=8",
+          _TEXT + ": \"and 55% at DP=8\" (bar label 55.4%)", _SCALE, _REPLAYED),
     Claim("distca.speedup_max", "CAD's end-to-end training throughput over the best baseline, at most.",
           (None, DISTCA_MAX_SPEEDUP.value), "x", DISTCA_ARXIV + ", abstract",
           "up to 512 H200 GPUs, up to 512K context",
           _ABSTRACT, "01_imbalance/01_stragglers.ipynb", "simulated"),
     Claim("distca.speedup_3d_pretrain", "CAD over WLB-ideal with 3D parallelism, Pretrain documents.",
-          (1.07, 1.20), "x", DISTCA_ARXIV + ", evaluation (3D parallelism)",
-          "Llama-3 8B, 3D parallelism (DP/PP/TP), Pretrain distribution", _UNREAD, _E2E, "measured"),
+          (1.07, 1.20), "x", DISTCA_ARXIV + ", section 6.2, Figure 9",
+          "Llama-3 8B, 3D parallelism = DP x CP x TP without pipeline parallelism, TP=8, 64-256 GPUs, "
+          "MaxDocLen 128K-512K (Table 3), Pretrain distribution",
+          _TEXT + ": \"1.07-1.20x speedup in Pretrain\"", _SCALE, _REPLAYED),
     Claim("distca.speedup_3d_prolong", "CAD over WLB-ideal with 3D parallelism, ProLong documents.",
-          (1.05, 1.12), "x", DISTCA_ARXIV + ", evaluation (3D parallelism)",
-          "Llama-3 8B, 3D parallelism, ProLong distribution", _UNREAD, _E2E, "measured"),
-    Claim("distca.speedup_4d_8b_pretrain", "CAD over the best baseline with 4D parallelism, 8B, Pretrain.",
-          (1.15, 1.30), "x", DISTCA_ARXIV + ", evaluation (4D parallelism)",
-          "Llama-3 8B, 4D parallelism (with CP), Pretrain", _UNREAD, _E2E, "measured",
-          gap=_GAP_4D),
-    Claim("distca.speedup_4d_8b_prolong", "CAD over the best baseline with 4D parallelism, 8B, ProLong.",
-          (1.10, 1.35), "x", DISTCA_ARXIV + ", evaluation (4D parallelism)",
-          "Llama-3 8B, 4D parallelism (with CP), ProLong", _UNREAD, _E2E, "measured",
-          gap=_GAP_4D),
-    Claim("distca.speedup_4d_34b_pretrain", "CAD over the best baseline with 4D parallelism, 34B, Pretrain.",
-          (None, 1.15), "x", DISTCA_ARXIV + ", evaluation (4D parallelism)",
-          "34B model, 4D parallelism, Pretrain", _UNREAD, _E2E, "measured",
-          gap=_GAP_34B),
-    Claim("distca.speedup_4d_34b_prolong", "CAD over the best baseline with 4D parallelism, 34B, ProLong.",
-          (None, 1.25), "x", DISTCA_ARXIV + ", evaluation (4D parallelism)",
-          "34B model, 4D parallelism, ProLong", _UNREAD, _E2E, "measured",
-          gap=_GAP_34B),
+          (1.05, 1.12), "x", DISTCA_ARXIV + ", section 6.2, Figure 9",
+          "Llama-3 8B, 3D parallelism (DP x CP x TP, no PP), TP=8, 64-256 GPUs, ProLong distribution",
+          _TEXT + ": \"1.05-1.12x speedup in Prolong dataset\"", _SCALE, _REPLAYED),
+    Claim("distca.speedup_4d_8b_pretrain", "CAD over WLB-ideal with 4D parallelism (with PP), 8B, Pretrain.",
+          (1.15, 1.30), "x", DISTCA_ARXIV + ", section 6.2, Figure 10",
+          "Llama-3 8B, 4D parallelism (DP x PP x CP x TP), 64-256 GPUs, MaxDocLen 128K-512K (Table 4), Pretrain",
+          _TEXT + ": \"1.15x-1.30x speedup on the Pretrain dataset\"", _SCALE, _REPLAYED),
+    Claim("distca.speedup_4d_8b_prolong", "CAD over WLB-ideal with 4D parallelism, 8B, ProLong.",
+          (1.10, 1.35), "x", DISTCA_ARXIV + ", section 6.2, Figure 10",
+          "Llama-3 8B, 4D parallelism, 64-256 GPUs (Table 4), ProLong",
+          _TEXT + ": \"1.10x-1.35x speedup on the ProLong dataset\"", _SCALE, _REPLAYED),
+    Claim("distca.speedup_4d_34b_pretrain", "CAD over WLB-ideal with 4D parallelism, 34B, Pretrain: up to.",
+          (None, 1.15), "x", DISTCA_ARXIV + ", section 6.2, Figure 10",
+          "34B model, 4D parallelism, 128-512 GPUs, MaxDocLen 128K / 256K / 384K (Table 4), Pretrain",
+          _TEXT + ": \"positive speedup across most configurations ... up to 1.15x speedup on Pretrain\"; "
+          "some 34B configurations are below 1.0x (Figure 10), and the 34B runs go to 384K, not 512K",
+          _SCALE, "measured", gap=_GAP_34B),
+    Claim("distca.speedup_4d_34b_prolong", "CAD over WLB-ideal with 4D parallelism, 34B, ProLong: up to.",
+          (None, 1.25), "x", DISTCA_ARXIV + ", section 6.2, Figure 10",
+          "34B model, 4D parallelism, 128-512 GPUs, up to 384K, ProLong",
+          _TEXT + ": \"1.25x speedup on ProLong\"", _SCALE, "measured", gap=_GAP_34B),
     Claim("distca.cp_allgather_2nodes", "Per-document CP: the all-gather share of the step on 2 nodes.",
-          3, "%", DISTCA_ARXIV + ", Figure 2", "per-document CP over 2 nodes (16 GPUs)", _UNREAD,
-          "04_benchmarks/03_context_parallel.ipynb", "simulated"),
+          3, "%", DISTCA_ARXIV + ", Figure 3a", "Llama-8B, every document 32K, per-document CP over 2 nodes",
+          _TEXT + ": \"the all-gather latency share rises from merely 3% on 2 nodes\" (chart: 2.7%)",
+          _SCALE, _REPLAYED),
     Claim("distca.cp_allgather_32nodes", "... grows to about 40% of the step on 32 nodes.",
-          40, "%", DISTCA_ARXIV + ", Figure 2", "per-document CP over 32 nodes (256 GPUs)", _UNREAD,
-          "04_benchmarks/03_context_parallel.ipynb", "simulated"),
+          40, "%", DISTCA_ARXIV + ", Figure 3a", "Llama-8B, every document 32K, per-document CP over 32 nodes",
+          _TEXT + ": \"to nearly 40% on 32 nodes\" (chart: 39.7%)", _SCALE, _REPLAYED),
     Claim("distca.cp_kv_memory_2nodes", "Per-document CP: the all-gathered K,V's share of a GPU's memory on "
-          "2 nodes.", 3, "%", DISTCA_ARXIV + ", Figure 2", "per-document CP over 2 nodes (16 GPUs)", _UNREAD,
-          "04_benchmarks/03_context_parallel.ipynb", "simulated"),
-    Claim("distca.cp_kv_memory_32nodes", "... grows to about 30% on 32 nodes.", 30, "%",
-          DISTCA_ARXIV + ", Figure 2", "per-document CP over 32 nodes (256 GPUs)", _UNREAD,
-          "04_benchmarks/03_context_parallel.ipynb", "simulated"),
-    Claim("distca.memory_divergence", "Variable-length packing makes memory diverge across ranks "
-          "(max/mean).", (1.08, 1.2), "x", DISTCA_ARXIV + ", Figure 3", "variable-length chunking, DP 2-8",
-          _UNREAD, "01_imbalance/01_stragglers.ipynb", "simulated"),
+          "2 nodes.", DISTCA_FIG3_KV_MEMORY[2], "%", DISTCA_ARXIV + ", Figure 3b",
+          "Llama-8B, per-document CP over 2 nodes",
+          _TEXT + ": \"the KV memory fraction grows from 3% at 2 nodes\"", _SCALE, "computed"),
+    Claim("distca.cp_kv_memory_16nodes", "... grows to almost 30% on 16 nodes.", DISTCA_FIG3_KV_MEMORY[16],
+          "%", DISTCA_ARXIV + ", Figure 3b", "Llama-8B, per-document CP over 16 nodes",
+          _TEXT + ": \"to almost 30% at 16 nodes\"", _SCALE, "computed"),
+    Claim("distca.memory_divergence", "Variable-length chunking makes activation memory diverge across "
+          "ranks (max/mean) to balance compute.", (1.08, 1.17), "x", DISTCA_ARXIV + ", Figure 4a",
+          "512K maximum length, TP=8, DP 2-8", _TEXT + ": \"achieving compute balance requires 1.08 - "
+          "1.17x more activation memory on some ranks\" (the authors' blog says 1.2x)",
+          "01_imbalance/01_stragglers.ipynb", "simulated"),
     Claim("distca.composability", "A flash kernel keeps near-peak throughput on fused query shards of at "
-          "least 128 tokens.", None, "x unsplit TF/s", DISTCA_ARXIV + ", composability",
-          "H100/H200, varlen flash attention",
-          _ABSTRACT + " (qualitative: 'sustain high utilization')", "02_cad/02_attention_servers.ipynb",
+          "least 128 tokens.", None, "x unsplit TF/s", DISTCA_ARXIV + ", section 3.3, Figure 5",
+          "FA2, 32K-token chunks of document shards", _TEXT + ": \"a high throughput as long as each "
+          "document shard has more than 128 tokens\"", "02_cad/02_attention_servers.ipynb",
           "measured", text="near peak for shards >= 128 tokens"),
-    Claim("distca.tolerance_comm_cut", "Raising the tolerance from 0 to 0.15 cuts communication by 20-25% "
-          "with negligible latency change.", (20, 25), "%", DISTCA_ARXIV + ", ablation (tolerance)",
-          "DistCA scheduler, tolerance 0 -> 0.15", _UNREAD, "02_cad/01_scheduling.ipynb", "computed"),
-    Claim("distca.pingpong_gain", "Without ping-pong the step takes longer by this much.",
+    Claim("distca.tolerance_comm_cut", "Raising the scheduler's tolerance from 0 to 0.15 cuts the memory of "
+          "the communication buffers by 20-25% with the step time almost unchanged.", (20, 25), "%",
+          DISTCA_ARXIV + ", section 6.3, Figure 12", "8B and 34B on 8 and 16 nodes, Pretrain, tolerance 0 -> 0.15",
+          _TEXT + ": \"tuning tolerance factor from 0 to 0.15 decreases the memory requirement by 20-25% "
+          "while leaving average duration staying almost the same\" (the buffer memory, not the bytes "
+          "moved)", "02_cad/01_scheduling.ipynb", "computed"),
+    Claim("distca.pingpong_gain", "Without ping-pong (one stream) the step takes longer by this much.",
           (DISTCA_NO_PINGPONG_SLOWDOWN_MIN.value, DISTCA_NO_PINGPONG_SLOWDOWN_MAX.value), "%",
-          DISTCA_ARXIV + ", ablation (ping-pong)", "Llama-3 8B, multi-node", _UNREAD,
-          "03_pingpong/01_overlap.ipynb", "measured"),
+          DISTCA_ARXIV + ", section 6.3, Figure 11", "8B and 34B on 8 and 16 nodes, Pretrain",
+          _TEXT + ": \"eliminating the 10-17% higher latency that would otherwise incur by Single Stream\"",
+          _SCALE, _REPLAYED),
     Claim("distca.comm_hidden", "With ping-pong CAD's step equals the signal-only control (communication "
-          "hidden), except 8B on 8 nodes.", (None, 2), "%", DISTCA_ARXIV + ", ablation (signal-only)",
-          "Llama-3 8B and 34B, multi-node; read as exposed communication <= 2% of the step", _UNREAD,
-          "03_pingpong/01_overlap.ipynb", "measured"),
+          "hidden), except 8B on 8 nodes.", (None, 2), "%", DISTCA_ARXIV + ", section 6.3, Figure 11",
+          "8B and 34B on 8 and 16 nodes, Pretrain; read as exposed communication <= 2% of the step",
+          _TEXT + ": \"DistCA achieves nearly the same latency as Signal ... The only exception is the 8B "
+          "model on 8 nodes\"", _SCALE, _REPLAYED),
     Claim("distca.scheduler_bytes", "The communication-aware scheduler balances to within the tolerance "
           "while moving fewer bytes than bytes-blind balancing.", None, "x baseline bytes",
           DISTCA_ARXIV + ", scheduler",

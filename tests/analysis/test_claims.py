@@ -34,11 +34,11 @@ def test_every_claim_is_complete_and_once():
 
 
 def test_figures_are_defined_once_and_old_names_still_work():
-    assert paper.CLAIMS["distca.idle_dp4"].paper == paper.DISTCA_IDLE_DP4.value == 19
-    assert paper.CLAIMS["distca.idle_dp8"].paper == paper.DISTCA_IDLE_DP8.value == 55
+    assert paper.CLAIMS["distca.idle_dp4"].paper == paper.DISTCA_IDLE_DP4.value == 19.2
+    assert paper.CLAIMS["distca.idle_dp8"].paper == paper.DISTCA_IDLE_DP8.value == 55.4
     assert paper.CLAIMS["distca.speedup_max"].high == paper.DISTCA_MAX_SPEEDUP.value == 1.35
     assert paper.CLAIMS["longca.flop_accounting"].paper == paper.LONGCA_MASK_TYPES.value
-    assert paper.DISTCA_IDLE_DP2.value == 2 and "1.35" in paper.compare(paper.DISTCA_MAX_SPEEDUP, 1.2)
+    assert paper.DISTCA_IDLE_DP2.value == 1.9 and "1.35" in paper.compare(paper.DISTCA_MAX_SPEEDUP, 1.2)
     assert paper.CLAIMS["distca.speedup_max"].paper_str() == "≤ 1.35x"
     assert paper.CLAIMS["distca.speedup_3d_pretrain"].paper_str() == "1.07–1.2x"
     with pytest.raises(ValueError, match="unknown claim 'nope'; choose one of: distca.idle_dp4"):
@@ -51,9 +51,9 @@ def test_figures_are_defined_once_and_old_names_still_work():
     ("distca.speedup_3d_pretrain", 1.3, "above the paper's range by 0.1x"),
     ("distca.speedup_max", 0.5, "within the paper's range"),              # "up to": open below
     ("distca.speedup_max", 1.45, "above the paper's range by 0.1x"),
-    ("distca.idle_dp8", 55, "matches the paper"),
+    ("distca.idle_dp8", 55.4, "matches the paper"),
     ("distca.idle_dp8", 58, "matches the paper (within 10%)"),
-    ("distca.idle_dp4", 35.5, "above the paper by 16.5 points"),
+    ("distca.idle_dp4", 35.7, "above the paper by 16.5 points"),
     ("distca.pingpong_gain", 1.0, "below the paper's range by 9 points"),
     ("distca.scheduler_bytes", True, "holds"),
     ("distca.composability", False, "does not hold"),
@@ -75,19 +75,19 @@ def test_record_writes_the_claim_with_its_verdict(tmp_path, monkeypatch):
     monkeypatch.setenv("CADLIB_REPORT_DIR", str(tmp_path))
     monkeypatch.setenv("CADLIB_NOTEBOOK", "01_imbalance/01_stragglers.ipynb")
     row = claims.record("distca.idle_dp8", 63.9, how="sim", reason="batch not public")
-    assert row.loc[0, "paper"] == "55" and row.loc[0, "unit"] == "%"
+    assert row.loc[0, "paper"] == "55.4" and row.loc[0, "unit"] == "%"
     assert "above the paper" in row.loc[0, "note"]
     claims.record("distca.memory_divergence", 1.1, how="sim", setting="dp4")
     claims.record("distca.memory_divergence", 1.3, how="sim", setting="dp8")
     rows = {m["metric"]: m for m in report.load_metrics(tmp_path)}
     assert set(rows) == {"distca.idle_dp8", "distca.memory_divergence@dp4", "distca.memory_divergence@dp8"}
-    assert rows["distca.idle_dp8"]["verdict"] == "above the paper by 8.9 points; batch not public"
-    assert rows["distca.memory_divergence@dp4"]["paper"] == [1.08, 1.2]
-    assert "Figure 3" in rows["distca.memory_divergence@dp4"]["paper_source"]
+    assert rows["distca.idle_dp8"]["verdict"] == "above the paper by 8.5 points; batch not public"
+    assert rows["distca.memory_divergence@dp4"]["paper"] == [1.08, 1.17]
+    assert "Figure 4a" in rows["distca.memory_divergence@dp4"]["paper_source"]
     table = claims.claims_table(report.load_metrics(tmp_path), "cpu", results_dir=tmp_path)
     div = [r for r in table if r["claim"].startswith("distca.memory_divergence")]
     assert [r["ours"] for r in div] == ["1.1x (dp4)", "1.3x (dp8)"]
-    assert [r["verdict"] for r in div] == ["within the paper's range", "above the paper's range by 0.1x"]
+    assert [r["verdict"] for r in div] == ["within the paper's range", "above the paper's range by 0.13x"]
     with pytest.raises(ValueError, match="setting must be"):
         claims.record("distca.idle_dp8", 1, how="x", setting="a@b")
     with pytest.raises(ValueError, match="unknown claim"):
@@ -149,7 +149,7 @@ def test_claims_table_shows_every_claim_run_or_not(tmp_path):
     assert by_id["distca.idle_dp4"]["verdict"] == "not run in profile cpu: its cell did not run"
     assert by_id["distca.composability"]["verdict"].startswith("not run in profile cpu: measured on GPUs")
     assert by_id["distca.speedup_4d_34b_prolong"]["verdict"].startswith("not reproduced: ")
-    assert by_id["distca.idle_dp4"]["paper"] == "19%" and by_id["distca.idle_dp4"]["ours"] == "—"
+    assert by_id["distca.idle_dp4"]["paper"] == "19.2%" and by_id["distca.idle_dp4"]["ours"] == "—"
     _e2e(tmp_path / "bench_e2e_x.json", "prolong", [(104.0, 103.0, 101.0, 100.0, 99.9)])
     table = claims.claims_table([], "cpu", results_dir=tmp_path)
     row = next(r for r in table if r["claim"].startswith("distca.speedup_3d_prolong"))
