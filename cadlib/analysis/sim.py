@@ -18,11 +18,11 @@ How the ranks wait for each other:
 * **PP (1F1B)**: an exact event simulation of the 1F1B order per stage with its dependencies
   (``F(s, i)`` after ``F(s-1, i)``; ``B(s, i)`` after ``B(s+1, i)``); bubbles and stragglers both
   come out of it. Pipelines of a DP x PP grid meet at the all-reduce.
-* **CAD and CP**: every layer has an all-to-all (CAD) or all-gather (CP), a barrier, between the
-  linear phase and the attention phase, forward and backward. Per phase ``p``:
-  ``step = sum_p [ max_g window_{p,g} + max_g attention_{p,g} ]`` with
-  ``window = max(linear, comm)`` under ping-pong (the comm of one nano-batch hides behind the linear
-  layers of the other) and ``window = linear + comm`` without it.
+* **CAD and CP**: every layer has an all-to-all (CAD) or all-gather (CP) between the linear phase and
+  the attention phase, forward and backward, which no rank leaves before the slowest has entered it.
+  The step is composed as the scale replay composes it (:mod:`cadlib.analysis.compose`): one stream,
+  or with ``overlap`` DistCA's ping-pong ticks over two equal nano-batches (one nano-batch's
+  collective beside the other's linear layers or attention).
 
 Variable-length chunking (WLB-LLM, the baseline the paper's idle-time figure is about) is
 :func:`varlen_chunking`: whole documents balanced by estimated time under a token cap per rank;
@@ -55,6 +55,7 @@ from ..core.cost import (
 )
 from ..core.layout import Layout
 from ..core.plan import Plan
+from .compose import Phases, compose
 from ..data.packing import per_doc_zigzag_layout
 from ..scheduling.scheduler import schedule
 
@@ -315,19 +316,31 @@ def simulate_pp(microbatches, model, hw: Hardware | None = None, *, pp_stages: i
 # Barrier-per-layer methods: CAD and per-document CP
 # ---------------------------------------------------------------------------------------------------
 
-def _phased(method: str, lin: dict, attn: dict, comm: dict, overlap: bool, meta: dict) -> StepTimes:
-    """``step = sum_p [max_g window_{p,g} + max_g attention_{p,g}]``; ``window = max(linear, comm)`` with
-    overlap, ``linear + comm`` without; ``busy_g = sum_p (window_{p,g} + attention_{p,g})``."""
-    step, busy = 0.0, 0.0
-    tot = {"linear": 0.0, "attention": 0.0, "comm": 0.0, "comm_exposed": 0.0}
-    for p in ("fwd", "bwd"):
-        window = np.maximum(lin[p], comm[p]) if overlap else lin[p] + comm[p]
-        step += window.max() + attn[p].max()
-        busy = busy + window + attn[p]
-        for k, v in (("linear", lin[p]), ("attention", attn[p]), ("comm", comm[p]),
-                     ("comm_exposed", window - lin[p])):
-            tot[k] = tot[k] + v
-    return StepTimes(method, busy, step, tot, {"overlap": overlap, **meta})
+def _phased(method: str, lin: dict, attn: dict, comm: dict, overlap: bool, meta: dict,
+            n_layers: int) -> StepTimes:
+    """The step from per-rank totals over the ``n_layers`` layers (``fwd``, ``bwd``), through the
+    composition the replay uses (:func:`cadlib.analysis.compose.compose`): one stream (each layer's
+    collective, before its attention, waits for the slowest rank) or, with ``overlap``, DistCA's
+    ping-pong ticks over two equal nano-batches (each half of a rank's work), the collective of one
+    beside the other's compute."""
+    L = int(n_layers)
+    z = np.zeros_like(lin["fwd"])
+    per = {k: v / L for k, v in (("lf", lin["fwd"]), ("lb", lin["bwd"]), ("af", attn["fwd"]),
+                                  ("ab", attn["bwd"]), ("cf", comm["fwd"]), ("cb", comm["bwd"]))}
+    if overlap:
+        h = {k: np.stack([v / 2, v / 2]) for k, v in per.items()}
+        zz = np.zeros_like(h["lf"])
+        ph = Phases(pre=h["lf"], post=zz, pre_bwd=h["lb"], post_bwd=zz, attn=h["af"], attn_bwd=h["ab"],
+                    comm_in=h["cf"], comm_out=zz, comm_in_bwd=zz, comm_out_bwd=h["cb"], head=z)
+        c = compose("cad-pingpong", ph, L)
+    else:
+        ph = Phases(pre=per["lf"], post=z, pre_bwd=per["lb"], post_bwd=z, attn=per["af"], attn_bwd=per["ab"],
+                    comm_in=per["cf"], comm_out=z, comm_in_bwd=z, comm_out_bwd=per["cb"], head=z)
+        c = compose("cad", ph, L)
+    tot = {"linear": lin["fwd"] + lin["bwd"], "attention": attn["fwd"] + attn["bwd"],
+           "comm": comm["fwd"] + comm["bwd"],
+           "comm_exposed": np.maximum(c.busy - lin["fwd"] - lin["bwd"] - attn["fwd"] - attn["bwd"], 0.0)}
+    return StepTimes(method, c.busy, c.step, tot, {"overlap": overlap, **meta})
 
 
 def simulate_cad(plan: Plan, model, hw: Hardware | None = None, overlap: bool = True,
@@ -353,7 +366,7 @@ def simulate_cad(plan: Plan, model, hw: Hardware | None = None, overlap: bool = 
     fwd = plan.bytes_matrix(model, hw.dtype, backward=False) * model.n_layers
     both = plan.bytes_matrix(model, hw.dtype, backward=True) * model.n_layers
     comm = {"fwd": comm_seconds(fwd, hw), "bwd": comm_seconds(both - fwd, hw)}
-    return _phased("cad", lin, attn, comm, overlap, {"total_bytes": float(both.sum())})
+    return _phased("cad", lin, attn, comm, overlap, {"total_bytes": float(both.sum())}, model.n_layers)
 
 
 def simulate_cp(layout: Layout, model, hw: Hardware | None = None, overlap: bool = False) -> StepTimes:
@@ -370,7 +383,7 @@ def simulate_cp(layout: Layout, model, hw: Hardware | None = None, overlap: bool
     attn = {p: _per_gpu_attention(spans, model, hw, p) for p in ("fwd", "bwd")}
     gbps = hw.link_gbps if R <= hw.gpus_per_node else min(hw.link_gbps, hw.inter_node_gbps)
     fwd = (layout.total_tokens - tokens) * model.kv_bytes(hw.dtype) * model.n_layers / (gbps * 1e9)
-    return _phased("cp", lin, attn, {"fwd": fwd, "bwd": 2 * fwd}, overlap, {"layout": zz})
+    return _phased("cp", lin, attn, {"fwd": fwd, "bwd": 2 * fwd}, overlap, {"layout": zz}, model.n_layers)
 
 
 # ---------------------------------------------------------------------------------------------------

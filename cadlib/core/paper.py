@@ -193,10 +193,11 @@ CLAIMS_LIST: tuple[Claim, ...] = (
     Claim("distca.cp_kv_memory_2nodes", "Per-document CP: the all-gathered K,V's share of a GPU's memory on "
           "2 nodes.", DISTCA_FIG3_KV_MEMORY[2], "%", DISTCA_ARXIV + ", Figure 3b",
           "Llama-8B, per-document CP over 2 nodes",
-          _TEXT + ": \"the KV memory fraction grows from 3% at 2 nodes\"", _SCALE, "computed"),
+          _TEXT + ": \"the KV memory fraction grows from 3% at 2 nodes\"", "04_benchmarks/03_context_parallel.ipynb",
+          "computed"),
     Claim("distca.cp_kv_memory_16nodes", "... grows to almost 30% on 16 nodes.", DISTCA_FIG3_KV_MEMORY[16],
           "%", DISTCA_ARXIV + ", Figure 3b", "Llama-8B, per-document CP over 16 nodes",
-          _TEXT + ": \"to almost 30% at 16 nodes\"", _SCALE, "computed"),
+          _TEXT + ": \"to almost 30% at 16 nodes\"", "04_benchmarks/03_context_parallel.ipynb", "computed"),
     Claim("distca.memory_divergence", "Variable-length chunking makes activation memory diverge across "
           "ranks (max/mean) to balance compute.", (1.08, 1.17), "x", DISTCA_ARXIV + ", Figure 4a",
           "512K maximum length, TP=8, DP 2-8", _TEXT + ": \"achieving compute balance requires 1.08 - "

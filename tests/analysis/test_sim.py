@@ -245,12 +245,16 @@ def test_cad_communication_adds_without_overlap_and_hides_with_it():
     no = simulate_cad(plan, MODEL, fast, overlap=False)
     assert no.step == pytest.approx(free.step + cf + cb, rel=1e-9)
     assert no.breakdown["comm"] == pytest.approx([cf + cb] * 2, rel=1e-9)
-    assert simulate_cad(plan, MODEL, fast, overlap=True).step == pytest.approx(free.step, rel=1e-9)
-    slow = Hardware(link_gbps=1.0)     # comm now longer than the linear layers: only the excess shows
-    sf, sb = comm_ref(n, 1.0)
+    # ping-pong (DistCA's ticks over two halves): A's send hides behind B's linear layers, but B's send
+    # only behind A's attention, which is short here; so the step lies between the two
+    pp = simulate_cad(plan, MODEL, fast, overlap=True)
+    assert free.step < pp.step < no.step
+    assert pp.step <= free.step + cf / 2 + cb / 2 + 1e-12
+    slow = Hardware(link_gbps=1.0)     # comm longer than everything beside it: ticks wait for it
     over = simulate_cad(plan, MODEL, slow, overlap=True)
-    assert over.step == pytest.approx(sf + sb + attn_ref(0, n), rel=1e-9)
-    assert over.breakdown["comm_exposed"] == pytest.approx([sf + sb - lin_ref(n)] * 2, rel=1e-9)
+    assert over.step > simulate_cad(plan, MODEL, fast, overlap=True).step
+    assert over.breakdown["comm_exposed"] == pytest.approx(over.busy - over.breakdown["linear"]
+                                                           - over.breakdown["attention"])
 
 
 def test_cad_inter_node_traffic_uses_the_inter_node_link():
