@@ -216,15 +216,16 @@ class Plan:
         return float(q.sum() * model.q_bytes(dtype) + kv.sum() * model.kv_bytes(dtype))
 
     def bytes_matrix(self, model: ModelSpec, dtype: str = "bf16", backward: bool = False) -> np.ndarray:
-        """Bytes ``[src, dst]`` between GPUs for one layer: Q and KV from homes/owners to servers, O
-        and LSE from servers back to homes. With ``backward`` also the backward resend (q, k, v, o,
-        dO, lse out; dq back, and dk, dv summed per (server, doc) back to the KV owners)."""
+        """Bytes ``[src, dst]`` between GPUs for one layer, as the CAD stages move them
+        (:mod:`cadlib.runtime.stages`): Q and KV from homes and owners to servers, O from the servers back
+        to the homes; with ``backward`` also dO out to the servers, and dQ and dK, dV (summed per
+        (server, doc)) back, the servers having kept what they received."""
         q, kv = self.token_matrices()
-        qb, kvb, ob, lb = model.q_bytes(dtype), model.kv_bytes(dtype), model.o_bytes(dtype), model.lse_bytes()
+        qb, kvb, ob = model.q_bytes(dtype), model.kv_bytes(dtype), model.o_bytes(dtype)
         out = q * qb + kv * kvb
-        back = (q * (ob + lb)).T
+        back = (q * ob).T
         if backward:
-            out = out + q * (qb + 2 * ob + lb) + kv * kvb      # q, o, dO, lse and k, v again
+            out = out + q * ob                                 # dO to the servers
             back = back + (q * qb + kv * kvb).T                # dq, and dk, dv summed per (server, doc)
         return (out + back).astype(np.float64)
 

@@ -227,11 +227,11 @@ def swapped_plan(n=1000):
 
 
 def comm_ref(n, gbps):
-    """Hand count for swapped_plan, per GPU (symmetric): forward sends q+kv and returns o+lse; backward
-    resends q, o, dO, lse, k, v and returns dq, dk, dv. Seconds for all layers."""
-    qb, kvb, ob, lb = MODEL.q_bytes(), MODEL.kv_bytes(), MODEL.o_bytes(), MODEL.lse_bytes()
-    fwd = n * (qb + kvb + ob + lb)
-    bwd = n * (qb + 2 * ob + lb + kvb + qb + kvb)
+    """Hand count for swapped_plan, per GPU (symmetric): forward sends q+kv and returns o; backward sends
+    dO and returns dq, dk, dv (the servers keep what they received). Seconds for all layers."""
+    qb, kvb, ob = MODEL.q_bytes(), MODEL.kv_bytes(), MODEL.o_bytes()
+    fwd = n * (qb + kvb + ob)
+    bwd = n * (ob + qb + kvb)
     return fwd * MODEL.n_layers / (gbps * 1e9), bwd * MODEL.n_layers / (gbps * 1e9)
 
 

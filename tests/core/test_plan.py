@@ -55,7 +55,10 @@ def test_token_matrices_count_kv_once_per_server_and_doc():
     m = ModelSpec.from_name("llama3-8b")
     b = P2.bytes_matrix(m)
     assert b[0, 1] == 100 * m.q_bytes() + 120 * m.kv_bytes()
-    assert b[1, 0] == 100 * (m.o_bytes() + m.lse_bytes())       # O and LSE come back
+    assert b[1, 0] == 100 * m.o_bytes()                         # O comes back
+    bb = P2.bytes_matrix(m, backward=True)
+    assert bb[0, 1] == b[0, 1] + 100 * m.o_bytes()              # dO out
+    assert bb[1, 0] == b[1, 0] + 100 * m.q_bytes() + 120 * m.kv_bytes()    # dq, dk, dv back
 
 
 def test_plan_rejects_lost_duplicated_or_misplaced_tokens():
