@@ -17,6 +17,9 @@ Methods (every one sees the same sampled batches, from the same initial weights)
 * ``signal-only``: ``cad-pingpong`` with every all-to-all cut to one element per peer (the control
   that shows what communication still costs).
 
+``--pp N`` (and ``--microbatches``): the same methods under pipeline parallelism over a DP x PP grid,
+colocated and wlb in 1F1B, the CAD methods in DistCA's lock-step ticks (:mod:`cadlib.train_pp`).
+
 ``--sent-last`` (off by default): ``cad``, ``cad-pingpong`` and ``signal-only`` lay each rank's tokens
 (of each nano-batch) out with the rows its plan sends to other servers last, so that the servers
 read their buffers in place (:mod:`cadlib.scheduling.sentlast`); the same tasks, losses and gradients.
@@ -44,7 +47,7 @@ from .core.spans import overlap
 from .cp.allgather import layout_attention
 from .data.packing import pack
 from .data.workload import sample_kwargs
-from .infra.groups import comm_group, destroy, init_from_env
+from .infra.groups import allreduce_grads, comm_group, destroy, init_from_env, make_grid
 from .infra.progress import log, report_progress, write_result
 from .runtime.batches import positions, synthetic_tokens
 from .runtime.comm import AllToAll, SignalOnly
@@ -54,6 +57,7 @@ from .runtime.stages import cad_attention, prepare
 from .runtime.streams import Streams, Timeline, spanned
 from .scheduling import scheduler
 from .scheduling.recipes import batch_docs, cad_plan, nano_plans
+from .train_pp import PipelineRunner, PipelineStep, check_config, pp_metrics, total_loss
 
 METHODS = ("colocated", "wlb", "cad", "cad-pingpong", "signal-only")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -142,19 +146,6 @@ def forward(step: Step, model, group, streams, tl, args, signal_only: bool):
     return loss
 
 
-def allreduce_grads(model, group) -> None:
-    """Data-parallel gradient sum, one flat bucket per dtype (the loss is already normalised)."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    for dtype in {g.dtype for g in grads}:
-        gs = [g for g in grads if g.dtype == dtype]
-        flat = torch.cat([g.reshape(-1) for g in gs])
-        dist.all_reduce(flat, group=group)
-        off = 0
-        for g in gs:
-            g.copy_(flat[off:off + g.numel()].view_as(g))
-            off += g.numel()
-
-
 # --------------------------------------------------------------------------------------- metrics
 def step_metrics(rows: list[dict]) -> dict:
     """Milliseconds per category from one step's spans (see the module docstring)."""
@@ -219,6 +210,14 @@ def parse_args(argv=None):
                    help="also keep the spans of these batches: comma-separated indices, 'auto' (the two "
                         "with the most imbalanced colocated attention) or 'none'")
     p.add_argument("--dump-grads", default=None, help="folder: rank 0 saves the first step's gradients")
+    p.add_argument("--pp", type=int, default=1,
+                   help="pipeline stages (cadlib.train_pp): the layers split into this many contiguous "
+                        "stages over a DP x PP grid; colocated/wlb run 1F1B, CAD methods lock-step ticks")
+    p.add_argument("--dp", type=int, default=None, help="with --pp: data-parallel ranks per stage "
+                                                        "(default world / pp; dp x pp must be the world)")
+    p.add_argument("--microbatches", type=int, default=None,
+                   help="microbatches per step (default 2 x --pp with --pp > 1, else 1); more than 1 runs "
+                        "the pipeline path, gradients accumulated over them")
     p.add_argument("--sent-last", action="store_true",
                    help="cad, cad-pingpong, signal-only: each rank's rows sent to other servers last in its "
                         "token order, so that donors' servers read their buffers in place (cadlib.scheduling.sentlast)")
@@ -244,6 +243,9 @@ def parse_args(argv=None):
         p.error(f"--tolerance (the scheduler's epsilon) must be a number >= 0, got {args.tolerance}")
     if not args.lr > 0:
         p.error(f"--lr must be > 0, got {args.lr}")
+    if args.microbatches is None:
+        args.microbatches = 2 * args.pp if args.pp > 1 else 1
+    args.pipeline = args.pp > 1 or args.microbatches > 1
     tb = args.timeline_batches
     if tb not in ("none", "auto") and not all(x.strip().isdigit() for x in tb.split(",")):
         p.error(f"--timeline-batches must be 'none', 'auto' or comma-separated batch indices, got {tb!r}")
@@ -266,6 +268,8 @@ def timeline_batches(args, world: int) -> set[int]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.pipeline:
+        return main_pipeline(args)
     env = init_from_env(args.pg_backend)
     cad_group = comm_group(env.group, args.comm_ctas)   # CAD's all-to-alls; per-document CP keeps env.group
     torch.manual_seed(args.seed)
@@ -297,7 +301,7 @@ def main(argv=None) -> int:
             with tl.span("step", "backward"):
                 (loss / step.n_valid).backward()
             with tl.span("step", "allreduce"):
-                allreduce_grads(model, env.group)
+                allreduce_grads(model.parameters(), env.group)
             if args.dump_grads and i == 0 and env.rank == 0:
                 os.makedirs(args.dump_grads, exist_ok=True)
                 torch.save({n: p.grad.detach().float().cpu() for n, p in model.named_parameters()},
@@ -335,6 +339,83 @@ def main(argv=None) -> int:
                   "timelines_batches": by_batch,
                   "config": {k: v for k, v in vars(args).items() if k != "spec"},
                   "model": {"name": args.spec.name, "layers": len(model.layers),
+                            "params": sum(p.numel() for p in model.parameters())}})
+    destroy()
+    return 0
+
+
+def main_pipeline(args) -> int:
+    """``--pp`` / ``--microbatches``: the steps of :mod:`cadlib.train_pp` (same records, plus the
+    pipeline's; ``--timeline-batches`` is not kept)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    dp = check_config(args.spec.n_layers, world, args.pp, args.microbatches, args.dp, args.sent_last)
+    env = init_from_env(args.pg_backend)
+    grid = make_grid(env, args.pp, dp)
+    cad_group = comm_group(env.group, args.comm_ctas)
+    torch.manual_seed(args.seed)
+    model = Decoder(args.spec, dtype=DTYPES[args.dtype], device=env.device, mlp_recompute=args.mlp_recompute,
+                    seed=args.seed, stage=(grid.stage, args.pp))
+    init = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    runner = PipelineRunner(model, args, grid, cad_group, env.device)
+    cuda = env.device.type == "cuda"
+    records, timelines = [], {}
+    n_total, done = len(args.methods) * (args.warmup + args.steps), 0
+    for method in args.methods:
+        model.load_state_dict(init)
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        tl = Timeline(env.device)
+        for i in range(args.warmup + args.steps):
+            b = i - args.warmup if i >= args.warmup else i
+            step = PipelineStep(method, args, b, grid, cad_group, env.device, args.spec.hidden)
+            if cuda:
+                torch.cuda.synchronize(env.device)
+                torch.cuda.reset_peak_memory_stats(env.device)
+            dist.barrier(group=env.group)
+            tl.origin()
+            with tl.span("step", "pipeline"):
+                loss_sum = runner.run(step, tl)
+            with tl.span("step", "allreduce"):
+                allreduce_grads(model.parameters(), grid.dp_group)
+            if args.dump_grads and i == 0 and grid.dp_rank == 0:
+                os.makedirs(args.dump_grads, exist_ok=True)
+                torch.save({model.global_name(n): p.grad.detach().float().cpu()
+                            for n, p in model.named_parameters()},
+                           f"{args.dump_grads}/{method}.stage{grid.stage}.pt")
+            with tl.span("step", "optimizer"):
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            rows = tl.rows()
+            loss = float(total_loss(loss_sum, env.group)) / step.n_valid
+            done += 1
+            report_progress(done, n_total, f"{method} step {i + 1}")
+            if i < args.warmup:
+                continue
+            rec = {"method": method, "batch": b, "rank": env.rank, "stage": grid.stage,
+                   "dp_rank": grid.dp_rank,
+                   "loss": loss, "tokens": sum(sum(step.rows(m)) for m in range(step.n_micro)),
+                   "plan_imbalance": step.imbalance, "n_docs": sum(lay.n_docs for lay in step.layouts),
+                   "served_rows_by_stage": step.served,
+                   "schedule": ([[t.phase, t.micro[grid.stage]] for t in step.ticks] if step.lockstep
+                                else [[o.kind, o.micro] for o in step.ops]),
+                   **pp_metrics(rows),
+                   "peak_mem_gib": torch.cuda.max_memory_allocated(env.device) / 2**30 if cuda else None}
+            records.append(rec)
+            if args.timeline:
+                timelines.setdefault(method, []).append(rows)
+            elif i == args.warmup + args.steps - 1:
+                timelines[method] = rows
+            if env.rank == 0:
+                log(f"{method:>12} batch {b}: loss {loss:.5f} step {rec['step_ms']:.1f} ms "
+                    f"(pipeline {rec['pipeline_ms']:.1f}, attn {rec['attention_ms']:.1f}, busy "
+                    f"{rec['busy_fraction']:.0%})")
+    write_result({"rank": env.rank, "world": env.world, "device": str(env.device),
+                  "device_name": torch.cuda.get_device_name(env.device) if cuda else "cpu",
+                  "torch": torch.__version__, "records": records, "timelines": timelines,
+                  "timelines_batches": {}, "grid": {"dp": grid.dp, "pp": grid.pp, "stage": grid.stage,
+                                                    "dp_rank": grid.dp_rank},
+                  "config": {k: v for k, v in vars(args).items() if k != "spec"},
+                  "model": {"name": args.spec.name, "layers": args.spec.n_layers,
+                            "stage_layers": list(model.layer_ids),
                             "params": sum(p.numel() for p in model.parameters())}})
     destroy()
     return 0

@@ -5,7 +5,8 @@ ranks spend waiting, as the paper's motivation measures it.
   lengths, sequential packing;
 * :func:`varlen_chunking` and :func:`straggler_idle`: variable-length chunking (WLB-LLM) as DistCA's
   baseline planner does it, and the idle time it leaves, beside fixed-length packing;
-* :func:`pp_timeline`: the 1F1B schedule as a table for a Gantt chart.
+* :func:`pp_timeline`: the 1F1B schedule as a table for a Gantt chart;
+* :func:`pipeline_run_timeline`: the same picture from a real run (``python -m cadlib.train --pp``).
 """
 from __future__ import annotations
 
@@ -71,6 +72,38 @@ def pp_timeline(fwd: np.ndarray, bwd: np.ndarray, unit: float = 1e3):
             for kind, end, dur in (("F", f_end, fwd), ("B", b_end, bwd))
             for s in range(fwd.shape[0]) for i in range(fwd.shape[1])]
     return pd.DataFrame(rows).sort_values(["stage", "start_ms"], ignore_index=True)
+
+
+def pipeline_run_timeline(results, method: str):
+    """One pipeline step of ``method`` from ``python -m cadlib.train --pp`` (the launcher's per-rank
+    results) as a Gantt table: per rank a lane of its schedule's slots (``phase`` ``forward`` /
+    ``backward``, ``dummy`` where its stage had nothing to run and only served attention), and a lane
+    of its attention kernels, marked ``attention served while idle`` inside a dummy slot. Columns
+    ``lane``, ``phase``, ``start_ms``, ``end_ms``, ``rank``, ``stage``, ``slot``."""
+    import pandas as pd
+    rows = []
+    for res in sorted(results, key=lambda r: r["rank"]):
+        spans = res["timelines"].get(method)
+        if spans is None:
+            raise ValueError(f"no timeline of method {method!r}; the run has {sorted(res['timelines'])}")
+        spans = spans[-1] if spans and isinstance(spans[0], list) else spans
+        stage = res["grid"]["stage"]
+        name = f"stage {stage} · rank {res['rank']}"
+        slots = [r for r in spans if r["lane"] == "tick"]
+        for k, r in enumerate(slots):
+            kind, micro = r["phase"][0], r["phase"].split()[0][1:]
+            dummy = micro == "-"
+            phase = ("dummy " if dummy else "") + ("forward" if kind == "F" else "backward")
+            rows.append({"lane": name, "phase": phase, "start_ms": r["start_ms"], "end_ms": r["end_ms"],
+                         "rank": res["rank"], "stage": stage, "slot": k})
+        idle = [(r["start_ms"], r["end_ms"]) for r in slots if r["phase"].split()[0][1:] == "-"]
+        for r in spans:
+            if r["lane"] == "compute" and r["phase"].startswith("attn"):
+                served = any(a <= r["start_ms"] and r["end_ms"] <= b for a, b in idle)
+                rows.append({"lane": name + " attention", "phase": "attention served while idle" if served
+                             else "attention", "start_ms": r["start_ms"], "end_ms": r["end_ms"],
+                             "rank": res["rank"], "stage": stage, "slot": -1})
+    return pd.DataFrame(rows)
 
 
 def varlen_chunking(doc_lens: Sequence[int], n_ranks: int, cap: int, model,

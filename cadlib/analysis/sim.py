@@ -54,6 +54,7 @@ from ..core.cost import (
     causal_pairs,
 )
 from ..core.layout import Layout
+from ..core import pipeline
 from ..core.plan import Plan
 from .compose import Phases, compose
 from ..data.packing import per_doc_zigzag_layout
@@ -234,13 +235,7 @@ def one_f_one_b(fwd: np.ndarray, bwd: np.ndarray) -> tuple[float, np.ndarray, np
     if np.any(fwd < 0) or np.any(bwd < 0):
         raise ValueError("fwd and bwd times must be >= 0")
     p, m = fwd.shape
-    orders = []
-    for s in range(p):
-        w = min(p - s - 1, m)
-        ops = [("F", i) for i in range(w)]
-        for k in range(m - w):
-            ops += [("F", w + k), ("B", k)]
-        orders.append(ops + [("B", i) for i in range(m - w, m)])
+    orders = pipeline.one_f_one_b(p, m)
     f_end, b_end = np.full((p, m), np.nan), np.full((p, m), np.nan)
     free, ptr, left = np.zeros(p), [0] * p, 2 * p * m
     while left:

@@ -268,3 +268,28 @@ def global_rows(layout: Layout, rank: int) -> np.ndarray:
     base = np.concatenate([[0], np.cumsum(layout.doc_lens)]).astype(np.int64)
     parts = [np.arange(base[c.doc] + c.start, base[c.doc] + c.end) for c in layout.ranks[rank]]
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
+def stack_layouts(parts: Sequence["Layout | None"], n_ranks_each: int) -> Layout:
+    """One layout over ``len(parts) * n_ranks_each`` ranks: part ``i``'s ranks become ranks
+    ``[i * n_ranks_each, (i + 1) * n_ranks_each)`` and its documents follow the earlier parts'
+    (renumbered by the documents before them); a None part holds nothing (its ranks still count).
+    A lock-step tick's layout: every pipeline stage's microbatch over that stage's data-parallel
+    ranks (:mod:`cadlib.core.pipeline`)."""
+    if isinstance(n_ranks_each, bool) or not isinstance(n_ranks_each, (int, np.integer)) or n_ranks_each < 1:
+        raise ValueError(f"n_ranks_each must be an integer >= 1, got {n_ranks_each!r}")
+    rows, lens, n_docs = [], [], 0
+    for i, part in enumerate(parts):
+        if part is None:
+            continue
+        if part.n_ranks != n_ranks_each:
+            raise ValueError(f"parts[{i}] has {part.n_ranks} ranks; every part must have n_ranks_each="
+                             f"{n_ranks_each}")
+        ch = part.chunk_array().copy()
+        ch[:, 0] += n_docs
+        ch[:, 3] += i * n_ranks_each
+        rows.append(ch)
+        lens += part.doc_lens
+        n_docs += part.n_docs
+    chunks = np.concatenate(rows) if rows else np.zeros((0, 4), dtype=np.int64)
+    return Layout.from_chunks(chunks, lens, len(parts) * int(n_ranks_each))

@@ -88,6 +88,72 @@ def comm_group(group, max_ctas: int | None = None):
     return dist.new_group(ranks, pg_options=opts, backend=dist.get_backend(group))
 
 
+class Grid(NamedTuple):
+    """The data- x pipeline-parallel grid, ``torch.arange(world).view(pp, dp)`` (as picotron builds
+    it): global rank ``s * dp + d`` is data-parallel rank ``d`` of pipeline stage ``s``. ``dp_group``:
+    this stage's data-parallel ranks (the gradient all-reduce, per-document CP); ``pp_group``: this
+    pipeline's stages (point to point between stages); ``ranks[s][d]``: the global rank."""
+
+    dp: int
+    pp: int
+    stage: int
+    dp_rank: int
+    dp_group: Any
+    pp_group: Any
+    ranks: list
+
+    def rank_of(self, stage: int, dp_rank: int | None = None) -> int:
+        """The global rank of ``stage``'s data-parallel rank ``dp_rank`` (default: this rank's)."""
+        return self.ranks[stage][self.dp_rank if dp_rank is None else dp_rank]
+
+
+def check_grid(world: int, pp: int, dp: int | None = None) -> int:
+    """The data-parallel degree of ``world`` ranks in ``pp`` stages (``dp`` if given); ValueError
+    unless ``dp * pp == world``. Call it on every rank before any collective."""
+    for name, v in (("pp", pp), ("dp", dp)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+    if dp is None:
+        if world % pp:
+            raise ValueError(f"pp={pp} must divide the world size {world} (dp = world / pp ranks per stage)")
+        return world // pp
+    if dp * pp != world:
+        raise ValueError(f"dp x pp = {dp} x {pp} = {dp * pp} must equal the world size {world}")
+    return dp
+
+
+def make_grid(env: Dist, pp: int, dp: int | None = None) -> Grid:
+    """Build the grid's process groups (a collective: every rank calls it, in the same order; the
+    sizes are checked first, :func:`check_grid`). With one stage the data-parallel group is the
+    world and there is no pipeline group; with one rank per stage, no data-parallel group."""
+    dp = check_grid(env.world, pp, dp)
+    grid = torch.arange(env.world).view(pp, dp)
+    stage, dp_rank = divmod(env.rank, dp)
+    dp_group, pp_group = env.group, None
+    if pp > 1:
+        for s in range(pp):                     # every rank creates every group, in the same order
+            g = dist.new_group(grid[s].tolist())
+            dp_group = g if s == stage else dp_group
+        for d in range(dp):
+            g = dist.new_group(grid[:, d].tolist())
+            pp_group = g if d == dp_rank else pp_group
+    return Grid(dp, pp, stage, dp_rank, dp_group, pp_group, grid.tolist())
+
+
+def allreduce_grads(params, group) -> None:
+    """Data-parallel gradient sum over ``group``, one flat bucket per dtype (the loss is already
+    normalised by the whole batch's tokens, so the sum is the gradient)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    for dtype in {g.dtype for g in grads}:
+        gs = [g for g in grads if g.dtype == dtype]
+        flat = torch.cat([g.reshape(-1) for g in gs])
+        dist.all_reduce(flat, group=group)
+        off = 0
+        for g in gs:
+            g.copy_(flat[off:off + g.numel()].view_as(g))
+            off += g.numel()
+
+
 def barrier(group=None) -> None:
     """Wait for every rank of ``group`` (no-op when no process group exists)."""
     if dist.is_initialized():

@@ -31,6 +31,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..core.cost import ModelSpec, as_model
+from ..core.pipeline import split_layers
 
 IGNORE_INDEX = -100
 """Target id that contributes nothing to the loss (each document's last token)."""
@@ -259,10 +260,16 @@ class Decoder(nn.Module):
     overrides its layer count. Weights are drawn N(0, 0.02) on the CPU from generators seeded by
     ``(seed, parameter name)``, so every data-parallel replica (and every layer count) builds
     identical weights for the same names, then moved to ``device`` in ``dtype``. No biases.
-    RoPE is plain Llama RoPE with base ``rope_theta`` (no Llama-3.1 frequency scaling)."""
+    RoPE is plain Llama RoPE with base ``rope_theta`` (no Llama-3.1 frequency scaling).
+
+    ``stage=(s, pp)``: only pipeline stage ``s`` of ``pp``: its block of ``n_layers / pp`` layers
+    (``layer_ids``), the embedding on the first stage, the final norm and LM head on the last
+    (absent modules are None). Parameters keep the whole model's names (:meth:`global_name`), so a
+    stage's weights are those of the same layers of the whole model."""
 
     def __init__(self, spec: "ModelSpec | str", n_layers: int | None = None, *, dtype=torch.float32,
-                 device=None, mlp_recompute: bool = False, rope_theta: float = 500000.0, seed: int = 0):
+                 device=None, mlp_recompute: bool = False, rope_theta: float = 500000.0, seed: int = 0,
+                 stage: tuple[int, int] | None = None):
         super().__init__()
         spec = as_model(spec)
         if n_layers is not None:
@@ -275,13 +282,18 @@ class Decoder(nn.Module):
         if not rope_theta > 0:
             raise ValueError(f"rope_theta must be > 0; got {rope_theta}")
         self.spec, self.rope_theta, self.seed = spec, float(rope_theta), int(seed)
+        s, pp = (0, 1) if stage is None else stage
+        self.layer_ids = split_layers(spec.n_layers, pp)[s] if 0 <= s < pp else None
+        if self.layer_ids is None:
+            raise ValueError(f"stage must be (s, pp) with 0 <= s < pp; got {stage}")
+        self.first, self.last = s == 0, s == pp - 1
         device = torch.device(device) if device is not None else torch.device("cpu")
         meta = dict(dtype=dtype, device="meta")
-        self.embed = nn.Embedding(spec.vocab, spec.hidden, **meta)              # [vocab, hidden]
+        self.embed = nn.Embedding(spec.vocab, spec.hidden, **meta) if self.first else None   # [vocab, hidden]
         self.layers = nn.ModuleList(DecoderLayer(spec, mlp_recompute=mlp_recompute, **meta)
-                                    for _ in range(spec.n_layers))
-        self.norm = RMSNorm(spec.hidden, **meta)
-        self.lm_head = nn.Linear(spec.hidden, spec.vocab, bias=False, **meta)  # [vocab, hidden]
+                                    for _ in self.layer_ids)
+        self.norm = RMSNorm(spec.hidden, **meta) if self.last else None
+        self.lm_head = nn.Linear(spec.hidden, spec.vocab, bias=False, **meta) if self.last else None
         self.to_empty(device=device)
         self._init_weights()
 
@@ -291,8 +303,15 @@ class Decoder(nn.Module):
             if p.dim() == 1:                                   # RMSNorm weights
                 p.fill_(1.0)
                 continue
-            g = torch.Generator().manual_seed(_stable_seed(self.seed, zlib.crc32(name.encode())))
+            g = torch.Generator().manual_seed(_stable_seed(self.seed, zlib.crc32(self.global_name(name).encode())))
             p.copy_(torch.empty(p.shape, dtype=torch.float32).normal_(0.0, INIT_STD, generator=g))
+
+    def global_name(self, name: str) -> str:
+        """A parameter's name in the whole model (``layers.<i>.`` counts from this stage's first layer)."""
+        if not name.startswith("layers."):
+            return name
+        i, rest = name[len("layers."):].split(".", 1)
+        return f"layers.{self.layer_ids[int(i)]}.{rest}"
 
     @property
     def n_layers(self) -> int:
@@ -300,7 +319,7 @@ class Decoder(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed.weight.dtype
+        return self.layers[0].wq.weight.dtype
 
     @property
     def mlp_recompute(self) -> bool:
@@ -329,7 +348,7 @@ class Decoder(nn.Module):
         if positions.dim() != 1:
             raise ValueError(f"positions must be 1-D [n]; got shape {tuple(positions.shape)}")
         d = self.spec.head_dim
-        dev = self.embed.weight.device
+        dev = self.layers[0].wq.weight.device
         inv = 1.0 / (self.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=dev) / d))
         ang = positions.to(dev, torch.float32)[:, None] * inv[None, :]
         ang = torch.cat((ang, ang), dim=-1)
@@ -339,16 +358,23 @@ class Decoder(nn.Module):
                 core_attention: CoreAttention) -> torch.Tensor:
         """``hidden [n, hidden]`` after the final RMSNorm. ``core_attention(q, k, v, i)`` is called
         once per layer ``i`` and must return ``o [n, Hq, D]`` (causal attention within documents)."""
+        if not (self.first and self.last):
+            raise ValueError("forward() runs the whole model; a pipeline stage runs its parts "
+                             "(cadlib.runtime.pipeline)")
         if tokens.dim() != 1 or tokens.shape != positions.shape:
             raise ValueError(f"tokens and positions must be 1-D and of equal length; got shapes "
                              f"{tuple(tokens.shape)} and {tuple(positions.shape)}")
-        x = self.embed(tokens)
         cos, sin = self.rope(positions)
-        for i, layer in enumerate(self.layers):
+        return self.norm(self.run_layers(self.embed(tokens), cos, sin, core_attention))
+
+    def run_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   core_attention: CoreAttention) -> torch.Tensor:
+        """This model's (or pipeline stage's) layers on the residual stream ``x [n, hidden]``;
+        ``core_attention(q, k, v, i)`` gets the whole model's layer index ``i``."""
+        for i, layer in zip(self.layer_ids, self.layers):
             q, k, v = layer.pre_attention(x, cos, sin)
-            o = core_attention(q, k, v, i)
-            x = layer.post_attention(x, o)
-        return self.norm(x)
+            x = layer.post_attention(x, core_attention(q, k, v, i))
+        return x
 
     def loss(self, hidden: torch.Tensor, targets: torch.Tensor, chunk_tokens: int = 4096):
         """``(loss_sum, n_valid)``: summed cross-entropy ``sum_i -log softmax(W_lm h_i)_{t_i}`` over

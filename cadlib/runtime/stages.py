@@ -117,50 +117,91 @@ def prepare(plan: Plan | Dispatch, group, device) -> DeviceDispatch:
     return to_device(d, device)
 
 
+# ------------------------------------------------------------------------------ the data movements
+# Plain functions (no autograd): the stages below wrap them, and the stateless servers of a pipeline's
+# lock-step ticks (cadlib.runtime.resend) call them directly.
 
+def to_servers(comm, q_parts, kv_parts, dd: DeviceDispatch):
+    """Homes and owners to servers: per-query tensors ``q_parts`` and per-KV-row tensors ``kv_parts``
+    (this rank's rows, in its layout order) travel in two all-to-alls; returns the server buffers,
+    ``cat([local[:q_keep], received])`` for each query part and ``cat([local, received])`` for each
+    KV part."""
+    m = dd.meta
+    wait_q = send_rows(comm, q_parts, dd)
+    wait_kv = exchange(comm, kv_parts, dd.kv_send_index, m.kv_send_splits, m.kv_recv_splits, m.kv_traffic)
+    q_recv, kv_recv = wait_q(), wait_kv()
+    return ([server_rows(p, r, m) for p, r in zip(q_parts, q_recv)],
+            [kv_rows_cat(p, r, m) for p, r in zip(kv_parts, kv_recv)])
+
+
+def rows_home(comm, rows, dd: DeviceDispatch):
+    """Servers to homes: per-query tensors in task-row order (O, LSE) back to the ranks their
+    queries live on; returns each as ``[n_local, ...]``."""
+    m = dd.meta
+    if m.q_identity:       # kept rows first, in order; received ones go back unpermuted
+        back = exchange(comm, [recv_part(r, m) for r in rows], None, m.q_recv_splits, m.q_send_splits,
+                        m.q_traffic, source=rows)()
+    else:
+        back = exchange(comm, rows, dd.ret_rows, m.q_recv_splits, m.q_send_splits, m.q_traffic)()
+    return [to_home(r, b, dd) for r, b in zip(rows, back)]
+
+
+def query_buffer(rows_t, q_buf, dd: DeviceDispatch):
+    """Task-row-ordered rows (a server's dQ) laid out like its query buffer ``q_buf`` (zeros where a
+    buffer row is in no task)."""
+    if dd.meta.q_identity:
+        return rows_t
+    return torch.zeros_like(q_buf, dtype=rows_t.dtype).index_copy_(0, dd.q_rows, rows_t)
+
+
+def grads_home(comm, dq_buf, dk_buf, dv_buf, dd: DeviceDispatch):
+    """The reverse of :func:`to_servers` for gradients: the servers' dQ of received rows back to
+    their homes and dK, dV of received KV rows back to their owners, added to the rows each rank
+    computed itself (a KV row sent to several servers gets every server's part). Returns
+    ``(dq, dk, dv)`` for this rank's ``n_local`` rows."""
+    m = dd.meta
+    n = m.n_local
+    wait_q = exchange(comm, [recv_part(dq_buf, m)], None, m.q_recv_splits, m.q_send_splits,
+                      m.q_traffic, source=[dq_buf])
+    wait_kv = exchange(comm, [recv_part(dk_buf, m, True), recv_part(dv_buf, m, True)], None,
+                       m.kv_recv_splits, m.kv_send_splits, m.kv_traffic, source=[dk_buf, dv_buf])
+    (rq,) = wait_q()
+    rk, rv = wait_kv()
+    # rows of this rank served elsewhere get their gradients added (on a copy: the buffer's
+    # gradient is autograd's); a sent-last rank's are its tail (to_home); with nothing sent
+    # and every row served here, the local part is the gradient as it is
+    if m.q_identity and m.q_keep < n:
+        dq = to_home(dq_buf, rq, dd)
+    else:
+        dq_l = local_part(dq_buf, m)
+        dq = dq_l.clone().index_add_(0, dd.q_send_index, rq) if m.n_send_q else dq_l
+    dk_l, dv_l = local_part(dk_buf, m, True), local_part(dv_buf, m, True)
+    if m.n_send_kv:
+        dk = add_rows(dk_l.clone(), dd.kv_send_index, dd.kv_send_uniq, dd.kv_send_slot, rk)
+        dv = add_rows(dv_l.clone(), dd.kv_send_index, dd.kv_send_uniq, dd.kv_send_slot, rv)
+    else:
+        dk, dv = dk_l, dv_l
+    return dq, dk, dv
+
+
+# ------------------------------------------------------------------------------ the autograd stages
 class _Send(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, dd: DeviceDispatch, comm, streams: Streams, tl: Timeline, name: str):
-        m = dd.meta
         streams.keep((q, k, v), streams.comm)
         with streams.on_comm(), tl.span("comm", f"send {name}"):
-            wait_q = send_rows(comm, [q], dd)
-            wait_kv = exchange(comm, [k, v], dd.kv_send_index, m.kv_send_splits, m.kv_recv_splits,
-                                m.kv_traffic)
-            (q_recv,) = wait_q()
-            k_recv, v_recv = wait_kv()
-            bufs = (server_rows(q, q_recv, m), kv_rows_cat(k, k_recv, m), kv_rows_cat(v, v_recv, m))
+            (q_buf,), (k_buf, v_buf) = to_servers(comm, [q], [k, v], dd)
+            bufs = (q_buf, k_buf, v_buf)
         streams.keep(bufs, streams.compute)
         ctx.dd, ctx.comm, ctx.streams, ctx.tl, ctx.name = dd, comm, streams, tl, name
         return bufs
 
     @staticmethod
     def backward(ctx, dq_buf, dk_buf, dv_buf):
-        dd, m, comm, streams = ctx.dd, ctx.dd.meta, ctx.comm, ctx.streams
-        n = m.n_local
+        streams = ctx.streams
         streams.keep((dq_buf, dk_buf, dv_buf), streams.comm)
         with ctx.tl.span("comm", f"send' {ctx.name}"):
-            wait_q = exchange(comm, [recv_part(dq_buf, m)], None, m.q_recv_splits, m.q_send_splits,
-                               m.q_traffic, source=[dq_buf])
-            wait_kv = exchange(comm, [recv_part(dk_buf, m, True), recv_part(dv_buf, m, True)], None,
-                                m.kv_recv_splits, m.kv_send_splits, m.kv_traffic, source=[dk_buf, dv_buf])
-            (rq,) = wait_q()
-            rk, rv = wait_kv()
-            # rows of this rank served elsewhere get their gradients added (on a copy: the buffer's
-            # gradient is autograd's); a sent-last rank's are its tail (to_home); with nothing sent
-            # and every row served here, the local part is the gradient as it is
-            if m.q_identity and m.q_keep < n:
-                dq = to_home(dq_buf, rq, dd)
-            else:
-                dq_l = local_part(dq_buf, m)
-                dq = dq_l.clone().index_add_(0, dd.q_send_index, rq) if m.n_send_q else dq_l
-            dk_l, dv_l = local_part(dk_buf, m, True), local_part(dv_buf, m, True)
-            if m.n_send_kv:
-                dk = add_rows(dk_l.clone(), dd.kv_send_index, dd.kv_send_uniq, dd.kv_send_slot, rk)
-                dv = add_rows(dv_l.clone(), dd.kv_send_index, dd.kv_send_uniq, dd.kv_send_slot, rv)
-            else:
-                dk, dv = dk_l, dv_l
-            grads = (dq, dk, dv)
+            grads = grads_home(ctx.comm, dq_buf, dk_buf, dv_buf, ctx.dd)
         streams.keep(grads, streams.compute)
         return (*grads, None, None, None, None, None)
 
@@ -183,26 +224,17 @@ class _Serve(torch.autograd.Function):
         with ctx.tl.span("compute", f"attn' {ctx.name}"):
             dq_t, dk, dv = serve_backward(q_buf, k_buf, v_buf, out, dout.contiguous(), lse, dd,
                                           ctx.attn_backend, ctx.kv_share)
-            if dd.meta.q_identity:
-                dq = dq_t.to(q_buf.dtype)
-            else:
-                dq = torch.zeros_like(q_buf).index_copy_(0, dd.q_rows, dq_t.to(q_buf.dtype))
+            dq = query_buffer(dq_t.to(q_buf.dtype), q_buf, dd)
         return dq, dk.to(k_buf.dtype), dv.to(v_buf.dtype), None, None, None, None, None
 
 
 class _Return(torch.autograd.Function):
     @staticmethod
     def forward(ctx, out, lse, dd: DeviceDispatch, comm, streams: Streams, tl: Timeline, name: str):
-        m = dd.meta
         rows = [out] if lse is None else [out, lse]
         streams.keep(rows, streams.comm)
         with streams.on_comm(), tl.span("comm", f"return {name}"):
-            if m.q_identity:       # kept rows first, in order; received ones go back unpermuted
-                back = exchange(comm, [recv_part(r, m) for r in rows], None, m.q_recv_splits, m.q_send_splits,
-                                m.q_traffic, source=rows)()
-            else:
-                back = exchange(comm, rows, dd.ret_rows, m.q_recv_splits, m.q_send_splits, m.q_traffic)()
-            homes = [to_home(r, b, dd) for r, b in zip(rows, back)]
+            homes = rows_home(comm, rows, dd)
         streams.keep(homes, streams.compute)
         ctx.dd, ctx.comm, ctx.streams, ctx.tl, ctx.name = dd, comm, streams, tl, name
         ctx.n_rows = out.shape[0]

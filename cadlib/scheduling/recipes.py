@@ -21,6 +21,18 @@ def batch_docs(args, b: int, world: int) -> list[int]:
                        max_doc_len=args.max_doc_len, **kw)
 
 
+def micro_docs(args, b: int, m: int, n_micro: int, dp: int) -> list[int]:
+    """Document lengths of microbatch ``m`` of batch ``b`` under pipeline parallelism: ``dp`` ranks'
+    tokens, sampled like a batch of its own (documents never cross microbatches)."""
+    return batch_docs(args, b * n_micro + m, dp)
+
+
+def micro_seed(args, b: int, m: int) -> int:
+    """The synthetic-token seed of microbatch ``m`` of batch ``b`` (its document ids restart at 0,
+    so each microbatch needs its own)."""
+    return int(args.seed) * 1_000_003 + b * 1_009 + m
+
+
 def cad_plan(layout, args, spec):
     """``cad``'s plan of a batch: the scheduler at the run's tolerance and minimum shard. With
     ``args.sent_last`` the same tasks on a re-ordered layout (``plan.layout``, which the step's tokens
