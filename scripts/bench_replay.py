@@ -13,6 +13,7 @@ Two steps (:mod:`cadlib.analysis.replay` says what a rank's work is):
 
     python scripts/bench_replay.py time --suite validation,3d --cache $OUT/replay_times.json --budget-s 500
     python scripts/bench_replay.py compose --suite validation,3d --cache results/replay/times_h200.json
+    python scripts/bench_replay.py compose --suite 4d --workers 2     # Table 4: PP, modelled attention
     python scripts/bench_replay.py time --smoke --cache /tmp/t.json && \
         python scripts/bench_replay.py compose --smoke --cache /tmp/t.json --out /tmp/replay     # CPU
 """
@@ -31,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cadlib.analysis import replay  # noqa: E402
+from cadlib.analysis import replay, replay4d  # noqa: E402
 from cadlib.analysis.e2e import load_committed  # noqa: E402
 from cadlib.core.measured import MeasuredCost  # noqa: E402
 from cadlib.infra.results import RESULTS_DIR, atomic_write_json, environment_info, load_result, save_result  # noqa: E402
@@ -40,7 +41,7 @@ from cadlib.runtime.device import to_device  # noqa: E402
 from cadlib.runtime.model import ChunkedCrossEntropy, DecoderLayer, RMSNorm  # noqa: E402
 from cadlib.runtime.stages import serve  # noqa: E402
 
-SUITES = ("validation", "3d", "idle", "allgather", "smoke")
+SUITES = ("validation", "3d", "idle", "allgather", "smoke", "4d")
 
 
 def settings(suites: list[str], batches: int | None, only: str = "") -> list[replay.Setting]:
@@ -55,13 +56,15 @@ def settings(suites: list[str], batches: int | None, only: str = "") -> list[rep
             out += replay.idle_settings(batches or 5)
         elif s == "allgather":
             out += replay.allgather_settings()
+        elif s == "4d":
+            continue                        # composed by cmd_compose_4d (cadlib.analysis.replay4d)
         elif s == "smoke":
             out += [replay.Setting("smoke_pretrain_dp4", "pretrain", 4, tokens=1024, max_doc_len=1024, tp=1,
                                    model="tiny", batches=2, wlb_cp=(1, 2), min_shard=32, link="nvlink")]
         else:
             raise SystemExit(f"unknown suite {s!r}; choose from: {', '.join(SUITES)}")
     out = [s for s in out if only in s.name]
-    if not out:
+    if not out and "4d" not in suites:
         raise SystemExit(f"no setting of {suites} is named like {only!r}")
     return out
 
@@ -284,6 +287,8 @@ def cmd_compose(a) -> int:
     rates = replay.link_rates(load_result("comm_overlap_probe_2xh200_nvlink.json"),
                               load_result("comm_overlap_probe_2xh200_inter-node-like.json"))
     backend = a.backend or "fa4"
+    if "4d" in a.suite.split(","):
+        return cmd_compose_4d(a, times, meta, rates, backend)
     out_dir = Path(a.out)
     summary = []
     model_check = None
@@ -310,6 +315,38 @@ def cmd_compose(a) -> int:
                                                                "rates_gbps": rates, "backend": backend,
                                                                "derived_times": derived,
                                                                "kernel_model": model_check}, summary)
+    return 0
+
+
+def _one_4d(job):
+    s, times, rates, backend, cost, scale = job
+    return s, replay4d.replay_setting_4d(s, times, rates, backend, cost, scale)
+
+
+def cmd_compose_4d(a, times, meta, rates, backend) -> int:
+    """The 4D settings (Table 4): attention from the kernel table scaled to the timed FA4 calls, the
+    linear layers, head and optimizer from the cache; one process per setting (``--workers``)."""
+    cost = MeasuredCost.load(RESULTS_DIR / "kernel_profile_h200.json", backend)
+    check = replay.kernel_model_check(replay.paper_3d_settings()[:3], times, cost, backend, rates)
+    print(f"kernel table against the timed calls: {check}", flush=True)
+    todo = [s for s in replay4d.paper_4d_settings(a.batches or 3) if a.only in s.name]
+    jobs = [(s, times, rates, backend, cost, check["scale"]) for s in todo]
+    out_dir, summary = Path(a.out), []
+    with multiprocessing.get_context("spawn").Pool(max(1, min(a.workers, len(jobs)))) as pool:
+        for s, res in pool.imap_unordered(_one_4d, jobs):
+            cfg = {k: getattr(s, k) for k in s.__dataclass_fields__}
+            save_result(out_dir / f"replay_{s.name}.json",
+                        {**cfg, "configs": s.configs(), "backend": backend, "kernel_model": check,
+                         "rates_gbps": rates, "times_meta": meta, "memory_slack": replay4d.MEMORY_SLACK,
+                         "head_fwd_share": replay4d.HEAD_FWD_SHARE}, res)
+            summary += res["summary"]
+            best = {r["method"]: r for r in res["summary"] if r["view"] == "budget"}
+            print(f"{s.name}: " + ", ".join(f"{m} {r['step_s_mean']:.2f} s (pp {r['pp']}, cp {r['cp']})"
+                                            for m, r in best.items()), flush=True)
+    summary.sort(key=lambda r: (r["setting"], r["view"], replay4d.METHODS_4D.index(r["method"])))
+    save_result(out_dir / "replay_summary_4d.json", {"cache": str(a.cache), "times_meta": meta,
+                                                      "backend": backend, "kernel_model": check,
+                                                      "rates_gbps": rates}, summary)
     return 0
 
 

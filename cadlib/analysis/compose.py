@@ -37,6 +37,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..core import pipeline
+
 METHODS = ("colocated", "wlb", "varlen", "cad", "cad-pingpong", "signal-only")
 ONE_STREAM = ("colocated", "wlb", "varlen", "cad")
 
@@ -188,3 +190,82 @@ def compose(method: str, ph: Phases, n_layers: int) -> Composed:
     return Composed(method, float(clk.t.max()), clk.busy,
                     {"exposed_comm_s": clk.exposed, "attention_max_s": float(attn.max()) * n_layers,
                      "attention_mean_s": float(attn.mean()) * n_layers})
+
+
+# ---------------------------------------------------------------------------------------------------
+# Pipeline parallelism: 1F1B of per-op durations, and CAD's lock-step ticks
+# ---------------------------------------------------------------------------------------------------
+
+def compose_pass(method: str, ph: Phases, n_layers: int, backward: bool = False):
+    """One pass (forward or backward) of ``n_layers`` layers from a common start: each rank's end time,
+    its busy time and the exposed communication (the ticks of :func:`compose`, without the head,
+    the all-reduce and the optimizer)."""
+    pingpong = method not in ONE_STREAM
+    ticks = _ticks(ph, int(n_layers), pingpong)
+    clk = _Clock(ph.n_ranks)
+    for c, d, cb, db in (reversed(ticks) if backward else ticks):
+        clk.tick(cb, db) if backward else clk.tick(c, d)
+    return clk.t, clk.busy, clk.exposed
+
+
+def one_f_one_b(fwd: np.ndarray, bwd: np.ndarray) -> tuple[float, np.ndarray, np.ndarray]:
+    """Event simulation of 1F1B (PipeDream-flush) for ``fwd[s, i]``, ``bwd[s, i]`` seconds of
+    microbatch ``i`` on stage ``s``. Stage ``s`` runs ``w = min(p-s-1, m)`` warm-up forwards, then
+    alternates ``F(w+k), B(k)``, then drains the remaining backwards; an op starts when its stage is
+    free and its dependency has ended (``F(s-1, i)`` for a forward, ``B(s+1, i)`` for a backward).
+    Returns ``(makespan, f_end, b_end)``."""
+    fwd, bwd = np.asarray(fwd, dtype=np.float64), np.asarray(bwd, dtype=np.float64)
+    if fwd.ndim != 2 or fwd.shape != bwd.shape or fwd.size == 0:
+        raise ValueError(f"fwd and bwd must be equal non-empty [stages, microbatches] arrays, "
+                         f"got {fwd.shape} and {bwd.shape}")
+    if np.any(fwd < 0) or np.any(bwd < 0):
+        raise ValueError("fwd and bwd times must be >= 0")
+    p, m = fwd.shape
+    orders = [[tuple(op) for op in ops] for ops in pipeline.one_f_one_b(p, m)]
+    f_end, b_end = np.full((p, m), np.nan), np.full((p, m), np.nan)
+    free, ptr, left = np.zeros(p), [0] * p, 2 * p * m
+    while left:
+        progressed = False
+        for s in range(p):
+            while ptr[s] < len(orders[s]):
+                kind, i = orders[s][ptr[s]]
+                if kind == "F":
+                    dep = 0.0 if s == 0 else f_end[s - 1, i]
+                else:
+                    dep = f_end[s, i] if s == p - 1 else b_end[s + 1, i]
+                if np.isnan(dep):
+                    break
+                start = max(free[s], dep)
+                free[s] = start + (fwd if kind == "F" else bwd)[s, i]
+                (f_end if kind == "F" else b_end)[s, i] = free[s]
+                ptr[s] += 1
+                left -= 1
+                progressed = True
+        if not progressed:  # cannot happen for the 1F1B order; guards against editing mistakes
+            raise RuntimeError("1F1B simulation deadlocked")
+    return float(b_end[0].max()), f_end, b_end
+
+
+def compose_lockstep(method: str, ticks, n_layers: int, allreduce, optimizer, p2p=0.0) -> Composed:
+    """CAD under pipeline parallelism: lock-step ticks (:func:`cadlib.core.pipeline.lockstep`), each
+    ``(phase, Phases, head)`` over EVERY rank of every stage (a dummy stage's ranks with zero linear
+    work, serving attention), ``head`` the per-rank LM head of the tick (forward or backward; zero
+    but on the last stage). Every layer's all-to-all spans all ranks, so a tick ends for all at
+    once; ``p2p`` (per rank) precedes each tick. Then the all-reduce and the optimizer."""
+    clk = None
+    for phase, ph, head in ticks:
+        if clk is None:
+            clk = _Clock(ph.n_ranks)
+        clk.tick(p2p)
+        ts = _ticks(ph, int(n_layers), method not in ONE_STREAM)
+        if phase == "F":
+            for c, d, _, _ in ts:
+                clk.tick(c, d)
+            clk.tick(head)
+        else:
+            clk.tick(head)
+            for _, _, c, d in reversed(ts):
+                clk.tick(c, d)
+    clk.tick(0.0, allreduce)
+    clk.tick(optimizer)
+    return Composed(method, float(clk.t.max()), clk.busy, {"exposed_comm_s": clk.exposed})

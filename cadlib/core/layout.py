@@ -293,3 +293,34 @@ def stack_layouts(parts: Sequence["Layout | None"], n_ranks_each: int) -> Layout
         n_docs += part.n_docs
     chunks = np.concatenate(rows) if rows else np.zeros((0, 4), dtype=np.int64)
     return Layout.from_chunks(chunks, lens, len(parts) * int(n_ranks_each))
+
+
+def split_layout(layout: Layout, n_parts: int, cut: bool = False) -> list[Layout]:
+    """The inverse of :func:`stack_layouts`: ``n_parts`` layouts of ``n_ranks / n_parts`` consecutive
+    ranks each, documents renumbered per part. A document held in two parts raises ValueError unless
+    ``cut``: then each part's tokens of it become a document of their own (its chunks in token order,
+    closed up), what a data loader does at the boundary of two packed sequences."""
+    if isinstance(n_parts, bool) or not isinstance(n_parts, (int, np.integer)) or n_parts < 1 \
+            or layout.n_ranks % n_parts:
+        raise ValueError(f"n_parts must be an integer >= 1 dividing n_ranks={layout.n_ranks}, got {n_parts!r}")
+    per = layout.n_ranks // int(n_parts)
+    ch = layout.chunk_array()
+    lens_all = np.asarray(layout.doc_lens, dtype=np.int64)
+    out = []
+    for i in range(int(n_parts)):
+        sel = ch[ch[:, 3] // per == i]
+        o = np.lexsort((sel[:, 1], sel[:, 0]))                 # by (doc, start)
+        doc, n = sel[o, 0], sel[o, 2] - sel[o, 1]
+        docs, first = np.unique(doc, return_index=True)
+        held = np.add.reduceat(n, first) if docs.size else np.zeros(0, np.int64)
+        if not cut and not np.array_equal(held, lens_all[docs]):
+            d = int(docs[held != lens_all[docs]][0])
+            raise ValueError(f"document {d} is held in more than one part; pass cut=True to cut it")
+        new = np.searchsorted(docs, doc)
+        start = np.empty_like(n)
+        start[o] = np.cumsum(n) - n - np.repeat(np.cumsum(held) - held, np.diff(np.r_[first, doc.size]))
+        new_doc = np.empty_like(n)
+        new_doc[o] = new
+        rows = np.stack([new_doc, start, start + sel[:, 2] - sel[:, 1], sel[:, 3] - i * per], axis=1)
+        out.append(Layout.from_chunks(rows, held.tolist(), per))
+    return out

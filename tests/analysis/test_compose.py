@@ -68,3 +68,36 @@ def test_bad_input():
         compose("cad-pingpong", one_stream(), 1)
     with pytest.raises(ValueError, match="attn"):
         Phases(**{**vars(one_stream()), "attn": np.array([-1.0, 1.0])})
+
+
+def test_lockstep_of_one_stage_is_the_plain_step():
+    # one stage, one microbatch: the F tick then the B tick is compose()'s step (head split in two)
+    from cadlib.analysis.compose import compose_lockstep
+    ph = one_stream()
+    plain = compose("cad", ph, 2)
+    fwd_head, bwd_head = ph.head * 0.25, ph.head * 0.75
+    c = compose_lockstep("cad", [("F", ph, fwd_head), ("B", ph, bwd_head)], 2, ph.allreduce, ph.optimizer)
+    assert c.step == pytest.approx(plain.step)
+    assert c.busy.tolist() == pytest.approx(plain.busy.tolist())
+
+
+def test_lockstep_ticks_wait_for_the_slowest_stage_and_idle_ranks_serve():
+    from cadlib.analysis.compose import compose_lockstep
+    z = np.zeros(2)
+    # rank 0 a dummy (no linear work) that serves attention 1.0 per layer, rank 1 a real stage
+    ph = Phases(pre=np.array([0.0, 1.0]), post=np.array([0.0, 1.0]), pre_bwd=z, post_bwd=z,
+                attn=np.array([1.0, 1.0]), attn_bwd=z, comm_in=z + 0.5, comm_out=z + 0.5, comm_in_bwd=z,
+                comm_out_bwd=z, head=z)
+    c = compose_lockstep("cad", [("F", ph, z)], 1, 0.0, 0.0, p2p=0.1)
+    # p2p .1, pre 1 (rank 1), send .5 (everyone waits for rank 1), attention 1, return .5, post 1
+    assert c.step == pytest.approx(0.1 + 1 + 0.5 + 1 + 0.5 + 1)
+    assert c.busy.tolist() == pytest.approx([0.1 + 0.5 + 1 + 0.5, 0.1 + 1 + 0.5 + 1 + 0.5 + 1])
+
+
+def test_compose_pass_is_half_of_the_plain_step():
+    from cadlib.analysis.compose import compose_pass
+    ph = one_stream()
+    end_f, busy_f, _ = compose_pass("cad", ph, 2)
+    end_b, busy_b, _ = compose_pass("cad", ph, 2, backward=True)
+    assert end_f.max() == pytest.approx(12.0) and end_b.max() == pytest.approx(22.0)
+    assert (busy_f + busy_b).tolist() == pytest.approx((compose("cad", ph, 2).busy - 1.3).tolist())
