@@ -54,9 +54,8 @@ from ..core.cost import (
     causal_pairs,
 )
 from ..core.layout import Layout
-from ..core import pipeline
 from ..core.plan import Plan
-from .compose import Phases, compose
+from .compose import Phases, compose, one_f_one_b  # noqa: F401  (one_f_one_b: sim's 1F1B, re-exported)
 from ..data.packing import per_doc_zigzag_layout
 from ..scheduling.scheduler import schedule
 
@@ -221,44 +220,6 @@ def simulate_dp(layout: Layout, model, hw: Hardware | None = None) -> StepTimes:
 # ---------------------------------------------------------------------------------------------------
 # Pipeline parallel, 1F1B
 # ---------------------------------------------------------------------------------------------------
-
-def one_f_one_b(fwd: np.ndarray, bwd: np.ndarray) -> tuple[float, np.ndarray, np.ndarray]:
-    """Event simulation of 1F1B (PipeDream-flush) for ``fwd[s, i]``, ``bwd[s, i]`` seconds of
-    microbatch ``i`` on stage ``s``. Stage ``s`` runs ``w = min(p-s-1, m)`` warm-up forwards, then
-    alternates ``F(w+k), B(k)``, then drains the remaining backwards; an op starts when its stage is
-    free and its dependency has ended (``F(s-1, i)`` for a forward, ``B(s+1, i)`` for a backward).
-    Returns ``(makespan, f_end, b_end)``."""
-    fwd, bwd = np.asarray(fwd, dtype=np.float64), np.asarray(bwd, dtype=np.float64)
-    if fwd.ndim != 2 or fwd.shape != bwd.shape or fwd.size == 0:
-        raise ValueError(f"fwd and bwd must be equal non-empty [stages, microbatches] arrays, "
-                         f"got {fwd.shape} and {bwd.shape}")
-    if np.any(fwd < 0) or np.any(bwd < 0):
-        raise ValueError("fwd and bwd times must be >= 0")
-    p, m = fwd.shape
-    orders = pipeline.one_f_one_b(p, m)
-    f_end, b_end = np.full((p, m), np.nan), np.full((p, m), np.nan)
-    free, ptr, left = np.zeros(p), [0] * p, 2 * p * m
-    while left:
-        progressed = False
-        for s in range(p):
-            while ptr[s] < len(orders[s]):
-                kind, i = orders[s][ptr[s]]
-                if kind == "F":
-                    dep = 0.0 if s == 0 else f_end[s - 1, i]
-                else:
-                    dep = f_end[s, i] if s == p - 1 else b_end[s + 1, i]
-                if np.isnan(dep):
-                    break
-                start = max(free[s], dep)
-                free[s] = start + (fwd if kind == "F" else bwd)[s, i]
-                (f_end if kind == "F" else b_end)[s, i] = free[s]
-                ptr[s] += 1
-                left -= 1
-                progressed = True
-        if not progressed:  # cannot happen for the 1F1B order; guards against editing mistakes
-            raise RuntimeError("1F1B simulation deadlocked")
-    return float(b_end[0].max()), f_end, b_end
-
 
 def simulate_pp(microbatches, model, hw: Hardware | None = None, *, pp_stages: int,
                 n_microbatches: int | None = None) -> StepTimes:
