@@ -163,16 +163,30 @@ def sample_docs(dist: str, total_tokens: int, seed: int = 0, *, elongate: float 
     ``length`` is for ``uniform``; ``mu``/``sigma`` (of the natural log of length) for ``lognormal``.
     """
     _check_params(dist, elongate, upsample, upsample_threshold, max_doc_len, length, mu, sigma)
+    f_t = _cdf_below(dist, upsample_threshold / elongate, length, mu, sigma)
+
+    def draw(v: np.ndarray) -> np.ndarray:
+        u = _upsample_map(v, f_t, float(upsample))
+        return np.maximum(1, np.rint(elongate * _quantile(dist, u, length, mu, sigma))).astype(np.int64)
+
+    return fill_budget(draw, total_tokens, seed, max_doc_len)
+
+
+def fill_budget(draw, total_tokens: int, seed: int = 0, max_doc_len: int | None = None) -> list[int]:
+    """The token-budget rule of every sampler: lengths ``min(max_doc_len, draw(v))`` for uniforms ``v``
+    of a seeded ``numpy.random.Generator`` (one double each, in order, however many are drawn at once),
+    until they fill exactly ``total_tokens``; the last one is clipped to what is left. ``draw`` maps an
+    array of uniforms in ``[0, 1)`` to integer lengths ``>= 1`` (an inverse CDF)."""
     if total_tokens < 1:
         raise ValueError(f"total_tokens must be >= 1, got {total_tokens}")
+    if max_doc_len is not None and max_doc_len < 1:
+        raise ValueError(f"max_doc_len must be >= 1 token or None (no clipping), got {max_doc_len}")
     total_tokens = int(total_tokens)
     rng = np.random.default_rng(seed)
-    f_t = _cdf_below(dist, upsample_threshold / elongate, length, mu, sigma)
     out: list[int] = []
     filled, batch = 0, 64
     while filled < total_tokens:
-        u = _upsample_map(rng.random(batch), f_t, float(upsample))
-        lens = np.maximum(1, np.rint(elongate * _quantile(dist, u, length, mu, sigma))).astype(np.int64)
+        lens = np.asarray(draw(rng.random(batch)), dtype=np.int64)
         if max_doc_len is not None:
             lens = np.minimum(lens, int(max_doc_len))
         csum = filled + np.cumsum(lens)
