@@ -35,9 +35,8 @@ from ..core.defaults import DEFAULT_NANO_SPLIT, DEFAULT_TOLERANCE
 from ..core.layout import Layout
 from ..core.measured import MeasuredCost
 from ..core.paper import DISTCA_TABLE3_8B, DISTCA_TP
-from ..data.lengths import sample_lengths
 from ..data.packing import pack, per_doc_gather_tokens, wlb_layout
-from ..data.workload import sample_docs, sample_kwargs
+from ..data.workload import sample_docs, sample_kwargs, sample_lengths
 from ..dispatch.build import build_dispatch
 from ..dispatch.meta import Dispatch
 from ..infra.results import load_result
@@ -65,7 +64,7 @@ class Setting:
     """One replayed configuration: ``dp`` data-parallel groups of ``tp`` GPUs, ``tokens`` tokens per
     group, ``batches`` sampled batches. ``dist`` is a workload name or preset; lengths are stretched by
     ``elongate`` and clipped to ``max_doc_len``. ``lengths``: a user's document lengths, sampled instead
-    of ``dist`` (:func:`cadlib.data.lengths.sample_lengths`, the same seeds). ``model``: a name or a
+    of ``dist`` (:func:`cadlib.data.workload.sample_lengths`, the same seeds). ``model``: a name or a
     :class:`ModelSpec`. ``config``: a committed end-to-end run's configuration, whose batches
     (:func:`cadlib.scheduling.recipes.batch_docs`) are replayed instead of sampled."""
 

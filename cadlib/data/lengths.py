@@ -1,4 +1,4 @@
-"""A user's document lengths: read from a file, and sampled to a token budget as the named tables are.
+"""A user's document lengths, read from a file.
 
 Formats, chosen by the path (:func:`length_format`):
 
@@ -17,13 +17,7 @@ none, a value that is not one, or a missing column is a ValueError naming the fi
 Text formats are parsed in blocks by numpy; the slow path that names the offending line runs only
 when a block fails.
 
-Sampling (:func:`sample_lengths`) draws documents from the empirical distribution by the inverse CDF
-of its order statistics ``x_(1) <= ... <= x_(n)``: ``Q_n(u) = x_(floor(u n) + 1)``, ``u`` uniform in
-``[0, 1)``, i.e. uniformly with replacement. It fills the token budget by
-:func:`cadlib.data.workload.fill_budget`, the rule of :func:`cadlib.data.workload.sample_docs` (same
-uniforms for the same seed; the last document clipped), so a file of lengths drawn from a named table
-gives, seed for seed, batches whose ``i``-th document is the empirical quantile at the level the table's
-sampler used for its ``i``-th: ``Q_n(u) -> Q(u)`` as ``n`` grows.
+Batches are drawn from the lengths read by :func:`cadlib.data.workload.sample_lengths`.
 """
 from __future__ import annotations
 
@@ -35,8 +29,6 @@ import pathlib
 import re
 
 import numpy as np
-
-from .workload import fill_budget
 
 FORMATS: tuple[str, ...] = ("txt", "csv", "jsonl", "parquet", "npy", "datasets")
 SUFFIXES = {".txt": "txt", ".csv": "csv", ".jsonl": "jsonl", ".parquet": "parquet", ".npy": "npy"}
@@ -53,7 +45,8 @@ def length_format(path: str | os.PathLike) -> str:
         raise ValueError(f"{p} is a directory but not a saved dataset (no dataset_info.json, state.json or "
                          "dataset_dict.json); give a directory written by datasets' save_to_disk")
     if not p.exists():
-        raise ValueError(f"{p} does not exist; give a lengths file ({', '.join(SUFFIXES)}) or a saved dataset")
+        raise ValueError(f"{p} does not exist; give a lengths file ({', '.join(SUFFIXES)}) or a saved "
+                         "dataset")
     fmt = SUFFIXES.get(p.suffix.lower())
     if fmt is None:
         raise ValueError(f"{p}: unknown suffix {p.suffix!r}; lengths files are {', '.join(SUFFIXES)} or a "
@@ -163,7 +156,8 @@ def _locate_txt(path: pathlib.Path) -> None:
 def _pick_column(path, column: str | None, names: list[str]) -> str:
     if column is not None:
         if column not in names:
-            raise ValueError(f"{path} has no column {column!r}; its columns are: {', '.join(map(str, names))}")
+            raise ValueError(f"{path} has no column {column!r}; its columns are: "
+                             f"{', '.join(map(str, names))}")
         return column
     if len(names) != 1:
         raise ValueError(f"{path} has {len(names)} columns ({', '.join(map(str, names))}); name the one that "
@@ -269,7 +263,8 @@ def _read_jsonl_lines(path: pathlib.Path, column: str | None) -> np.ndarray:
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path} line {lineno} is not JSON ({e.msg}); give one object per line") from None
+                raise ValueError(f"{path} line {lineno} is not JSON ({e.msg}); give one object per "
+                                 "line") from None
             if isinstance(obj, dict):
                 key = _pick_column(f"{path} line {lineno}", column, list(obj))
                 obj = obj[key]
@@ -320,7 +315,8 @@ def _numeric(arr: np.ndarray, where) -> np.ndarray:
                              "integers >= 1")
         out = arr.astype(np.int64)
     else:
-        raise ValueError(f"{where(0)}: values of type {arr.dtype} are not integers; lengths must be integers >= 1")
+        raise ValueError(f"{where(0)}: values of type {arr.dtype} are not integers; lengths must be "
+                         "integers >= 1")
     _check_positive(out, where)
     return out
 
@@ -332,11 +328,14 @@ def _arrow_lengths(col, path, name: str) -> np.ndarray:
 
     if isinstance(col, pa.ChunkedArray):
         col = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
-    where = (lambda i: f"{path} column {name!r} row {i + 1}")
+    def where(i):
+        return f"{path} column {name!r} row {i + 1}"
+
     if col.null_count:
         i = int(np.flatnonzero(col.is_null().to_numpy(zero_copy_only=False))[0])
         raise ValueError(f"{where(i)} is empty (null); lengths must be integers >= 1")
-    if pa.types.is_list(col.type) or pa.types.is_large_list(col.type) or pa.types.is_fixed_size_list(col.type):
+    t = pa.types
+    if t.is_list(col.type) or t.is_large_list(col.type) or t.is_fixed_size_list(col.type):
         out = pc.list_value_length(col).to_numpy(zero_copy_only=False).astype(np.int64)
         _check_positive(out, where)
         return out
@@ -371,13 +370,14 @@ def _read_datasets(path: pathlib.Path, column: str | None) -> np.ndarray:
         if len(splits) == 1 or "train" in splits:
             ds = ds["train" if "train" in splits else splits[0]]
         else:
-            raise ValueError(f"{path} holds the splits {', '.join(splits)} and none is 'train'; save one split")
+            raise ValueError(f"{path} holds the splits {', '.join(splits)} and none is 'train'; save one "
+                             "split")
     name = _pick_column(path, column, list(ds.column_names))
     return _arrow_lengths(ds.with_format("arrow")[name], path, name)
 
 
 # ---------------------------------------------------------------------------------------------------
-# Writing and sampling
+# Writing
 # ---------------------------------------------------------------------------------------------------
 
 def write_lengths(path: str | os.PathLike, lengths, header: str = "") -> pathlib.Path:
@@ -390,28 +390,3 @@ def write_lengths(path: str | os.PathLike, lengths, header: str = "") -> pathlib
     p = pathlib.Path(path)
     p.write_text(buf.getvalue())
     return p
-
-
-def empirical_draw(lengths, elongate: float = 1.0):
-    """The inverse CDF of ``lengths``: ``u -> max(1, round(elongate * x_(floor(u n) + 1)))`` (a
-    function of an array of uniforms, for :func:`cadlib.data.workload.fill_budget`)."""
-    srt = np.sort(np.asarray(lengths, dtype=np.int64))
-    if srt.size == 0 or srt[0] < 1:
-        raise ValueError("lengths must be a non-empty array of integers >= 1")
-    if not elongate > 0:
-        raise ValueError(f"elongate must be > 0 (a factor on every length), got {elongate}")
-    n = srt.size
-
-    def draw(u: np.ndarray) -> np.ndarray:
-        x = srt[np.minimum((np.asarray(u) * n).astype(np.int64), n - 1)]
-        return x if elongate == 1.0 else np.maximum(1, np.rint(elongate * x)).astype(np.int64)
-
-    return draw
-
-
-def sample_lengths(lengths, total_tokens: int, seed: int = 0, *, elongate: float = 1.0,
-                   max_doc_len: int | None = None) -> list[int]:
-    """Documents drawn from the empirical distribution of ``lengths`` until they fill exactly
-    ``total_tokens`` (the last one clipped), each ``min(max_doc_len, max(1, round(elongate * Q_n(u))))``
-    with ``u`` from a seeded generator: :func:`cadlib.data.workload.sample_docs`' rule and uniforms."""
-    return fill_budget(empirical_draw(lengths, elongate), total_tokens, seed, max_doc_len)

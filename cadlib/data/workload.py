@@ -9,6 +9,12 @@
   ``Z = F(T) + upsample * (1 - F(T))``. It is sampled exactly by mapping a uniform ``v`` to the
   original quantile level ``u = vZ`` if ``vZ < F(T)``, else ``u = F(T) + (vZ - F(T)) / upsample``.
 
+* **A user's lengths** ``x_1..x_n`` (:mod:`cadlib.data.lengths` reads them) are sampled by the inverse
+  CDF of their order statistics, ``Q_n(u) = x_(floor(u n) + 1)`` (uniformly with replacement), by the
+  same token-budget rule and uniforms (:func:`fill_budget`): a file of lengths drawn from a table gives,
+  seed for seed, batches whose ``i``-th document is the empirical quantile at the level the table's
+  sampler used for its ``i``-th, and ``Q_n(u) -> Q(u)`` as ``n`` grows.
+
 Packing the sampled documents into the linear layout lives in :mod:`cadlib.data.packing`.
 """
 from __future__ import annotations
@@ -200,6 +206,31 @@ def fill_budget(draw, total_tokens: int, seed: int = 0, max_doc_len: int | None 
         mean = max(filled / len(out), 1.0)
         batch = int(min(1 << 20, max(64, 1.1 * (total_tokens - filled) / mean + 16)))
     return out
+
+
+def empirical_draw(lengths, elongate: float = 1.0):
+    """The inverse CDF of ``lengths``: ``u -> max(1, round(elongate * x_(floor(u n) + 1)))`` (a
+    function of an array of uniforms, for :func:`fill_budget`)."""
+    srt = np.sort(np.asarray(lengths, dtype=np.int64))
+    if srt.size == 0 or srt[0] < 1:
+        raise ValueError("lengths must be a non-empty array of integers >= 1")
+    if not elongate > 0:
+        raise ValueError(f"elongate must be > 0 (a factor on every length), got {elongate}")
+    n = srt.size
+
+    def draw(u: np.ndarray) -> np.ndarray:
+        x = srt[np.minimum((np.asarray(u) * n).astype(np.int64), n - 1)]
+        return x if elongate == 1.0 else np.maximum(1, np.rint(elongate * x)).astype(np.int64)
+
+    return draw
+
+
+def sample_lengths(lengths, total_tokens: int, seed: int = 0, *, elongate: float = 1.0,
+                   max_doc_len: int | None = None) -> list[int]:
+    """Documents drawn from the empirical distribution of ``lengths`` until they fill exactly
+    ``total_tokens`` (the last one clipped), each ``min(max_doc_len, max(1, round(elongate * Q_n(u))))``
+    with ``u`` from a seeded generator: :func:`sample_docs`' rule and uniforms."""
+    return fill_budget(empirical_draw(lengths, elongate), total_tokens, seed, max_doc_len)
 
 
 def doc_length_cdf(dist: str, *, elongate: float = 1.0, upsample: float = 1.0,

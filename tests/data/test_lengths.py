@@ -5,8 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from cadlib.data.lengths import empirical_draw, length_format, read_lengths, sample_lengths, write_lengths
-from cadlib.data.workload import sample_docs
+from cadlib.data.lengths import length_format, read_lengths, write_lengths
+from cadlib.data.workload import empirical_draw, sample_docs, sample_lengths
 
 LENS = np.array([5, 1, 4096, 131072, 77, 3, 65536, 12, 9, 2048], dtype=np.int64)
 
