@@ -73,7 +73,8 @@ def _ratios(rows: dict, truth: int, ref: int) -> dict[str, float]:
         b = sorted(rows[m])
         if any(rows[m][i][truth] is None for i in b):
             continue
-        out[f"step/{m}"] = float(np.mean([rows[m][i][truth] for i in b]) / np.mean([rows[m][i][ref] for i in b]))
+        true, sim = np.mean([rows[m][i][truth] for i in b]), np.mean([rows[m][i][ref] for i in b])
+        out[f"step/{m}"] = float(true / sim)
         for base in BASES:
             if base == m or base not in rows or any(rows[base].get(i, (None,) * 3)[truth] is None for i in b):
                 continue
