@@ -254,6 +254,8 @@ def verdict(methods: dict) -> dict:
         line = f"CAD saves about {100 * save:.0f}% of the step here against {who} (band {span})"
     elif cls == "loses":
         line = f"CAD does not pay off here: about {100 * -save:.0f}% slower than {who} (band {span})"
+    elif abs(save) < 0.005:
+        line = f"CAD and {who} take about the same step here (band {span} for CAD's saving)"
     elif save > 0:
         line = f"CAD saves about {100 * save:.0f}% against {who}, but the band ({span}) includes no gain"
     else:
