@@ -234,3 +234,13 @@ def test_documents_need_exactly_one_source():
         whatif.Documents(lengths=np.array([3, 0]))
     with pytest.raises(ValueError, match="must be a multiple of tp x pp"):
         whatif.Cluster(gpus=6, tp=4)
+
+
+def test_without_the_committed_files_the_plan_says_it_has_no_band(tmp_path):
+    res = whatif.plan("llama3-8b", _cluster(gpus=4), _training(context=32768, tokens_per_group=16384),
+                      whatif.Documents(dist="pretrain"), with_sweep=False, results_dir=tmp_path)
+    assert res["band"]["source"] is None and "no band" in res["band"]["notes"][-1]
+    cad = res["methods"]["cad-pingpong"]
+    assert cad["step_s_band"] is None and cad["step_s"] == cad["sim_step_s"]
+    assert "no band" in res["verdict"]["line"] and "no band" in whatif_page.text(res)
+    assert whatif_page.page(res).count("class='plotly-graph-div'") == 3
