@@ -323,6 +323,11 @@ def plan(model, cluster: Cluster, training: Training, docs: Documents, *, with_s
                      "H200 rates")
     if not bands:
         notes.append("no band: the committed replay files (results/replay/) are not in this installation")
+    mem = cluster.gpu_memory_gb * GB
+    over = [k for k in METHODS if methods[k]["activation_bytes_max"] > mem]
+    if over:
+        notes.append(f"activations exceed the GPU's {cluster.gpu_memory_gb:g} GB under "
+                     f"{', '.join(LABELS[k] for k in over)} (no recompute: an upper bound)")
     spec = setting(model, cluster, training, docs).spec
     lengths = None if docs.lengths is None else np.asarray(docs.lengths)
     return {

@@ -220,8 +220,10 @@ def test_clip_lets_long_lengths_through(files, capsys):
 def test_named_model_fields_can_be_overridden(capsys, tmp_path):
     dims = ["--layers", "4", "--hidden", "1024", "--heads", "8", "--kv-heads", "2", "--ffn", "4096",
             "--vocab", "32000"]
-    rc, out, err = _run(["--dist", "pretrain", *dims, "--json", str(tmp_path / "m.json")] + SMALL, capsys)
+    argv = ["--dist", "pretrain", *dims, "--gpu-memory-gb", "0.5", "--json", str(tmp_path / "m.json")]
+    rc, out, err = _run(argv + SMALL, capsys)
     assert rc == 0, err
+    assert "note: activations exceed the GPU's 0.5 GB under colocated, WLB-ideal, CAD (ping-pong)" in out
     m = json.loads((tmp_path / "m.json").read_text())["inputs"]["model"]
     got = [m[k] for k in ("n_layers", "hidden", "n_heads", "n_kv_heads", "head_dim", "ffn", "vocab")]
     assert got == [4, 1024, 8, 2, 128, 4096, 32000]
