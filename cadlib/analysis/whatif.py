@@ -204,6 +204,11 @@ def _banded(sim: dict, bands: dict, tokens_per_step: int) -> dict:
     return out
 
 
+def pct(x: float) -> str:
+    """A share as a signed whole percent, ``+0%`` for anything that rounds to nothing."""
+    return f"{round(100 * x):+d}%"
+
+
 def _best_baseline(methods: dict) -> str:
     """The faster baseline by CAD's estimated speedups (each step carries its own band, so the speedups,
     not the steps, decide, as the verdict quotes them)."""
@@ -248,7 +253,7 @@ def verdict(methods: dict) -> dict:
     sp, band = cad[f"speedup_over_{base}"], cad[f"speedup_over_{base}_band"]
     save = 1 - 1 / sp
     cls = _classify(sp, band)
-    span = f"{100 * (1 - 1 / band[0]):+.0f}% to {100 * (1 - 1 / band[1]):+.0f}%" if band else "no band"
+    span = f"{pct(1 - 1 / band[0])} to {pct(1 - 1 / band[1])}" if band else "no band"
     who, strag = LABELS[base], _straggler(methods, base)
     if cls == "pays":
         line = f"CAD saves about {100 * save:.0f}% of the step here against {who} (band {span})"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import html
 
 from .figures_html import plotly_div_deferred, plotlyjs_packed_tag
-from .whatif import LABELS, METHODS
+from .whatif import LABELS, METHODS, pct
 
 MARK = {"pays": "", "unsure": "?", "loses": "!"}
 
@@ -83,14 +83,14 @@ def sweep_text(res: dict) -> str:
     c = res["inputs"]["cluster"]
     t = res["inputs"]["training"]
     v = res["verdict"]
-    cells = {(p["dp"], p["context"]): f"{100 * p['saving']:+.0f}%{MARK[p['class']]}" for p in pts}
-    cells[(c["dp"], t["context"])] = f"[{100 * v['saving']:+.0f}%{MARK[v['class']]}]"
+    cells = {(p["dp"], p["context"]): f"{pct(p['saving'])}{MARK[p['class']]}" for p in pts}
+    cells[(c["dp"], t["context"])] = f"[{pct(v['saving'])}{MARK[v['class']]}]"
     dps = sorted({d for d, _ in cells})
     ctxs = sorted({x for _, x in cells})
     rows = [{"DP \\ context": str(d), **{_k(x): cells.get((d, x), "") for x in ctxs}} for d in dps]
     flips = res["flips"]
     said = ("the answer flips at: " + "; ".join(
-        f"DP {p['dp']} x context {_k(p['context'])} ({100 * p['saving']:+.0f}%, {p['class']})" for p in flips)
+        f"DP {p['dp']} x context {_k(p['context'])} ({pct(p['saving'])}, {p['class']})" for p in flips)
         if flips else "the answer does not flip in this sweep")
     return (f"Where the answer flips: CAD's saving against the faster baseline, one sampled step each "
             f"(context scales the tokens per group with it; [ ] this plan, ? band includes no gain, "
@@ -105,7 +105,7 @@ def text(res: dict) -> str:
     ms = res["timing"]["plan_ms"]
     return (f"{headline(res)}\n\n{_grid(table_rows(res))}\n\n{res['verdict']['line']}\n\n"
             f"{sweep_text(res)}\n\n"
-            f"Estimates are the simulator's times the median ratio truth / simulator, bands its range: {src}."
+            f"Estimates and bands (cadlib.analysis.sim_band): {src}."
             f"{notes}\nCAD scheduler: {max(ms):.0f} ms per batch at most "
             f"({len(ms)} batch{'es' if len(ms) > 1 else ''}); "
             f"planned in {res['timing']['wall_s']:.1f} s.")
@@ -190,5 +190,5 @@ def page(res: dict) -> str:
             "</style></head><body>" + plotlyjs_packed_tag() +
             f"<h1>Does CAD pay off here?</h1><p>{esc(headline(res))}</p>{_html_table(table_rows(res))}"
             f"<h2>{html.escape(res['verdict']['line'])}</h2>{figs}<pre>{html.escape(sweep_text(res))}</pre>"
-            f"<p>Estimates are the simulator's times the median ratio truth / simulator, bands its range: "
+            f"<p>Estimates and bands (cadlib.analysis.sim_band): "
             f"{html.escape(res['band']['source'] or 'no band')}.</p>{notes}</body></html>")
