@@ -87,6 +87,11 @@ def test_the_error_band_brackets_its_estimate_and_says_where_it_comes_from(tmp_p
         b = eb["bands"][key]
         assert b.lo <= b.mid <= b.hi and b.n == len(eb["measured"]) + len(eb["replayed"])
     assert eb["bands"]["step/colocated"].lo > 1                   # the simulator's steps run fast
+    gain = eb["bands"]["speedup/cad-pingpong/colocated"]
+    lo, mid, hi = gain.apply(1.0)
+    assert lo < mid == 1.0 < hi                                   # no gain simulated: no gain estimated
+    lo, mid, hi = gain.apply(1.5)
+    assert lo <= mid <= hi and 1 < mid < 1.5                      # ... a gain simulated: it shrinks
     assert "measured on 2x H200" in eb["source"]
     assert sim_band.error_bands(tmp_path)["bands"] == {}
 
