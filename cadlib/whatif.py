@@ -1,7 +1,7 @@
 """Does CAD pay off on my data and my cluster? The what-if planner from the command line.
 
-    python -m cadlib.whatif --lengths data/lengths/prolong_sample.txt --model llama3-8b --gpus 64 \\
-        --gpus-per-node 8 --context 131072 --json out.json --html out.html
+    python -m cadlib.whatif --lengths data/lengths/prolong512k_sample.txt --model llama3-8b --gpus 64 \\
+        --gpus-per-node 8 --context 524288 --json out.json --html out.html
 
 Documents come from ``--lengths`` (``.txt``, ``.csv`` / ``.jsonl`` / ``.parquet`` with ``--column``,
 ``.npy``, or a directory written by ``datasets``' ``save_to_disk``) or a named distribution (``--dist``).
@@ -29,8 +29,11 @@ from .core.defaults import DEFAULT_TOLERANCE
 from .core.measured import MeasuredCost
 from .core.paper import DISTCA_GPU_MEMORY_GB, DISTCA_GPUS_PER_NODE
 from .data.lengths import read_lengths
-from .data.workload import DISTRIBUTIONS, PRESETS, sample_kwargs
+from .data.workload import PRESETS, QUANTILE_TABLES
 
+NAMED = (*QUANTILE_TABLES, *PRESETS)
+"""The distributions ``--dist`` takes: the tabulated ones and the presets (uniform and lognormal need
+parameters, which a lengths file gives better)."""
 DIMS = {"layers": "n_layers", "hidden": "hidden", "heads": "n_heads", "kv_heads": "n_kv_heads",
         "head_dim": "head_dim", "ffn": "ffn", "vocab": "vocab"}
 
@@ -51,7 +54,7 @@ def parser() -> argparse.ArgumentParser:
     src.add_argument("--lengths", help="a file of document lengths in tokens, or a saved datasets directory")
     src.add_argument("--column", help="the column holding lengths (csv, jsonl, parquet, datasets; a list "
                      "column such as input_ids gives its lengths)")
-    src.add_argument("--dist", help=f"a named distribution instead: {', '.join((*DISTRIBUTIONS, *PRESETS))}")
+    src.add_argument("--dist", help=f"a named distribution instead: {', '.join(NAMED)}")
     src.add_argument("--clip", action="store_true", help="cut lengths longer than --context to it")
     src.add_argument("--elongate", type=float, default=1.0, help="stretch every length by this factor")
     mod = ap.add_argument_group("model")
@@ -153,15 +156,9 @@ def _documents(args) -> whatif.Documents:
     if args.dist is not None:
         if args.column:
             raise BadInput("--column: applies to --lengths files, not --dist")
-        try:
-            sample_kwargs(args.dist)
-        except ValueError:
-            raise BadInput(f"--dist {args.dist}: unknown distribution; choose one of: "
-                           f"{', '.join((*DISTRIBUTIONS, *PRESETS))}") from None
-        if args.dist == "uniform" or args.dist == "lognormal":
-            raise BadInput(f"--dist {args.dist}: needs parameters; give a tabulated one "
-                           f"({', '.join(d for d in DISTRIBUTIONS if d not in ('uniform', 'lognormal'))}) or "
-                           "a lengths file")
+        if args.dist not in NAMED:
+            raise BadInput(f"--dist {args.dist}: unknown distribution; choose one of: {', '.join(NAMED)} "
+                           "(or give a lengths file)")
         return whatif.Documents(dist=args.dist)
     try:
         lengths = read_lengths(args.lengths, args.column)

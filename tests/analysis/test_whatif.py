@@ -251,3 +251,8 @@ def test_without_the_committed_files_the_plan_says_it_has_no_band(tmp_path):
     assert cad["step_s_band"] is None and cad["step_s"] == cad["sim_step_s"]
     assert "no band" in res["verdict"]["line"] and "no band" in whatif_page.text(res)
     assert whatif_page.page(res).count("class='plotly-graph-div'") == 3
+
+
+def test_uniform_and_lognormal_need_a_lengths_file(capsys):
+    rc, out, err = _run(["--dist", "uniform", "--gpus", "8"], capsys)
+    assert rc == 2 and "--dist uniform: unknown distribution; choose one of: pretrain" in err
