@@ -157,8 +157,8 @@ def _documents(args) -> whatif.Documents:
         if args.column:
             raise BadInput("--column: applies to --lengths files, not --dist")
         if args.dist not in NAMED:
-            raise BadInput(f"--dist {args.dist}: unknown distribution; choose one of: {', '.join(NAMED)} "
-                           "(or give a lengths file)")
+            raise BadInput(f"--dist {args.dist}: not one of the named tables; choose one of: "
+                           f"{', '.join(NAMED)} (or give a lengths file)")
         return whatif.Documents(dist=args.dist)
     try:
         lengths = read_lengths(args.lengths, args.column)

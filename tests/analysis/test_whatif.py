@@ -194,8 +194,8 @@ def files(tmp_path):
     (OK + ["--gpus", "64", "--pp", "8", "--layers", "12"], "--pp 8: must divide the model's 12 layers"),
     (["--lengths", "{d}/nothing.txt", "--gpus", "8"], "--lengths: {d}/nothing.txt does not exist"),
     (["--gpus", "8"], "--lengths: give a lengths file (--lengths FILE) or a named distribution"),
-    (["--dist", "prolog", "--gpus", "8"], "--dist prolog: unknown distribution; choose one of: pretrain, "
-     "prolong"),
+    (["--dist", "prolog", "--gpus", "8"], "--dist prolog: not one of the named tables; choose one of: "
+     "pretrain, prolong"),
     (OK, "--gpus: give the GPU count (or --nodes)"),
     (OK + ["--gpus", "8", "--kernels", "{d}/ok.txt"], "--kernels {d}/ok.txt: not a kernel latency table"),
     (OK + ["--gpus", "8", "--steps", "0"], "--steps 0: must be an integer >= 1"),
@@ -255,4 +255,4 @@ def test_without_the_committed_files_the_plan_says_it_has_no_band(tmp_path):
 
 def test_uniform_and_lognormal_need_a_lengths_file(capsys):
     rc, out, err = _run(["--dist", "uniform", "--gpus", "8"], capsys)
-    assert rc == 2 and "--dist uniform: unknown distribution; choose one of: pretrain" in err
+    assert rc == 2 and "--dist uniform: not one of the named tables; choose one of: pretrain" in err
