@@ -105,7 +105,8 @@ def text(res: dict) -> str:
     ms = res["timing"]["plan_ms"]
     return (f"{headline(res)}\n\n{_grid(table_rows(res))}\n\n{res['verdict']['line']}\n\n"
             f"{sweep_text(res)}\n\n"
-            f"Estimates and bands (cadlib.analysis.sim_band): {src}."
+            f"Estimates and bands (cadlib.analysis.sim_band): {src}. Steps and speedups are banded apart, "
+            "so two estimated steps need not divide to the estimated speedup."
             f"{notes}\nCAD scheduler: {max(ms):.0f} ms per batch at most "
             f"({len(ms)} batch{'es' if len(ms) > 1 else ''}); "
             f"planned in {res['timing']['wall_s']:.1f} s.")
