@@ -5,6 +5,7 @@ controls redrawing their figure when one changes. Also: every figure of a static
 
     python scripts/browser_check.py notebooks/01_imbalance/01_stragglers.ipynb --widgets
     python scripts/browser_check.py --report results/reports/report.html
+    python scripts/browser_check.py --report out.html   # e.g. the page of python -m cadlib.whatif --html
 
 JupyterLab runs on a free localhost port with a random token, from this Python, on a copy of the
 notebook's folder in a temporary directory (the repository's notebooks are never saved to), with its

@@ -12,6 +12,7 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_notebook
 
+from cadlib import whatif
 from cadlib.infra import proctree
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -62,3 +63,13 @@ def test_an_error_in_a_cell_fails_the_check_and_leaves_no_process(tmp_path):
 def test_committed_report_draws_every_figure():
     page = ROOT / "results" / "reports" / "report.html"
     assert browser_check.check_report(page, SHOTS / f"{STAMP}-report.png") >= 3
+
+
+def test_whatif_page_draws_every_figure(tmp_path):
+    """``python -m cadlib.whatif --html`` writes one self-contained page; each plotly figure in it is drawn."""
+    page = tmp_path / "whatif.html"
+    argv = ["--lengths", str(ROOT / "data" / "lengths" / "prolong512k_sample.txt"), "--gpus", "8",
+            "--gpus-per-node", "2", "--tp", "2", "--context", "524288", "--tokens-per-group", "32768",
+            "--steps", "1", "--quiet", "--html", str(page)]
+    assert whatif.main(argv) == 0
+    assert browser_check.check_report(page, SHOTS / f"{STAMP}-whatif.png") == 5   # steps, ranks, memory, sweep, lengths

@@ -33,9 +33,10 @@ import numpy as np
 from ..core.cost import DTYPE_BYTES, ModelSpec, as_model
 from ..core.defaults import DEFAULT_NANO_SPLIT, DEFAULT_TOLERANCE
 from ..core.layout import Layout
+from ..core.measured import MeasuredCost
 from ..core.paper import DISTCA_TABLE3_8B, DISTCA_TP
 from ..data.packing import pack, per_doc_gather_tokens, wlb_layout
-from ..data.workload import sample_docs, sample_kwargs
+from ..data.workload import sample_docs, sample_kwargs, sample_lengths
 from ..dispatch.build import build_dispatch
 from ..dispatch.meta import Dispatch
 from ..infra.results import load_result
@@ -63,8 +64,10 @@ DTYPE = "bf16"
 class Setting:
     """One replayed configuration: ``dp`` data-parallel groups of ``tp`` GPUs, ``tokens`` tokens per
     group, ``batches`` sampled batches. ``dist`` is a workload name or preset; lengths are stretched by
-    ``elongate`` and clipped to ``max_doc_len``. ``config``: a committed end-to-end run's configuration,
-    whose batches (:func:`cadlib.scheduling.recipes.batch_docs`) are replayed instead of sampled."""
+    ``elongate`` and clipped to ``max_doc_len``. ``lengths``: a user's document lengths, sampled instead
+    of ``dist`` (:func:`cadlib.data.workload.sample_lengths`, the same seeds). ``model``: a name or a
+    :class:`ModelSpec`. ``config``: a committed end-to-end run's configuration, whose batches
+    (:func:`cadlib.scheduling.recipes.batch_docs`) are replayed instead of sampled."""
 
     name: str
     dist: str
@@ -73,7 +76,7 @@ class Setting:
     max_doc_len: int | None = None
     elongate: float = 1.0
     tp: int = DISTCA_TP
-    model: str = "llama3-8b"
+    model: str | ModelSpec = "llama3-8b"
     n_layers: int | None = None
     batches: int = 5
     seed: int = 0
@@ -86,6 +89,7 @@ class Setting:
     nano_split: str = DEFAULT_NANO_SPLIT
     config: dict | None = field(default=None, hash=False, compare=False)
     source: str | None = None
+    lengths: np.ndarray | None = field(default=None, hash=False, compare=False, repr=False)
 
     def __post_init__(self):
         for f in ("dp", "tokens", "tp", "batches"):
@@ -160,6 +164,9 @@ def batch_lengths(s: Setting, b: int) -> list[int]:
     """Document lengths of batch ``b``: the committed run's (its seeds) or sampled for the setting."""
     if s.config is not None:
         return batch_docs(s.recipe_args(), b, s.dp)
+    if s.lengths is not None:
+        return sample_lengths(s.lengths, s.dp * s.tokens, seed=s.seed * 100_003 + b, elongate=s.elongate,
+                              max_doc_len=s.max_doc_len)
     kw = sample_kwargs(s.dist)
     return sample_docs(kw.pop("dist"), s.dp * s.tokens, seed=s.seed * 100_003 + b, elongate=s.elongate,
                        max_doc_len=s.max_doc_len, **kw)
@@ -474,11 +481,12 @@ def link_rates(probe_nvlink: dict, probe_inter: dict | None = None, ib_gbps: flo
 # ---------------------------------------------------------------------------------------------------
 
 def model_phases(s: Setting, w: Work, links: Links, hw: Hardware | None = None,
-                 signal_only: bool = False) -> Phases:
+                 signal_only: bool = False, cost: MeasuredCost | None = None) -> Phases:
     """:func:`phases` with every compute duration from the cost model instead of a timing (the
     simulator: :mod:`cadlib.analysis.sim`'s rates): linear layers at ``hw``'s matmul rate (pre and post
     in proportion to their parameters; the MLP's recompute added to the backward), CA-tasks at the
-    measured rate of their query length, the LM head's matmuls, no optimizer time."""
+    measured rate of their query length (or, with ``cost``, a server's tasks as one fused call of a
+    kernel latency table, :meth:`MeasuredCost.fused_seconds`), the LM head's matmuls, no optimizer time."""
     hw = hw or Hardware(attn_kernel="fa4", dtype=DTYPE)
     spec = s.spec
     qkv = spec.hidden * (spec.q_dim + 2 * spec.kv_dim)
@@ -491,6 +499,10 @@ def model_phases(s: Setting, w: Work, links: Links, hw: Hardware | None = None,
     for i, per in enumerate(w.served):
         for r, (a, b) in enumerate(per):
             idx = (i, r) if w.pingpong else r
+            if cost is not None:
+                attn_f[idx] = cost.fused_seconds(b - a, b, "fwd", spec)
+                attn_b[idx] = cost.fused_seconds(b - a, b, "bwd", spec)
+                continue
             attn_f[idx] = attention_seconds(a, b, spec, hw, "fwd", 1).sum()
             attn_b[idx] = attention_seconds(a, b, spec, hw, "bwd", 1).sum()
     tp = _tp_seconds(s, w.tokens, links.tp)
@@ -616,7 +628,7 @@ def summarise(s: Setting, rows: list[dict]) -> list[dict]:
 
 def setting_config(s: Setting, rates: dict, backend: str, times_meta: dict) -> dict:
     """A setting's full configuration for its result file."""
-    cfg = {k: getattr(s, k) for k in s.__dataclass_fields__ if k != "config"}
+    cfg = {k: getattr(s, k) for k in s.__dataclass_fields__ if k not in ("config", "lengths")}
     return {**cfg, "spec": s.spec._asdict() if hasattr(s.spec, "_asdict") else vars(s.spec),
             "links": {k: vars(v) for k, v in vars(Links.of(s, rates)).items()}, "backend": backend,
             "nccl_latency_s": NCCL_LATENCY_S, "tp_collectives_per_layer": TP_COLLECTIVES,

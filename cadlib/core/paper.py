@@ -63,6 +63,8 @@ DISTCA_TP = 8
 """Tensor parallelism of every DistCA run: "we fix TP=8 in our experiments" (section 6.1), one node."""
 DISTCA_GPUS_PER_NODE = 8
 """DGX H200 nodes, "8x 140GB H200 GPUs" each (section 6.1)."""
+DISTCA_GPU_MEMORY_GB = 140
+"""Memory of one of those H200 GPUs, GB: "8x 140GB H200 GPUs" (section 6.1)."""
 DISTCA_TABLE3_8B = ((131072, (8, 16, 32), (64, 128, 256)),
                     (262144, (4, 8, 16), (64, 128, 256)),
                     (524288, (2, 4, 8), (64, 128, 256)))

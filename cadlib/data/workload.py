@@ -9,6 +9,12 @@
   ``Z = F(T) + upsample * (1 - F(T))``. It is sampled exactly by mapping a uniform ``v`` to the
   original quantile level ``u = vZ`` if ``vZ < F(T)``, else ``u = F(T) + (vZ - F(T)) / upsample``.
 
+* **A user's lengths** ``x_1..x_n`` (:mod:`cadlib.data.lengths` reads them) are sampled by the inverse
+  CDF of their order statistics, ``Q_n(u) = x_(floor(u n) + 1)`` (uniformly with replacement), by the
+  same token-budget rule and uniforms (:func:`fill_budget`): a file of lengths drawn from a table gives,
+  seed for seed, batches whose ``i``-th document is the empirical quantile at the level the table's
+  sampler used for its ``i``-th, and ``Q_n(u) -> Q(u)`` as ``n`` grows.
+
 Packing the sampled documents into the linear layout lives in :mod:`cadlib.data.packing`.
 """
 from __future__ import annotations
@@ -163,16 +169,30 @@ def sample_docs(dist: str, total_tokens: int, seed: int = 0, *, elongate: float 
     ``length`` is for ``uniform``; ``mu``/``sigma`` (of the natural log of length) for ``lognormal``.
     """
     _check_params(dist, elongate, upsample, upsample_threshold, max_doc_len, length, mu, sigma)
+    f_t = _cdf_below(dist, upsample_threshold / elongate, length, mu, sigma)
+
+    def draw(v: np.ndarray) -> np.ndarray:
+        u = _upsample_map(v, f_t, float(upsample))
+        return np.maximum(1, np.rint(elongate * _quantile(dist, u, length, mu, sigma))).astype(np.int64)
+
+    return fill_budget(draw, total_tokens, seed, max_doc_len)
+
+
+def fill_budget(draw, total_tokens: int, seed: int = 0, max_doc_len: int | None = None) -> list[int]:
+    """The token-budget rule of every sampler: lengths ``min(max_doc_len, draw(v))`` for uniforms ``v``
+    of a seeded ``numpy.random.Generator`` (one double each, in order, however many are drawn at once),
+    until they fill exactly ``total_tokens``; the last one is clipped to what is left. ``draw`` maps an
+    array of uniforms in ``[0, 1)`` to integer lengths ``>= 1`` (an inverse CDF)."""
     if total_tokens < 1:
         raise ValueError(f"total_tokens must be >= 1, got {total_tokens}")
+    if max_doc_len is not None and max_doc_len < 1:
+        raise ValueError(f"max_doc_len must be >= 1 token or None (no clipping), got {max_doc_len}")
     total_tokens = int(total_tokens)
     rng = np.random.default_rng(seed)
-    f_t = _cdf_below(dist, upsample_threshold / elongate, length, mu, sigma)
     out: list[int] = []
     filled, batch = 0, 64
     while filled < total_tokens:
-        u = _upsample_map(rng.random(batch), f_t, float(upsample))
-        lens = np.maximum(1, np.rint(elongate * _quantile(dist, u, length, mu, sigma))).astype(np.int64)
+        lens = np.asarray(draw(rng.random(batch)), dtype=np.int64)
         if max_doc_len is not None:
             lens = np.minimum(lens, int(max_doc_len))
         csum = filled + np.cumsum(lens)
@@ -186,6 +206,31 @@ def sample_docs(dist: str, total_tokens: int, seed: int = 0, *, elongate: float 
         mean = max(filled / len(out), 1.0)
         batch = int(min(1 << 20, max(64, 1.1 * (total_tokens - filled) / mean + 16)))
     return out
+
+
+def empirical_draw(lengths, elongate: float = 1.0):
+    """The inverse CDF of ``lengths``: ``u -> max(1, round(elongate * x_(floor(u n) + 1)))`` (a
+    function of an array of uniforms, for :func:`fill_budget`)."""
+    srt = np.sort(np.asarray(lengths, dtype=np.int64))
+    if srt.size == 0 or srt[0] < 1:
+        raise ValueError("lengths must be a non-empty array of integers >= 1")
+    if not elongate > 0:
+        raise ValueError(f"elongate must be > 0 (a factor on every length), got {elongate}")
+    n = srt.size
+
+    def draw(u: np.ndarray) -> np.ndarray:
+        x = srt[np.minimum((np.asarray(u) * n).astype(np.int64), n - 1)]
+        return x if elongate == 1.0 else np.maximum(1, np.rint(elongate * x)).astype(np.int64)
+
+    return draw
+
+
+def sample_lengths(lengths, total_tokens: int, seed: int = 0, *, elongate: float = 1.0,
+                   max_doc_len: int | None = None) -> list[int]:
+    """Documents drawn from the empirical distribution of ``lengths`` until they fill exactly
+    ``total_tokens`` (the last one clipped), each ``min(max_doc_len, max(1, round(elongate * Q_n(u))))``
+    with ``u`` from a seeded generator: :func:`sample_docs`' rule and uniforms."""
+    return fill_budget(empirical_draw(lengths, elongate), total_tokens, seed, max_doc_len)
 
 
 def doc_length_cdf(dist: str, *, elongate: float = 1.0, upsample: float = 1.0,
