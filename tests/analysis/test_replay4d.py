@@ -1,0 +1,54 @@
+"""The 4D replay's host side: Table 4's settings and their configurations, microbatches of whole
+documents that every method attends alike, and one small setting composed end to end."""
+import json
+
+import numpy as np
+import pytest
+
+from cadlib.analysis import replay, replay4d
+from cadlib.core.measured import MeasuredCost
+from cadlib.core.paper import DISTCA_TABLE4_8B
+from cadlib.infra.results import RESULTS_DIR, load_result
+
+
+def test_paper_settings_are_table_4():
+    ss = replay4d.paper_4d_settings()
+    assert len(ss) == 18 and {s.gpus for s in ss} == {64, 128, 256}
+    assert {(s.max_doc_len, s.batch) for s in ss} == {(c, b) for c, bs, _ in DISTCA_TABLE4_8B for b in bs}
+    for s in ss:
+        for pp, dp, n_micro in s.configs():       # every node a stage of one pipeline replica
+            assert pp * dp == s.nodes and dp * s.micro_tokens >= s.max_doc_len
+            assert n_micro * dp * s.micro_tokens == s.total_tokens
+
+
+def test_microbatches_hold_whole_documents_for_every_method():
+    s = replay4d.Setting4D("t", "distca-pretrain", 32, 4, 131072, elongate=1.0, batches=1)
+    pp, dp, n_micro = s.configs()[1]
+    groups = replay4d.step_groups(s, 0, dp, n_micro)
+    docs = sorted(n for g in groups for n in g)
+    assert all(sum(g) == dp * s.micro_tokens for g in groups)
+    base = replay4d.micro_layouts(s, groups, dp)
+    for c in (1, 2):
+        wlb = replay4d.wlb_micro_layouts(s, groups, dp, c)
+        assert sorted(n for lay in wlb for n in lay.doc_lens) == docs      # the same documents, whole
+    assert sorted(n for lay in base for n in lay.doc_lens) == docs
+
+
+def test_a_small_setting_composes_every_configuration():
+    times = json.loads((RESULTS_DIR / "replay" / "times_h200.json").read_text())["times"]
+    rates = replay.link_rates(load_result("comm_overlap_probe_2xh200_nvlink.json"))
+    cost = MeasuredCost.load(RESULTS_DIR / "kernel_profile_h200.json", "fa4")
+    s = replay4d.Setting4D("t", "distca-pretrain", 32, 4, 131072, batches=1, pps=(1, 2))
+    res = replay4d.replay_setting_4d(s, times, rates, "fa4", cost, 1.04)
+    rows = res["per_config"]
+    assert {(r["pp"], r["method"]) for r in rows} >= {(p, m) for p in (1, 2) for m in replay4d.METHODS_4D}
+    assert all(r["step_s"] > r["pipeline_s"] > 0 for r in rows)
+    cad = [r for r in rows if r["method"] == "cad-pingpong"]
+    assert all(r["plan_imbalance_max"] <= 1 + s.tolerance + 1e-6 for r in cad)
+    # the signal-only control is never slower than the same schedule with the bytes
+    for r in cad:
+        sig = next(x for x in rows if x["method"] == "signal-only" and x["pp"] == r["pp"])
+        assert sig["step_s"] <= r["step_s"] + 1e-9
+    views = {r["view"] for r in res["summary"]}
+    assert {"any", "budget", "pp=1", "pp=2"} <= views
+    assert all(np.isfinite(r["speedup_over_wlb"]) for r in res["summary"])
