@@ -13,11 +13,12 @@ anything runs: a name no selected notebook defines, or a value of the wrong type
 stops the run with a message naming the notebook, the parameter and what is valid (exit status 2).
 
 Executed notebooks land in runs/<timestamp>-<profile>/ with their HTML (every plotly figure drawn;
-plotly.js loaded from plotly.min.js beside them), report.md, a self-contained report.html with each
-notebook's summary, key figures and the paper-vs-ours metrics that its cells recorded through
-``cadlib.analysis.report.record``, ending with the table of every claim of the papers (``cadlib.analysis.claims``: a
-claim this profile did not run says so; end-to-end ones fall back to the committed results), and
-report.json. Exit status 1 when any notebook failed.
+plotly.js loaded from plotly.min.js beside them; maths as MathML), report.md, a self-contained
+report.html and report.json. The report opens with its answer: a headline block and the table of every
+claim of the papers, one row each (``cadlib.analysis.claims``: a claim this profile did not run says so;
+end-to-end ones fall back to the committed results); then each notebook's summary and key figures, the
+evidence appendix (``cadlib.analysis.evidence``) and every metric the cells recorded through
+``cadlib.analysis.report.record``. Exit status 1 when any notebook failed.
 """
 from __future__ import annotations
 
@@ -36,11 +37,7 @@ import tokenize
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from cadlib.analysis import (  # noqa: E402
-    claims,
-    figures_html,  # noqa: E402
-    report,
-)
+from cadlib.analysis import claims, evidence, figures_html, report  # noqa: E402
 from cadlib.infra.results import atomic_write_text, environment_info, new_run_dir  # noqa: E402
 
 # Parameter profiles: per-notebook overrides on top of each notebook's own defaults (the defaults are the
@@ -374,7 +371,7 @@ def publish(dest: pathlib.Path, rows: list[dict], meta: dict, profile: str, run_
                 for r in rows]
     recorded = report.load_metrics(run_dir)
     report.write_report(dest, pub_rows, meta, profile, recorded, notes,
-                        claims=claims.claims_table(recorded, profile))
+                        claims=claims.claims_table(recorded, profile), evidence=evidence.sections())
     metrics = run_dir / report.METRICS_FILE
     if metrics.exists():
         shutil.copyfile(metrics, dest / report.METRICS_FILE)
@@ -431,7 +428,7 @@ def main(argv=None) -> int:
         rows.append(row)
     metrics = report.load_metrics(run_dir)             # the report ends with every claim, run here or not
     report.write_report(run_dir, rows, meta, args.profile, metrics, notes,
-                        claims=claims.claims_table(metrics, args.profile))
+                        claims=claims.claims_table(metrics, args.profile), evidence=evidence.sections())
     atomic_write_text(run_dir / "report.json", json.dumps({"meta": meta, "profile": args.profile,
                                                            "notebooks": rows}, indent=2) + "\n")
     print(f"[reproduce] report: {run_dir / 'report.html'} and report.md")
