@@ -89,7 +89,8 @@ def judge(c: Claim | str, ours, holds: bool | None = None) -> tuple[str, str]:
         d = ours - c.paper
         if abs(d) <= CLOSE * abs(c.paper):
             return "within", "" if d == 0 else f"within {CLOSE:.0%} of {c.paper_str()}"
-        return ("above" if d > 0 else "below"), f"{abs(d):.3g}{unit} {'over' if d > 0 else 'under'} {c.paper_str()}"
+        side = "over" if d > 0 else "under"
+        return ("above" if d > 0 else "below"), f"{abs(d):.3g}{unit} {side} {c.paper_str()}"
     lo, hi = c.low, c.high
     if (lo is None or ours >= lo) and (hi is None or ours <= hi):
         return "within", ""
@@ -160,7 +161,8 @@ def e2e_ours(results_dir: str | os.PathLike | None = None) -> list[dict]:
         device = res.get("meta", {}).get("device") or res.get("results", {}).get("device_name") or "a GPU"
         dist, link = cfg.get("dist"), cfg.get("link", "nvlink")
         k = int(cfg.get("tokens_per_rank", 0)) // 1024
-        setting = (f"{cfg.get('model')} ({cfg.get('layers')} layers), {cfg.get('nproc')} GPUs, {k}K tokens/GPU, "
+        setting = (f"{cfg.get('model')} ({cfg.get('layers')} layers), {cfg.get('nproc')} GPUs, "
+                   f"{k}K tokens/GPU, "
                    f"{dist}, {len(per_batch)} batches, {link} link")
         name = pathlib.Path(path).name
         label = f"{dist}_{k}k_{cfg.get('nproc')}gpu_{link}"
@@ -319,8 +321,9 @@ def claims_table(metrics: list[dict], profile: str = "cpu",
             elif controls:
                 why = "only control runs recorded"
             else:
-                why = f"not run in profile {profile}: " + ("measured on GPUs (profile h200x2)"
-                                                           if c.kind == "measured" else "its cell did not run")
+                where = ("measured on GPUs (profile h200x2)" if c.kind == "measured"
+                         else "its cell did not run")
+                why = f"not run in profile {profile}: {where}"
             table.append({**row, "ours": "—", "kind": c.kind, "verdict": "not reproduced", "why": why,
                           "value": None})
             continue
@@ -333,7 +336,8 @@ def claims_table(metrics: list[dict], profile: str = "cpu",
         value = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
         extra = f"{len(controls)} control run{'s' if len(controls) != 1 else ''} left out" if controls else ""
         others_text = "; ".join(s for s in (_range(others, c.unit), extra) if s)
-        table.append({**row, "ours": _ours_str(best.get("ours"), c.unit) + setting, "other settings": others_text,
+        table.append({**row, "ours": _ours_str(best.get("ours"), c.unit) + setting,
+                      "other settings": others_text,
                       "kind": best.get("kind", c.kind), "verdict": word, "why": why,
                       "notebook": best.get("notebook") or c.notebook, "value": value})
     return [{k: r[k] for k in TABLE_COLUMNS} for r in table]

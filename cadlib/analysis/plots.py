@@ -230,7 +230,8 @@ def claims_chart(points: Sequence[Mapping], title: str = "Ours against the paper
                                      hovertext=[p["label"] for p in pts], hoverinfo="text+y"))
     fig.add_vline(x=1.0, line=dict(color="gray", dash="dot"), annotation_text="the paper")
     fig.update_layout(title=title, height=140 + 26 * len(points), margin=dict(l=230),
-                      xaxis=dict(title="ours ÷ the paper's figure (its nearer end for a range; log)", type="log"),
+                      xaxis=dict(title="ours ÷ the paper's figure (its nearer end for a range; log)",
+                                 type="log"),
                       yaxis=dict(autorange="reversed"), legend=dict(orientation="h", y=-0.25))
     return fig
 
@@ -255,7 +256,8 @@ def owner_strip(owners: Mapping[str, Sequence[int]], doc_lens: Sequence[int], ti
     for b in np.cumsum(doc_lens)[:-1]:
         fig.add_vline(x=float(b), line=dict(color="white", width=3))
     fig.update_layout(title=title, barmode="overlay", bargap=0, height=120 + 70 * len(names),
-                      xaxis=dict(title="token (documents separated by white lines)", range=[0, sum(doc_lens)]),
+                      xaxis=dict(title="token (documents separated by white lines)",
+                                 range=[0, sum(doc_lens)]),
                       yaxis=dict(autorange="reversed"))
     return fig
 
@@ -267,10 +269,12 @@ def mask_grid(pictures: Mapping[str, np.ndarray], cols: int = 5, title: str = ""
 
     names = list(pictures)
     rows = -(-len(names) // cols)
-    fig = make_subplots(rows=rows, cols=cols, subplot_titles=names, horizontal_spacing=0.02, vertical_spacing=0.08)
+    fig = make_subplots(rows=rows, cols=cols, subplot_titles=names, horizontal_spacing=0.02,
+                        vertical_spacing=0.08)
     for i, name in enumerate(names):
         fig.add_trace(go.Heatmap(z=np.asarray(pictures[name], dtype=int), showscale=False,
-                                 colorscale=[[0, "#f4f4f4"], [1, "#4C78A8"]]), row=i // cols + 1, col=i % cols + 1)
+                                 colorscale=[[0, "#f4f4f4"], [1, "#4C78A8"]]),
+                      row=i // cols + 1, col=i % cols + 1)
     fig.update_xaxes(showticklabels=False)
     fig.update_yaxes(showticklabels=False, autorange="reversed")
     fig.update_layout(height=60 + 200 * rows, title=title)

@@ -37,10 +37,10 @@ exactly (e.g. a FLOP count). A kind may say more after the word, e.g. ``"measure
 METRIC_COLUMNS = ["metric", "paper", "ours", "unit", "kind", "source", "how", "note", "notebook"]
 CLAIM_COLUMNS = ["claim", "paper", "ours", "other settings", "verdict", "why", "kind", "notebook"]
 """The columns the report shows of the claims table (:func:`cadlib.analysis.claims.claims_table`)."""
-CLAIMS_INTRO = ("One row per headline claim of DistCA and LongCA-bench (registry: cadlib.core.paper.CLAIMS). Ours is "
-                "the setting closest to the paper's, the other settings are folded into a range, and control runs "
-                "are left out (every recorded value is in the metrics table at the end). Verdicts: holds, within, "
-                "below, above, not reproduced; the next column says why in one line.")
+CLAIMS_INTRO = ("One row per headline claim of DistCA and LongCA-bench (registry: cadlib.core.paper.CLAIMS). "
+                "Ours is the setting closest to the paper's, the other settings are folded into a range, and "
+                "control runs are left out (every recorded value is in the metrics table at the end). "
+                "Verdicts: holds, within, below, above, not reproduced; the next column says why in a line.")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -177,7 +177,8 @@ _CSS = ("body{font-family:system-ui,sans-serif;max-width:74em;margin:2em auto;pa
         "overflow-x:auto;white-space:pre-wrap}.failed{color:#b00}.ok{color:#070}.meta{color:#555}"
         ".figure{margin:1em 0 .2em;border:1px solid #eee}.caption{color:#444;font-size:.9em;margin:0 0 1.2em}"
         "table.claims,table.headline,table.metrics{table-layout:fixed;width:100%}"
-        "table.claims td,table.metrics td{font-size:.85em;overflow-wrap:anywhere}.src{color:#777;font-size:.85em}"
+        "table.claims td,table.metrics td{font-size:.85em;overflow-wrap:anywhere}"
+        ".src{color:#777;font-size:.85em}"
         "table.headline td{font-size:1em}.v{font-weight:600;white-space:nowrap}"
         ".v-holds,.v-within{color:#2E7D32}.v-below{color:#1F5FA8}.v-above{color:#C25E00}"
         ".v-not-reproduced{color:#777}details{margin:.4em 0}summary{cursor:pointer;font-weight:600}"
@@ -196,6 +197,11 @@ def _md_table(cols: list[str], rows: Iterable) -> list[str]:
 
 def _vcls(verdict: str) -> str:
     return "v v-" + re.sub(r"[^a-z]+", "-", verdict.lower()).strip("-")
+
+
+def _links(row: dict) -> str:
+    return " · ".join(f"<a href='{html.escape(href)}'>{html.escape(label)}</a>"
+                      for label, href in row.get("links", {}).items())
 
 
 def _anchor(name: str) -> str:
@@ -221,8 +227,8 @@ def write_report(dest: str | os.PathLike, rows: list[dict], meta: dict, profile:
     ran = f"{ok}/{len(rows)} notebooks ran cleanly."
     failed = [r for r in rows if r["status"] != "ok"]
     table = metrics_frame(metrics)
-    executed = {r["notebook"]: (nbformat.read(str(r["executed"]), as_version=4)
-                                if r.get("executed") and os.path.exists(r["executed"]) else None) for r in rows}
+    executed = {r["notebook"]: (nbformat.read(str(r["executed"]), as_version=4) if r.get("executed")
+                                and os.path.exists(r["executed"]) else None) for r in rows}
     lines = headline_rows(claims) if claims else []
 
     md = ["# cadlib reproduction: what reproduced", "", f"**{ran}** {head}", "",
@@ -267,14 +273,16 @@ def write_report(dest: str | os.PathLike, rows: list[dict], meta: dict, profile:
           for r in failed]
     if claims is not None:
         h += ["<section id='headline'><h2>The answer</h2><table class='headline'><tr><th style='width:34%'>"
-              "question</th><th style='width:11%'>verdict</th><th style='width:16%'>ours</th><th style='width:12%'>"
-              "paper</th><th>why</th></tr>"]
+              "question</th><th style='width:11%'>verdict</th><th style='width:16%'>ours</th>"
+              "<th style='width:12%'>paper</th><th>why</th></tr>"]
         h += [f"<tr><td>{esc(x['question'])}</td><td class='{_vcls(x['verdict'])}'>{esc(x['verdict'])}</td>"
-              f"<td>{esc(x['ours'])}</td><td>{esc(x['paper'])}</td><td>{esc(x['why'])}</td></tr>" for x in lines]
-        h += ["</table>", f"<div class='figure'>{figure_html({PLOTLY: hero_figure(claims).to_plotly_json()}, 'hero')}"
-              "</div><p class='caption'>Every claim this run checked, ours over the paper's figure: on the dotted "
-              "line ours is the paper's (inside its range, or a qualitative claim that holds); left of it ours is "
-              "below, right of it above. Hover a point for both figures.</p></section>",
+              f"<td>{esc(x['ours'])}</td><td>{esc(x['paper'])}</td><td>{esc(x['why'])}</td></tr>"
+              for x in lines]
+        hero = figure_html({PLOTLY: hero_figure(claims).to_plotly_json()}, "hero")
+        h += ["</table>", f"<div class='figure'>{hero}</div><p class='caption'>Every claim this run checked, "
+              "ours over the paper's figure: on the dotted line ours is the paper's (inside its range, or a "
+              "qualitative claim that holds); left of it ours is below, right of it above. Hover a point for "
+              "both figures.</p></section>",
               "<h2 id='claims'>Claims: one row per claim</h2>", f"<p>{esc(CLAIMS_INTRO)}</p>",
               "<table class='claims'><colgroup>" + "".join(f"<col style='width:{w}%'>" for w in _CLAIM_WIDTHS)
               + "</colgroup><tr>" + "".join(f"<th>{esc(k)}</th>" for k in CLAIM_COLUMNS) + "</tr>"]
@@ -282,25 +290,26 @@ def write_report(dest: str | os.PathLike, rows: list[dict], meta: dict, profile:
             cells = {k: esc(str(c.get(k, ""))) for k in CLAIM_COLUMNS}
             cells["claim"] = (f"<b>{esc(c['claim'])}</b><br>{esc(c.get('statement', ''))}"
                               f"<div class='src'>{esc(c.get('source', ''))}</div>")
-            h.append(f"<tr class='claim' data-claim='{esc(c['claim'])}'>" + "".join(
-                f"<td class='{_vcls(c['verdict'])}'>{cells[k]}</td>" if k == "verdict" else f"<td>{cells[k]}</td>"
-                for k in CLAIM_COLUMNS) + "</tr>")
+            cells["verdict"] = f"<span class='{_vcls(c['verdict'])}'>{cells['verdict']}</span>"
+            h.append(f"<tr class='claim' data-claim='{esc(c['claim'])}'>"
+                     + "".join(f"<td>{cells[k]}</td>" for k in CLAIM_COLUMNS) + "</tr>")
         h.append("</table>")
     h.append("<h2>The notebooks</h2>")
     for r in rows:
         nb, anchor = executed[r["notebook"]], _anchor(r["notebook"])
-        links = " · ".join(f"<a href='{esc(href)}'>{esc(label)}</a>" for label, href in r.get("links", {}).items())
-        h.append(f"<h3 id='{esc(anchor)}'>{esc(r['notebook'])}</h3><p class='meta'>{links}</p>")
+        h.append(f"<h3 id='{esc(anchor)}'>{esc(r['notebook'])}</h3><p class='meta'>{_links(r)}</p>")
         if r["status"] != "ok":
             h.append(f"<pre class='failed'>{esc(r['error'])}</pre>")
         h.append(f"<pre>{esc((summary_text(nb) if nb else '') or '(no summary output)')}</pre>")
         for k, (fig, cap) in enumerate(captioned_figures(nb) if nb else []):
-            h.append(f"<div class='figure'>{figure_html(fig, f'{anchor}-fig{k}')}</div><p class='caption'>{esc(cap)}</p>")
+            h.append(f"<div class='figure'>{figure_html(fig, f'{anchor}-fig{k}')}</div>"
+                     f"<p class='caption'>{esc(cap)}</p>")
     if evidence:
         h.append("<h2 id='evidence'>Evidence</h2><p>What the lessons rest on: histories of runs, variants, "
                  "the cost-model check and long tables, linked from the notebooks.</p>")
     for s in evidence:
-        h.append(f"<section class='evidence' id='evidence-{esc(s['id'])}'><h3>{esc(s['title'])}</h3><p>{esc(s['text'])}</p>")
+        h.append(f"<section class='evidence' id='evidence-{esc(s['id'])}'><h3>{esc(s['title'])}</h3>"
+                 f"<p>{esc(s['text'])}</p>")
         for k, (cap, fig) in enumerate(s["figures"]):
             h.append(f"<div class='figure'>{figure_html({PLOTLY: fig}, 'ev-' + s['id'] + f'-{k}')}</div>"
                      f"<p class='caption'>{esc(cap)}</p>")
@@ -316,15 +325,15 @@ def write_report(dest: str | os.PathLike, rows: list[dict], meta: dict, profile:
                  "(click to open)</summary>")
         for name, part in table.groupby("notebook", sort=False):
             h.append(f"<h4>{esc(name or '(no notebook)')}</h4>"
-                     + part.drop(columns="notebook").to_html(index=False, escape=True, border=0, classes="metrics"))
+                     + part.drop(columns="notebook").to_html(index=False, escape=True, border=0,
+                                                             classes="metrics"))
         h.append("</details>")
     h += ["<h2 id='run'>This run</h2>",
           "<table><tr><th>notebook</th><th>status</th><th>s</th><th>parameters</th><th>open</th></tr>"]
     for r in rows:
-        links = " · ".join(f"<a href='{esc(href)}'>{esc(label)}</a>" for label, href in r.get("links", {}).items())
         h.append(f"<tr><td><a href='#{esc(_anchor(r['notebook']))}'>{esc(r['notebook'])}</a></td>"
                  f"<td class='{esc(r['status'])}'>{esc(r['status'])}</td><td>{r['seconds']:.1f}</td>"
-                 f"<td><code>{esc(json.dumps(r['parameters']))}</code></td><td>{links}</td></tr>")
+                 f"<td><code>{esc(json.dumps(r['parameters']))}</code></td><td>{_links(r)}</td></tr>")
     h += ["</table>", "</body></html>"]
     html_path = atomic_write_text(dest / "report.html", "\n".join(h) + "\n")
     return md_path, html_path
