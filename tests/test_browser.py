@@ -12,6 +12,7 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_notebook
 
+from cadlib.core import paper
 from cadlib.infra import proctree
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -59,6 +60,9 @@ def test_an_error_in_a_cell_fails_the_check_and_leaves_no_process(tmp_path):
     assert_nothing_left(pids)
 
 
-def test_committed_report_draws_every_figure():
+def test_committed_report_opens_with_its_answer_one_row_per_claim_and_draws_every_figure():
     page = ROOT / "results" / "reports" / "report.html"
-    assert browser_check.check_report(page, SHOTS / f"{STAMP}-report.png") >= 3
+    got = browser_check.check_report(page, SHOTS / f"{STAMP}-report.png")
+    assert 4 <= got["headline_rows"] <= 6
+    assert got["claims"] == list(paper.CLAIMS), "one row per claim, in the registry's order"
+    assert got["figures"] >= 8
