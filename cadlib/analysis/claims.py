@@ -288,7 +288,8 @@ def _range(others: list[dict], unit: str) -> str:
         return "; ".join(f"{_ours_str(r['ours'], unit)} ({r['setting']})" for r in others)
     lo, hi = min(nums), max(nums)
     span = _ours_str(float(lo), unit) if lo == hi else f"{_num(float(lo))}–{_ours_str(float(hi), unit)}"
-    return f"{span} over {len(others)} settings"
+    kinds = sorted({str(r.get("kind", "")).split(" ")[0] for r in others} - {""})
+    return f"{span} over {len(others)} settings" + (f" ({' and '.join(kinds)})" if len(kinds) > 1 else "")
 
 
 def claims_table(metrics: list[dict], profile: str = "cpu",

@@ -255,7 +255,7 @@ def owner_strip(owners: Mapping[str, Sequence[int]], doc_lens: Sequence[int], ti
                              hovertemplate="token %{base}<extra>rank " + str(r) + "</extra>"))
     for b in np.cumsum(doc_lens)[:-1]:
         fig.add_vline(x=float(b), line=dict(color="white", width=3))
-    fig.update_layout(title=title, barmode="overlay", bargap=0, height=120 + 70 * len(names),
+    fig.update_layout(title=title, barmode="overlay", bargap=0, height=170 + 70 * len(names),
                       xaxis=dict(title="token (documents separated by white lines)",
                                  range=[0, sum(doc_lens)]),
                       yaxis=dict(autorange="reversed"))
@@ -272,7 +272,7 @@ def mask_grid(pictures: Mapping[str, np.ndarray], cols: int = 5, title: str = ""
     fig = make_subplots(rows=rows, cols=cols, subplot_titles=names, horizontal_spacing=0.02,
                         vertical_spacing=0.08)
     for i, name in enumerate(names):
-        fig.add_trace(go.Heatmap(z=np.asarray(pictures[name], dtype=int), showscale=False,
+        fig.add_trace(go.Heatmap(z=np.asarray(pictures[name], dtype=int), showscale=False, zmin=0, zmax=1,
                                  colorscale=[[0, "#f4f4f4"], [1, "#4C78A8"]]),
                       row=i // cols + 1, col=i % cols + 1)
     fig.update_xaxes(showticklabels=False)
@@ -302,7 +302,7 @@ def with_picker(figures: Mapping[str, object], title: str = ""):
         vis = [a <= i < b for i in range(len(fig.data))]
         buttons.append(dict(label=label, method="update",
                             args=[{"visible": vis}, {"height": figures[label].layout.height}]))
-    fig.update_layout(title=title or first.layout.title.text,
-                      updatemenus=[dict(buttons=buttons, direction="down", x=1.0, xanchor="right", y=1.12,
-                                        yanchor="top", showactive=True)])
+    fig.update_layout(title=title or first.layout.title.text, margin=dict(t=120),
+                      updatemenus=[dict(buttons=buttons, direction="down", x=1.0, xanchor="right", y=1.02,
+                                        yanchor="bottom", showactive=True, pad=dict(b=30))])
     return fig

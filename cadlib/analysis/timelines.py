@@ -105,8 +105,10 @@ def layer_window(rows, layer: int, direction: str = "forward") -> pd.DataFrame:
 def stage_frame(tf: pd.DataFrame) -> pd.DataFrame:
     """``tf`` (a :func:`timeline_frame`, or rows of it) without the step lane, with ``stage`` (``linear``,
     ``send``, ``attn``, ``return``, ``head``, ``cp``: the phase without its prime and nano-batch, so one
-    stream and ping-pong share colours) and ``nano`` (``A``, ``B`` or ``""``)."""
+    stream and ping-pong share colours) and ``nano`` (``A``, ``B`` or ``""``); rows in time order, the
+    compute lane's first, so that every method's chart puts its lanes in the same order."""
     df = tf[tf.lane != "step"].copy()
+    df = df.assign(_c=df.lane != "compute").sort_values(["_c", "start_ms"], kind="stable").drop(columns="_c")
     words = df.phase.str.replace("'", "", regex=False).str.split()
     df["stage"] = words.str[0]
     df["nano"] = [w[1] if len(w) > 1 else "" for w in words]
