@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Open a notebook in JupyterLab in a real browser (chromium through playwright), run all its cells from
 the Run menu, and check what a reader sees: no error output, plotly figures drawn, and the ipywidgets
-controls redrawing their figure when one changes. Also: every figure of a static report page drawn.
+controls redrawing their figure when one changes. Also a static report page: its headline block and
+claims table at the top, every figure drawn.
 
     python scripts/browser_check.py notebooks/01_imbalance/01_stragglers.ipynb --widgets
     python scripts/browser_check.py --report results/reports/report.html
@@ -251,8 +252,8 @@ def _check_widgets(page, changes: int = 2) -> list[str | None]:
     return seen
 
 
-def check_report(page_path: pathlib.Path, screenshot: pathlib.Path | None = None) -> int:
-    """Open a static report page; every plotly div must be drawn. Returns the number of figures."""
+def check_figures(page_path: pathlib.Path, screenshot: pathlib.Path | None = None) -> int:
+    """Open a static page and wait until every plotly figure in it is drawn; returns how many."""
     with browser_page() as page:
         page.goto(pathlib.Path(page_path).resolve().as_uri())
         n = page.locator(".plotly-graph-div").count()
@@ -262,6 +263,28 @@ def check_report(page_path: pathlib.Path, screenshot: pathlib.Path | None = None
         if screenshot:
             page.screenshot(path=str(screenshot), full_page=False)
     return n
+
+
+def check_report(page_path: pathlib.Path, screenshot: pathlib.Path | None = None) -> dict:
+    """Open a static report page and check what a reader meets first: the headline block (a table of
+    rows and the hero figure), the claims table, and every plotly figure drawn. Returns ``{"figures",
+    "headline_rows", "claim_rows", "claims"}`` (the claim ids of the table's rows, in order)."""
+    with browser_page() as page:
+        page.goto(pathlib.Path(page_path).resolve().as_uri())
+        n = page.locator(".plotly-graph-div").count()
+        assert n > 0, f"{page_path} has no plotly figure"
+        _wait(page, "(n) => document.querySelectorAll('.plotly-graph-div svg.main-svg').length >= n", 60,
+              f"all {n} figures of {page_path} to be drawn", arg=n)
+        headline = page.locator("#headline table.headline tr").count() - 1
+        assert headline >= 4, f"the headline block has {headline} rows"
+        assert page.locator("#headline #hero svg.main-svg").count() >= 1, "the headline's figure is not drawn"
+        top = page.evaluate("() => [document.getElementById('headline').getBoundingClientRect().top, "
+                            "document.getElementById('claims').getBoundingClientRect().top]")
+        assert top[0] < top[1] < 4000, f"the answer is not at the top of the page: {top}"
+        claims = page.locator("table.claims tr.claim").evaluate_all("rs => rs.map(r => r.dataset.claim)")
+        if screenshot:
+            page.screenshot(path=str(screenshot), full_page=False)
+    return {"figures": n, "headline_rows": headline, "claim_rows": len(claims), "claims": claims}
 
 
 def main(argv=None) -> int:
@@ -278,7 +301,7 @@ def main(argv=None) -> int:
         print(run_in_lab(pathlib.Path(args.notebook), shot, widgets=args.widgets), "screenshot:", shot)
     if args.report:
         out.mkdir(parents=True, exist_ok=True)
-        print(check_report(pathlib.Path(args.report), out / f"{stamp}-report.png"), "figures drawn")
+        print(check_report(pathlib.Path(args.report), out / f"{stamp}-report.png"))
     return 0
 
 

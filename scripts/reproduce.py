@@ -13,11 +13,12 @@ anything runs: a name no selected notebook defines, or a value of the wrong type
 stops the run with a message naming the notebook, the parameter and what is valid (exit status 2).
 
 Executed notebooks land in runs/<timestamp>-<profile>/ with their HTML (every plotly figure drawn;
-plotly.js loaded from plotly.min.js beside them), report.md, a self-contained report.html with each
-notebook's summary, key figures and the paper-vs-ours metrics that its cells recorded through
-``cadlib.analysis.report.record``, ending with the table of every claim of the papers (``cadlib.analysis.claims``: a
-claim this profile did not run says so; end-to-end ones fall back to the committed results), and
-report.json. Exit status 1 when any notebook failed.
+plotly.js loaded from plotly.min.js beside them; maths as MathML), report.md, a self-contained
+report.html and report.json. The report opens with its answer: a headline block and the table of every
+claim of the papers, one row each (``cadlib.analysis.claims``: a claim this profile did not run says so;
+end-to-end ones fall back to the committed results); then each notebook's summary and key figures, the
+evidence appendix (``cadlib.analysis.evidence``) and every metric the cells recorded through
+``cadlib.analysis.report.record``. Exit status 1 when any notebook failed.
 """
 from __future__ import annotations
 
@@ -36,11 +37,7 @@ import tokenize
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from cadlib.analysis import (  # noqa: E402
-    claims,
-    figures_html,  # noqa: E402
-    report,
-)
+from cadlib.analysis import claims, evidence, figures_html, report  # noqa: E402
 from cadlib.infra.results import atomic_write_text, environment_info, new_run_dir  # noqa: E402
 
 # Parameter profiles: per-notebook overrides on top of each notebook's own defaults (the defaults are the
@@ -95,6 +92,27 @@ RULES: dict[str, dict] = {
     "model_name": {"check": "cadlib.core.cost:as_model"},
     "dtype": {"choices": ["fp32", "bf16", "fp16"]},
     "cases": {"choices": "cadlib.verify:CASES", "split": ","},
+    "toy_ranks": {"min": 1},
+    "toy_tokens_per_rank": {"min": 1},
+    "toy_docs": {"min": 1, "nonempty": True},
+    "toy_doc": {"min": 2},
+    "toy_tokens": {"min": 1},
+    "toy_tolerance": {"min": 0},
+    "toy_attention": {"min": 0, "nonempty": True},
+    "ideal_layers": {"min": 1},
+    "ideal_linear": {"min": 1e-9},
+    "ideal_attention": {"min": 1e-9},
+    "ideal_comm": {"min": 1e-9},
+    "paper_dp_sizes": {"min": 1, "nonempty": True},
+    "paper_seeds": {"min": 1},
+    "paper_cap_factor": {"min": 1},
+    "divergence_cap_factor": {"min": 1},
+    "pp_stages": {"min": 1},
+    "n_microbatches": {"min": 2},
+    "microbatch_tokens": {"min": 8},
+    "small_ranks": {"min": 2},
+    "compare_seeds": {"min": 1},
+    "picture_docs": {"min": 1},
 }
 RULE_KEYS = {"min", "max", "nonempty", "choices", "also", "check", "split"}
 
@@ -375,7 +393,7 @@ def publish(dest: pathlib.Path, rows: list[dict], meta: dict, profile: str, run_
                 for r in rows]
     recorded = report.load_metrics(run_dir)
     report.write_report(dest, pub_rows, meta, profile, recorded, notes,
-                        claims=claims.claims_table(recorded, profile))
+                        claims=claims.claims_table(recorded, profile), evidence=evidence.sections())
     metrics = run_dir / report.METRICS_FILE
     if metrics.exists():
         shutil.copyfile(metrics, dest / report.METRICS_FILE)
@@ -432,7 +450,7 @@ def main(argv=None) -> int:
         rows.append(row)
     metrics = report.load_metrics(run_dir)             # the report ends with every claim, run here or not
     report.write_report(run_dir, rows, meta, args.profile, metrics, notes,
-                        claims=claims.claims_table(metrics, args.profile))
+                        claims=claims.claims_table(metrics, args.profile), evidence=evidence.sections())
     atomic_write_text(run_dir / "report.json", json.dumps({"meta": meta, "profile": args.profile,
                                                            "notebooks": rows}, indent=2) + "\n")
     print(f"[reproduce] report: {run_dir / 'report.html'} and report.md")

@@ -13,6 +13,7 @@ import pytest
 from nbformat.v4 import new_code_cell, new_notebook
 
 from cadlib import whatif
+from cadlib.core import paper
 from cadlib.infra import proctree
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -60,9 +61,12 @@ def test_an_error_in_a_cell_fails_the_check_and_leaves_no_process(tmp_path):
     assert_nothing_left(pids)
 
 
-def test_committed_report_draws_every_figure():
+def test_committed_report_opens_with_its_answer_one_row_per_claim_and_draws_every_figure():
     page = ROOT / "results" / "reports" / "report.html"
-    assert browser_check.check_report(page, SHOTS / f"{STAMP}-report.png") >= 3
+    got = browser_check.check_report(page, SHOTS / f"{STAMP}-report.png")
+    assert 4 <= got["headline_rows"] <= 6
+    assert got["claims"] == list(paper.CLAIMS), "one row per claim, in the registry's order"
+    assert got["figures"] >= 8
 
 
 def test_whatif_page_draws_every_figure(tmp_path):
@@ -72,4 +76,4 @@ def test_whatif_page_draws_every_figure(tmp_path):
             "--gpus-per-node", "2", "--tp", "2", "--context", "524288", "--tokens-per-group", "32768",
             "--steps", "1", "--quiet", "--html", str(page)]
     assert whatif.main(argv) == 0
-    assert browser_check.check_report(page, SHOTS / f"{STAMP}-whatif.png") == 5   # steps, ranks, memory, sweep, lengths
+    assert browser_check.check_figures(page, SHOTS / f"{STAMP}-whatif.png") == 5   # steps, ranks, memory, sweep, lengths

@@ -104,18 +104,27 @@ def with_html_figures(nb, prefix: str = "fig"):
 IMAGE_MIMES = ("image/png", "image/jpeg", "image/svg+xml")
 
 
-def key_figures(nb, tags: Iterable[str] = FIGURE_TAGS) -> list[dict]:
+def captioned_figures(nb, tags: Iterable[str] = FIGURE_TAGS) -> list[tuple[dict, str]]:
     """The figures of cells tagged with any of ``tags`` (every figure when no such cell has one), each
-    as ``{mime: data}``: a plotly figure dict under :data:`PLOTLY_MIME`, or an image (png, jpeg, svg)."""
+    as ``({mime: data}, caption)``: a plotly figure dict under :data:`PLOTLY_MIME`, or an image (png, jpeg,
+    svg); the caption is the cell's ``caption`` metadata, else the figure's title."""
     tags = set(tags)
     figs = []
     for _, cell, out in _outputs(nb):
         data = out.get("data", {})
         mime = next((m for m in (PLOTLY_MIME, *IMAGE_MIMES) if m in data), None)
         if mime:
-            figs.append((set(cell.get("metadata", {}).get("tags", [])), {mime: data[mime]}))
-    tagged = [f for t, f in figs if t & tags]
-    return tagged if tagged else [f for _, f in figs]
+            title = ((data[mime].get("layout") or {}).get("title") or {}) if mime == PLOTLY_MIME else {}
+            title = title.get("text", "") if isinstance(title, dict) else str(title)
+            caption = cell.get("metadata", {}).get("caption") or re.sub(r"<[^>]+>", " ", title).strip()
+            figs.append((set(cell.get("metadata", {}).get("tags", [])), {mime: data[mime]}, caption))
+    tagged = [(f, c) for t, f, c in figs if t & tags]
+    return tagged if tagged else [(f, c) for _, f, c in figs]
+
+
+def key_figures(nb, tags: Iterable[str] = FIGURE_TAGS) -> list[dict]:
+    """The figures of :func:`captioned_figures`, without their captions."""
+    return [f for f, _ in captioned_figures(nb, tags)]
 
 
 def figure_html(fig: dict, div_id: str) -> str:
@@ -141,13 +150,38 @@ def summary_text(nb, tag: str = "summary") -> str:
     return "".join(chunks).strip()
 
 
+_CODE = re.compile(r"(```.*?```|`[^`\n]*`)", re.S)
+_DISPLAY = re.compile(r"\$\$(.+?)\$\$", re.S)
+_INLINE = re.compile(r"(?<![\\$])\$(?![\s$])([^$\n]+?)(?<![\s\\])\$")
+
+
+def render_math(markdown: str) -> str:
+    """``markdown`` with its TeX (``$...$`` inline, ``$$...$$`` displayed; not inside code) replaced by
+    MathML, which browsers draw without a script or a network: exported pages show their maths offline."""
+    from latex2mathml.converter import convert
+
+    def math(text: str, display: str) -> str:
+        return convert(text.strip(), display=display).replace("\n", "")
+
+    parts = _CODE.split(markdown)
+    for i in range(0, len(parts), 2):
+        p = _DISPLAY.sub(lambda m: "\n\n" + math(m.group(1), "block") + "\n\n", parts[i])
+        parts[i] = _INLINE.sub(lambda m: math(m.group(1), "inline"), p)
+    return "".join(parts)
+
+
 def notebook_html(ipynb: str | os.PathLike, dest: str | os.PathLike, plotlyjs_src: str | None = None):
     """Export an executed notebook to HTML with every plotly figure drawn (plotly.js inlined, or loaded
-    from ``plotlyjs_src`` relative to the page)."""
+    from ``plotlyjs_src`` relative to the page) and its maths pre-rendered as MathML (:func:`render_math`;
+    no MathJax from the network)."""
     import nbformat
     from nbconvert import HTMLExporter
 
     nb = with_html_figures(nbformat.read(str(ipynb), as_version=4))
+    for cell in nb.cells:
+        if cell.cell_type == "markdown":
+            cell.source = render_math(cell.source)
     body, _ = HTMLExporter().from_notebook_node(nb)
+    body = re.sub(r"<script[^>]*src=\"[^\"]*mathjax[^\"]*\"[^>]*>\s*</script>", "", body, flags=re.I)
     body = re.sub(r"(<head[^>]*>)", lambda m: m.group(1) + plotlyjs_tag(plotlyjs_src), body, count=1)
     return atomic_write_text(dest, body)

@@ -117,7 +117,7 @@ def lines(df, x: str, y: str, color: str, title: str, xlog=False, ylabel=None, x
 
 def timeline(df, *, lane: str = "lane", phase: str = "phase", start: str = "start_ms", end: str = "end_ms",
              facet: str | None = None, title: str | None = None, colors: Mapping[str, str] | None = None,
-             hover: Sequence[str] = ()):
+             hover: Sequence[str] = (), xlabel: str | None = None):
     """A Gantt chart: one horizontal bar per row of ``df``, from ``df[start]`` to ``df[end]`` on lane
     ``df[lane]`` (y axis), coloured by ``df[phase]``.
 
@@ -126,8 +126,8 @@ def timeline(df, *, lane: str = "lane", phase: str = "phase", start: str = "star
     the palette in order of first appearance, unless ``colors`` maps a phase to one. With ``facet``
     (a column such as ``rank``) the rows are split into vertically stacked subplots sharing the time
     axis, one per value of that column (titled "<facet> <value>", or the value if it is a string).
-    ``hover`` names extra columns shown on hover. Lanes keep their order of first appearance, top to
-    bottom."""
+    ``hover`` names extra columns shown on hover; ``xlabel`` replaces the time axis' title. Lanes keep
+    their order of first appearance, top to bottom."""
     go = _go()
     from plotly.subplots import make_subplots
 
@@ -160,7 +160,7 @@ def timeline(df, *, lane: str = "lane", phase: str = "phase", start: str = "star
             seen.add(p)
         fig.update_yaxes(categoryorder="array", categoryarray=lanes[::-1], title_text=lane, row=row, col=1)
     unit = end.rsplit("_", 1)[-1] if "_" in end else ""
-    fig.update_xaxes(title_text=f"time ({unit})" if unit else "time", row=len(groups), col=1)
+    fig.update_xaxes(title_text=xlabel or (f"time ({unit})" if unit else "time"), row=len(groups), col=1)
     fig.update_layout(title=title, barmode="overlay", height=max(260, height), legend_title_text=phase)
     return fig
 
@@ -206,4 +206,103 @@ def grouped_bars(df, x: str, series: Mapping[str, str], title: str, yaxis: str =
     fig.update_layout(title=title, barmode="group", yaxis=dict(title=yaxis), height=400)
     if base is not None:
         fig.add_hline(y=base, line=dict(color="gray", width=1))
+    return fig
+
+
+STAGE_COLORS = {"linear": "#4C78A8", "send": "#F58518", "attn": "#54A24B", "return": "#E45756",
+                "head": "#B279A2", "cp": "#72B7B2", "attention": "#54A24B"}
+"""One colour per stage of a step, whatever the method and the nano-batch (``send A`` and ``send' B`` are
+both ``send``), so that the timelines of one stream and of ping-pong read alike."""
+VERDICT_COLORS = {"holds": "#2E7D32", "within": "#2E7D32", "below": "#1F5FA8", "above": "#C25E00",
+                  "not reproduced": "#888888"}
+
+
+def claims_chart(points: Sequence[Mapping], title: str = "Ours against the paper"):
+    """One marker per claim (``claim``, ``ratio``, ``verdict``, ``label``): ours over the paper's figure on a
+    log axis, 1 = the paper (within its range), coloured by verdict."""
+    go = _go()
+    fig = go.Figure()
+    for v, color in VERDICT_COLORS.items():
+        pts = [p for p in points if p["verdict"] == v]
+        if pts:
+            fig.add_trace(go.Scatter(x=[p["ratio"] for p in pts], y=[p["claim"] for p in pts], mode="markers",
+                                     name=v, marker=dict(size=12, color=color),
+                                     hovertext=[p["label"] for p in pts], hoverinfo="text+y"))
+    fig.add_vline(x=1.0, line=dict(color="gray", dash="dot"), annotation_text="the paper")
+    fig.update_layout(title=title, height=140 + 26 * len(points), margin=dict(l=230),
+                      xaxis=dict(title="ours ÷ the paper's figure (its nearer end for a range; log)",
+                                 type="log"),
+                      yaxis=dict(autorange="reversed"), legend=dict(orientation="h", y=-0.25))
+    return fig
+
+
+def owner_strip(owners: Mapping[str, Sequence[int]], doc_lens: Sequence[int], title: str):
+    """Which rank holds every token, one row per layout: one categorical colour per rank (a legend entry
+    each), white lines between documents."""
+    go = _go()
+    fig = go.Figure()
+    names = list(owners)
+    ranks = sorted({int(r) for o in owners.values() for r in o})
+    for r in ranks:
+        xs, ys = [], []
+        for name in names:
+            for t, o in enumerate(owners[name]):
+                if int(o) == r:
+                    xs.append(t)
+                    ys.append(name)
+        fig.add_trace(go.Bar(x=[1] * len(xs), base=xs, y=ys, orientation="h", name=f"rank {r}",
+                             marker=dict(color=_color(r), line=dict(width=0)), width=0.8,
+                             hovertemplate="token %{base}<extra>rank " + str(r) + "</extra>"))
+    for b in np.cumsum(doc_lens)[:-1]:
+        fig.add_vline(x=float(b), line=dict(color="white", width=3))
+    fig.update_layout(title=title, barmode="overlay", bargap=0, height=170 + 70 * len(names),
+                      xaxis=dict(title="token (documents separated by white lines)",
+                                 range=[0, sum(doc_lens)]),
+                      yaxis=dict(autorange="reversed"))
+    return fig
+
+
+def mask_grid(pictures: Mapping[str, np.ndarray], cols: int = 5, title: str = ""):
+    """Dense masks (queries down, keys across) as small pictures, ``cols`` per row, titled by name."""
+    go = _go()
+    from plotly.subplots import make_subplots
+
+    names = list(pictures)
+    rows = -(-len(names) // cols)
+    fig = make_subplots(rows=rows, cols=cols, subplot_titles=names, horizontal_spacing=0.02,
+                        vertical_spacing=0.08)
+    for i, name in enumerate(names):
+        fig.add_trace(go.Heatmap(z=np.asarray(pictures[name], dtype=int), showscale=False, zmin=0, zmax=1,
+                                 colorscale=[[0, "#f4f4f4"], [1, "#4C78A8"]]),
+                      row=i // cols + 1, col=i % cols + 1)
+    fig.update_xaxes(showticklabels=False)
+    fig.update_yaxes(showticklabels=False, autorange="reversed")
+    fig.update_layout(height=60 + 200 * rows, title=title)
+    return fig
+
+
+def with_picker(figures: Mapping[str, object], title: str = ""):
+    """Several figures of the same layout (e.g. one timeline per setting) as one figure with a dropdown
+    that shows one of them at a time (the first to begin with); works in static HTML too."""
+    go = _go()
+    labels = list(figures)
+    if not labels:
+        raise ValueError("with_picker: figures must name at least one figure")
+    first = figures[labels[0]]
+    fig = go.Figure(layout=first.layout)
+    spans = []
+    for label in labels:
+        start = len(fig.data)
+        for tr in figures[label].data:
+            fig.add_trace(tr)
+            fig.data[-1].visible = label == labels[0]
+        spans.append((start, len(fig.data)))
+    buttons = []
+    for label, (a, b) in zip(labels, spans):
+        vis = [a <= i < b for i in range(len(fig.data))]
+        buttons.append(dict(label=label, method="update",
+                            args=[{"visible": vis}, {"height": figures[label].layout.height}]))
+    fig.update_layout(title=title or first.layout.title.text, margin=dict(t=120),
+                      updatemenus=[dict(buttons=buttons, direction="down", x=1.0, xanchor="right", y=1.02,
+                                        yanchor="bottom", showactive=True, pad=dict(b=30))])
     return fig

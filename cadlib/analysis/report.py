@@ -6,11 +6,12 @@
   ``$CADLIB_REPORT_DIR/metrics.jsonl``. Run interactively, it only returns the table.
 * Plotly figures live in executed notebooks as ``application/vnd.plotly.v1+json``, which static HTML
   cannot show: :mod:`cadlib.analysis.figures_html` renders them (re-exported here).
-* :func:`write_report` writes ``report.md`` and a self-contained ``report.html``: the metrics of every
-  notebook (paper vs ours, with kind and source; a collapsible table per notebook), each notebook's
-  summary and its key figures (cells tagged ``figure`` or ``summary``; every figure when no cell is
-  tagged). plotly.js is packed into the page gzipped (:func:`plotlyjs_packed_tag`), so the page stays
-  near 2 MB.
+* :func:`write_report` writes ``report.md`` and a self-contained ``report.html`` that open with the
+  answer: a headline block (:mod:`cadlib.analysis.headline`: a few rows and one figure), the claims
+  table (one row per claim), then each notebook's summary and key figures with their captions (cells
+  tagged ``figure`` or ``summary``), the evidence appendix (:mod:`cadlib.analysis.evidence`), every
+  recorded metric (collapsed) and how the run went. plotly.js is packed into the page gzipped
+  (:func:`plotlyjs_packed_tag`).
 """
 from __future__ import annotations
 
@@ -25,18 +26,21 @@ import re
 from typing import Iterable
 
 from ..infra.results import atomic_write_text, device_name
-from .figures_html import figure_html, key_figures, plotlyjs_packed_tag, summary_text
+from .figures_html import PLOTLY_MIME as PLOTLY
+from .figures_html import captioned_figures, figure_html, plotlyjs_packed_tag, summary_text
+from .headline import headline_rows, hero_figure
 
 METRICS_FILE = "metrics.jsonl"
 KINDS = ("measured", "replayed", "simulated", "computed")
 """How ours was obtained: ``measured`` on a device, ``simulated`` from the cost model, or ``computed``
 exactly (e.g. a FLOP count). A kind may say more after the word, e.g. ``"measured on 2x H200"``."""
 METRIC_COLUMNS = ["metric", "paper", "ours", "unit", "kind", "source", "how", "note", "notebook"]
-CLAIM_COLUMNS = ["claim", "paper", "ours", "kind", "verdict", "notebook", "source"]
-"""The columns of the report's closing claims table (:func:`cadlib.analysis.claims.claims_table`)."""
-CLAIMS_INTRO = ("Every headline claim of DistCA and LongCA-bench (registry: cadlib.core.paper.CLAIMS), with ours: "
-                "simulated or computed on the CPU, measured on the named GPUs (committed results where this "
-                "profile did not run them). A claim this run did not check says so.")
+CLAIM_COLUMNS = ["claim", "paper", "ours", "other settings", "verdict", "why", "kind", "notebook"]
+"""The columns the report shows of the claims table (:func:`cadlib.analysis.claims.claims_table`)."""
+CLAIMS_INTRO = ("One row per headline claim of DistCA and LongCA-bench (registry: cadlib.core.paper.CLAIMS). "
+                "Ours is the setting closest to the paper's, the other settings are folded into a range, and "
+                "control runs are left out (every recorded value is in the metrics table at the end). "
+                "Verdicts: holds, within, below, above, not reproduced; the next column says why in a line.")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -79,7 +83,7 @@ def _paper_fields(paper) -> dict:
 
 
 def record(metric_id: str, ours, *, paper=None, unit: str = "", kind: str = "simulated", how: str = "",
-           note: str = "", verdict: str = "", source: str = ""):
+           note: str = "", verdict: str = "", source: str = "", primary: bool = False, control: bool = False):
     """Record one of our figures beside the paper's; return it as a one-row ``pandas.DataFrame``.
 
     ``metric_id``: a stable name (e.g. ``"idle_fraction_dp8_512k"``); ``ours``: our value (number, bool
@@ -88,7 +92,9 @@ def record(metric_id: str, ours, *, paper=None, unit: str = "", kind: str = "sim
     ``"measured"`` is labelled with the device this cell runs on); ``how``: how ours was obtained;
     ``note``: anything the reader must know (why it differs, what was not reproduced); ``verdict``:
     how ours stands against the paper (``cadlib.analysis.claims.record`` fills it from the claims registry);
-    ``source``: where the paper's figure comes from, when ``paper`` does not say.
+    ``source``: where the paper's figure comes from, when ``paper`` does not say; ``primary`` and
+    ``control`` (kept only when true): this row is the setting closest to the paper's, or a control run
+    (see :func:`cadlib.analysis.claims.claims_table`).
     """
     if not isinstance(metric_id, str) or not metric_id.strip():
         raise ValueError(f"metric_id must be a non-empty string, got {metric_id!r}")
@@ -104,6 +110,7 @@ def record(metric_id: str, ours, *, paper=None, unit: str = "", kind: str = "sim
     row.pop("paper_unit", None)
     row.update(kind="measured on " + device_name() if kind == "measured" else kind, how=how, note=note,
                notebook=os.environ.get("CADLIB_NOTEBOOK", ""), **({"verdict": verdict} if verdict else {}),
+               **({"primary": True} if primary else {}), **({"control": True} if control else {}),
                time=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
     out_dir = os.environ.get("CADLIB_REPORT_DIR")
     if out_dir:
@@ -164,60 +171,75 @@ def metrics_frame(rows: Iterable[dict]):
 # The report
 # ---------------------------------------------------------------------------------------------------
 
-_CSS = ("body{font-family:system-ui,sans-serif;max-width:72em;margin:2em auto;padding:0 1em;color:#222}"
+_CSS = ("body{font-family:system-ui,sans-serif;max-width:74em;margin:2em auto;padding:0 1em;color:#222}"
         "table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:.25em .6em;"
         "text-align:left;vertical-align:top}th{background:#f0f0f0}pre{background:#f6f6f6;padding:.6em;"
-        "overflow-x:auto;white-space:pre-wrap}.failed{color:#b00}.ok{color:#070}"
-        ".figure{margin:1em 0;border:1px solid #eee}table.claims{table-layout:fixed;width:100%}"
-        "table.claims td{font-size:.85em;overflow-wrap:anywhere}table.claims .src{color:#777;font-size:.85em;"
-        "margin-top:.3em}col.c-claim{width:22%}col.c-paper{width:22%}col.c-ours{width:10%}col.c-kind{width:13%}"
-        "col.c-verdict{width:23%}col.c-notebook{width:10%}"
-        "tr.claim-ok td:nth-child(5){color:#070}tr.claim-off td:nth-child(5){color:#a40}"
-        "tr.claim-missing td{color:#777}"
-        # the metrics tables: fixed widths in METRIC_COLUMNS order (less the notebook), text wrapped
-        "table.metrics{table-layout:fixed;width:100%}table.metrics td{font-size:.85em;overflow-wrap:anywhere}"
-        + "".join(f"table.metrics th:nth-child({i + 1}){{width:{w}%}}"
-                  for i, w in enumerate((18, 6, 7, 5, 12, 13, 21, 18)))
-        + "details{margin:.4em 0}summary{cursor:pointer;font-weight:600}")
+        "overflow-x:auto;white-space:pre-wrap}.failed{color:#b00}.ok{color:#070}.meta{color:#555}"
+        ".figure{margin:1em 0 .2em;border:1px solid #eee}.caption{color:#444;font-size:.9em;margin:0 0 1.2em}"
+        "table.claims,table.headline,table.metrics{table-layout:fixed;width:100%}"
+        "table.claims td,table.metrics td{font-size:.85em;overflow-wrap:anywhere}"
+        ".src{color:#777;font-size:.85em}"
+        "table.headline td{font-size:1em}.v{font-weight:600;white-space:nowrap}"
+        ".v-holds,.v-within{color:#2E7D32}.v-below{color:#1F5FA8}.v-above{color:#C25E00}"
+        ".v-not-reproduced{color:#777}details{margin:.4em 0}summary{cursor:pointer;font-weight:600}"
+        "section.evidence{border-top:1px solid #ddd;margin-top:1.5em}")
+_CLAIM_WIDTHS = (16, 9, 13, 15, 8, 21, 11, 7)
 
 
 def _md_cell(v) -> str:
     return str(v).replace("|", "\\|").replace("\n", " ")
 
 
+def _md_table(cols: list[str], rows: Iterable) -> list[str]:
+    return ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols),
+            *["| " + " | ".join(_md_cell(v) for v in r) + " |" for r in rows]]
+
+
+def _vcls(verdict: str) -> str:
+    return "v v-" + re.sub(r"[^a-z]+", "-", verdict.lower()).strip("-")
+
+
+def _links(row: dict) -> str:
+    return " · ".join(f"<a href='{html.escape(href)}'>{html.escape(label)}</a>"
+                      for label, href in row.get("links", {}).items())
+
+
+def _anchor(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-")
+
+
 def write_report(dest: str | os.PathLike, rows: list[dict], meta: dict, profile: str,
-                 metrics: list[dict], notes: Iterable[str] = (),
-                 claims: list[dict] | None = None) -> tuple[pathlib.Path, pathlib.Path]:
+                 metrics: list[dict], notes: Iterable[str] = (), claims: list[dict] | None = None,
+                 evidence: list[dict] | None = None) -> tuple[pathlib.Path, pathlib.Path]:
     """Write ``dest/report.md`` and a self-contained ``dest/report.html``.
 
     ``rows``: one dict per notebook with ``notebook``, ``status``, ``seconds``, ``parameters``,
     ``error``, ``executed`` (path of the executed notebook or None) and ``links`` (``{label: href}``).
-    ``metrics``: rows from :func:`load_metrics`. ``notes``: lines shown under the header. ``claims``:
-    the closing table of the papers' claims (rows of :func:`cadlib.analysis.claims.claims_table`; its columns
-    :data:`CLAIM_COLUMNS`), shown last."""
+    ``metrics``: rows from :func:`load_metrics`. ``notes``: lines shown under the header. ``claims``: the
+    claims table (rows of :func:`cadlib.analysis.claims.claims_table`): with it the report opens with
+    the headline block and the table. ``evidence``: sections of :func:`cadlib.analysis.evidence.sections`."""
     import nbformat
 
-    dest = pathlib.Path(dest)
+    dest, notes, evidence = pathlib.Path(dest), list(notes), evidence or []
     ok = sum(r["status"] == "ok" for r in rows)
     head = (f"Profile `{profile}` on {meta.get('device')}; torch {meta.get('torch')}, "
             f"commit `{meta.get('commit')}`, {meta.get('date')}.")
+    ran = f"{ok}/{len(rows)} notebooks ran cleanly."
+    failed = [r for r in rows if r["status"] != "ok"]
     table = metrics_frame(metrics)
-    executed = {}
-    for r in rows:
-        ex = r.get("executed")
-        executed[r["notebook"]] = nbformat.read(str(ex), as_version=4) if ex and os.path.exists(ex) else None
+    executed = {r["notebook"]: (nbformat.read(str(r["executed"]), as_version=4) if r.get("executed")
+                                and os.path.exists(r["executed"]) else None) for r in rows}
+    lines = headline_rows(claims) if claims else []
 
-    md = ["# cadlib reproduction", "", head, "", *[f"- {n}" for n in notes], *([""] if notes else []),
-          f"**{ok}/{len(rows)} notebooks ran cleanly.** Figures: `report.html`.", "",
-          "| notebook | status | seconds | parameters |", "|---|---|---|---|"]
-    md += [f"| `{r['notebook']}` | {r['status']} | {r['seconds']:.1f} | `{json.dumps(r['parameters'])}` |"
-           for r in rows]
-    md += ["", "## Paper vs ours", ""]
-    if table.empty:
-        md.append("No notebook recorded a metric in this run (cells call `cadlib.analysis.report.record`).")
-    else:
-        md += ["| " + " | ".join(METRIC_COLUMNS) + " |", "|" + "---|" * len(METRIC_COLUMNS)]
-        md += ["| " + " | ".join(_md_cell(v) for v in rec) + " |" for rec in table.itertuples(index=False)]
+    md = ["# cadlib reproduction: what reproduced", "", f"**{ran}** {head}", "",
+          *[f"- {n}" for n in notes], *([""] if notes else [])]
+    md += [f"**FAILED:** `{r['notebook']}`" for r in failed] + ([""] if failed else [])
+    if claims is not None:
+        md += ["## The answer", "", *_md_table(["question", "verdict", "ours", "paper", "why"],
+                                               [(x["question"], x["verdict"], x["ours"], x["paper"], x["why"])
+                                                for x in lines]),
+               "", "## Claims: one row per claim", "", CLAIMS_INTRO, "",
+               *_md_table(CLAIM_COLUMNS, [[c.get(k, "") for k in CLAIM_COLUMNS] for c in claims])]
     for r in rows:
         nb = executed[r["notebook"]]
         md += ["", f"## {r['notebook']}", ""]
@@ -225,68 +247,99 @@ def write_report(dest: str | os.PathLike, rows: list[dict], meta: dict, profile:
             md += ["```", r["error"], "```"]
         md += ["```", (summary_text(nb) if nb else "") or "(no summary output)", "```"]
         if nb:
-            md.append(f"{len(key_figures(nb))} figure(s) in report.html.")
-    if claims is not None:
-        md += ["", "## Claims: paper vs ours", "", CLAIMS_INTRO, "",
-               "| " + " | ".join(CLAIM_COLUMNS) + " |", "|" + "---|" * len(CLAIM_COLUMNS)]
-        md += ["| " + " | ".join(_md_cell(c.get(k, "")) for k in CLAIM_COLUMNS) + " |" for c in claims]
+            md += [f"- Figure: {cap}" for _, cap in captioned_figures(nb)]
+    for s in evidence:
+        md += ["", f"## Evidence: {s['title']}", "", s["text"]]
+        for cap, df in s["tables"]:
+            md += ["", cap, "", df.to_markdown() if _has_tabulate() else "```\n" + df.to_string() + "\n```"]
+    md += ["", "## Paper vs ours: every recorded metric", ""]
+    if table.empty:
+        md.append("No notebook recorded a metric in this run (cells call `cadlib.analysis.report.record`).")
+    else:
+        md += _md_table(METRIC_COLUMNS, table.itertuples(index=False))
+    md += ["", "## This run", "", *_md_table(["notebook", "status", "seconds", "parameters"],
+                                             [(f"`{r['notebook']}`", r["status"], f"{r['seconds']:.1f}",
+                                               f"`{json.dumps(r['parameters'])}`") for r in rows])]
     md_path = atomic_write_text(dest / "report.md", "\n".join(md) + "\n")
 
     esc = html.escape
     h = ["<!doctype html><html><head><meta charset='utf-8'><title>cadlib reproduction</title>",
-         f"<style>{_CSS}</style>", "</head><body>", plotlyjs_packed_tag(), "<h1>cadlib reproduction</h1>",
-         f"<p>{esc(head).replace('`', '')}</p>"]
+         f"<style>{_CSS}</style>", "</head><body>", plotlyjs_packed_tag(),
+         "<h1>cadlib reproduction: what reproduced</h1>",
+         f"<p class='meta'><b>{esc(ran)}</b> {esc(head).replace('`', '')} "
+         "<a href='#run'>The run</a> · <a href='#metrics'>every metric</a>.</p>"]
     h += [f"<p>{esc(n)}</p>" for n in notes]
-    h += [f"<p><b>{ok}/{len(rows)} notebooks ran cleanly.</b></p>",
-          "<table><tr><th>notebook</th><th>status</th><th>s</th><th>parameters</th><th>open</th></tr>"]
+    h += [f"<p class='failed'>FAILED: <a href='#{esc(_anchor(r['notebook']))}'>{esc(r['notebook'])}</a></p>"
+          for r in failed]
+    if claims is not None:
+        h += ["<section id='headline'><h2>The answer</h2><table class='headline'><tr><th style='width:34%'>"
+              "question</th><th style='width:11%'>verdict</th><th style='width:16%'>ours</th>"
+              "<th style='width:12%'>paper</th><th>why</th></tr>"]
+        h += [f"<tr><td>{esc(x['question'])}</td><td class='{_vcls(x['verdict'])}'>{esc(x['verdict'])}</td>"
+              f"<td>{esc(x['ours'])}</td><td>{esc(x['paper'])}</td><td>{esc(x['why'])}</td></tr>"
+              for x in lines]
+        hero = figure_html({PLOTLY: hero_figure(claims).to_plotly_json()}, "hero")
+        h += ["</table>", f"<div class='figure'>{hero}</div><p class='caption'>Every claim this run checked, "
+              "ours over the paper's figure: on the dotted line ours is the paper's (inside its range, or a "
+              "qualitative claim that holds); left of it ours is below, right of it above. Hover a point for "
+              "both figures.</p></section>",
+              "<h2 id='claims'>Claims: one row per claim</h2>", f"<p>{esc(CLAIMS_INTRO)}</p>",
+              "<table class='claims'><colgroup>" + "".join(f"<col style='width:{w}%'>" for w in _CLAIM_WIDTHS)
+              + "</colgroup><tr>" + "".join(f"<th>{esc(k)}</th>" for k in CLAIM_COLUMNS) + "</tr>"]
+        for c in claims:
+            cells = {k: esc(str(c.get(k, ""))) for k in CLAIM_COLUMNS}
+            cells["claim"] = (f"<b>{esc(c['claim'])}</b><br>{esc(c.get('statement', ''))}"
+                              f"<div class='src'>{esc(c.get('source', ''))}</div>")
+            cells["verdict"] = f"<span class='{_vcls(c['verdict'])}'>{cells['verdict']}</span>"
+            h.append(f"<tr class='claim' data-claim='{esc(c['claim'])}'>"
+                     + "".join(f"<td>{cells[k]}</td>" for k in CLAIM_COLUMNS) + "</tr>")
+        h.append("</table>")
+    h.append("<h2>The notebooks</h2>")
     for r in rows:
-        links = " · ".join(f"<a href='{esc(href)}'>{esc(label)}</a>"
-                           for label, href in r.get("links", {}).items())
-        h.append(f"<tr><td><a href='#{esc(_anchor(r['notebook']))}'>{esc(r['notebook'])}</a></td>"
-                 f"<td class='{esc(r['status'])}'>{esc(r['status'])}</td><td>{r['seconds']:.1f}</td>"
-                 f"<td><code>{esc(json.dumps(r['parameters']))}</code></td><td>{links}</td></tr>")
-    h += ["</table>", "<h2>Paper vs ours</h2>"]
+        nb, anchor = executed[r["notebook"]], _anchor(r["notebook"])
+        h.append(f"<h3 id='{esc(anchor)}'>{esc(r['notebook'])}</h3><p class='meta'>{_links(r)}</p>")
+        if r["status"] != "ok":
+            h.append(f"<pre class='failed'>{esc(r['error'])}</pre>")
+        h.append(f"<pre>{esc((summary_text(nb) if nb else '') or '(no summary output)')}</pre>")
+        for k, (fig, cap) in enumerate(captioned_figures(nb) if nb else []):
+            h.append(f"<div class='figure'>{figure_html(fig, f'{anchor}-fig{k}')}</div>"
+                     f"<p class='caption'>{esc(cap)}</p>")
+    if evidence:
+        h.append("<h2 id='evidence'>Evidence</h2><p>What the lessons rest on: histories of runs, variants, "
+                 "the cost-model check and long tables, linked from the notebooks.</p>")
+    for s in evidence:
+        h.append(f"<section class='evidence' id='evidence-{esc(s['id'])}'><h3>{esc(s['title'])}</h3>"
+                 f"<p>{esc(s['text'])}</p>")
+        for k, (cap, fig) in enumerate(s["figures"]):
+            h.append(f"<div class='figure'>{figure_html({PLOTLY: fig}, 'ev-' + s['id'] + f'-{k}')}</div>"
+                     f"<p class='caption'>{esc(cap)}</p>")
+        for cap, df in s["tables"]:
+            h.append(f"<p class='caption'>{esc(cap)}</p>" + df.to_html(border=0, classes="metrics"))
+        h.append("</section>")
+    h.append("<h2 id='metrics'>Paper vs ours: every recorded metric</h2>")
     if table.empty:
         h.append("<p>No notebook recorded a metric in this run (cells call "
                  "<code>cadlib.analysis.report.record</code>).</p>")
     else:
-        # one collapsible table per notebook: a run records about a hundred metrics
-        h.append("<p>Every metric the notebooks recorded, grouped by notebook (click to open)."
-                 + (" The <a href='#claims'>claims table</a> at the end is the summary." if claims is not None
-                    else "") + "</p>")
+        h.append(f"<details><summary>{len(table)} metrics from {table.notebook.nunique()} notebooks "
+                 "(click to open)</summary>")
         for name, part in table.groupby("notebook", sort=False):
-            h.append(f"<details><summary>{esc(name or '(no notebook)')}: {len(part)} metric"
-                     f"{'s' if len(part) != 1 else ''}</summary>"
+            h.append(f"<h4>{esc(name or '(no notebook)')}</h4>"
                      + part.drop(columns="notebook").to_html(index=False, escape=True, border=0,
-                                                             classes="metrics") + "</details>")
+                                                             classes="metrics"))
+        h.append("</details>")
+    h += ["<h2 id='run'>This run</h2>",
+          "<table><tr><th>notebook</th><th>status</th><th>s</th><th>parameters</th><th>open</th></tr>"]
     for r in rows:
-        nb = executed[r["notebook"]]
-        h.append(f"<h2 id='{esc(_anchor(r['notebook']))}'>{esc(r['notebook'])}</h2>")
-        if r["status"] != "ok":
-            h.append(f"<pre class='failed'>{esc(r['error'])}</pre>")
-        h.append(f"<pre>{esc((summary_text(nb) if nb else '') or '(no summary output)')}</pre>")
-        anchor = _anchor(r["notebook"])
-        for k, fig in enumerate(key_figures(nb) if nb else []):
-            h.append(f"<div class='figure'>{figure_html(fig, f'{anchor}-fig{k}')}</div>")
-    if claims is not None:
-        cols = [k for k in CLAIM_COLUMNS if k != "source"]     # the source goes under the paper's figure
-        h += ["<h2 id='claims'>Claims: paper vs ours</h2>", f"<p>{esc(CLAIMS_INTRO)}</p>",
-              "<table class='claims'><colgroup>" + "".join(f"<col class='c-{k}'>" for k in cols),
-              "</colgroup><tr>" + "".join(f"<th>{esc(k)}</th>" for k in cols) + "</tr>"]
-        for c in claims:
-            v = str(c.get("verdict", ""))
-            cls = ("claim-ok" if v.startswith(("within", "matches", "holds")) else
-                   "claim-missing" if v.startswith(("not run", "not reproduced")) else "claim-off")
-            cid, _, sentence = str(c.get("claim", "")).partition(": ")
-            cells = {k: esc(str(c.get(k, ""))) for k in cols}
-            cells["claim"] = f"<b>{esc(cid)}</b><br>{esc(sentence)}"
-            cells["paper"] += f"<div class='src'>{esc(str(c.get('source', '')))}</div>"
-            h.append(f"<tr class='{cls}'>" + "".join(f"<td>{cells[k]}</td>" for k in cols) + "</tr>")
-        h.append("</table>")
-    h.append("</body></html>")
+        h.append(f"<tr><td><a href='#{esc(_anchor(r['notebook']))}'>{esc(r['notebook'])}</a></td>"
+                 f"<td class='{esc(r['status'])}'>{esc(r['status'])}</td><td>{r['seconds']:.1f}</td>"
+                 f"<td><code>{esc(json.dumps(r['parameters']))}</code></td><td>{_links(r)}</td></tr>")
+    h += ["</table>", "</body></html>"]
     html_path = atomic_write_text(dest / "report.html", "\n".join(h) + "\n")
     return md_path, html_path
 
 
-def _anchor(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-")
+
+def _has_tabulate() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("tabulate") is not None

@@ -1,11 +1,10 @@
 """The claims registry (cadlib.core.paper.CLAIMS), verdicts, the end-to-end reader and the report's claims
 table."""
 import json
-import pathlib
 
 import pytest
 
-from cadlib.analysis import claims, report, server_bench
+from cadlib.analysis import claims, evidence, headline, report, server_bench
 from cadlib.core import paper
 from cadlib.infra.results import REPO_ROOT, save_result
 
@@ -46,29 +45,33 @@ def test_figures_are_defined_once_and_old_names_still_work():
 
 
 @pytest.mark.parametrize("cid, ours, expected", [
-    ("distca.speedup_3d_pretrain", 1.1, "within the paper's range"),
-    ("distca.speedup_3d_pretrain", 1.0, "below the paper's range by 0.07x"),
-    ("distca.speedup_3d_pretrain", 1.3, "above the paper's range by 0.1x"),
-    ("distca.speedup_max", 0.5, "within the paper's range"),              # "up to": open below
-    ("distca.speedup_max", 1.45, "above the paper's range by 0.1x"),
-    ("distca.idle_dp8", 55.4, "matches the paper"),
-    ("distca.idle_dp8", 58, "matches the paper (within 10%)"),
-    ("distca.idle_dp4", 35.7, "above the paper by 16.5 points"),
-    ("distca.pingpong_gain", 1.0, "below the paper's range by 9 points"),
+    ("distca.speedup_3d_pretrain", 1.1, "within"),
+    ("distca.speedup_3d_pretrain", 1.0, "below: 0.07x under 1.07x"),
+    ("distca.speedup_3d_pretrain", 1.3, "above: 0.1x over 1.2x"),
+    ("distca.speedup_max", 0.5, "within"),              # "up to": open below
+    ("distca.speedup_max", 1.45, "above: 0.1x over 1.35x"),
+    ("distca.idle_dp8", 55.4, "within"),
+    ("distca.idle_dp8", 58, "within: within 10% of 55.4%"),
+    ("distca.idle_dp4", 35.7, "above: 16.5 points over 19.2%"),
+    ("distca.pingpong_gain", 1.0, "below: 9 points under 10%"),
     ("distca.scheduler_bytes", True, "holds"),
-    ("distca.composability", False, "does not hold"),
-    ("longca.published_figures", "own harness", "no paper figure to compare"),
-    ("distca.idle_dp4", None, "not run"),
+    ("distca.composability", False, "not reproduced: ours does not bear it out"),
+    ("longca.published_figures", "own harness", "not reproduced: no paper figure to compare"),
+    ("distca.idle_dp4", None, "not reproduced: not run"),
 ])
 def test_verdict(cid, ours, expected):
     assert claims.verdict(cid, ours) == expected
-    assert claims.verdict(cid, ours, reason="why").endswith("; why")
+    assert claims.verdict(cid, ours, reason="why").endswith("why")
+    word, _ = claims.split_verdict(claims.verdict(cid, ours, reason="why"))
+    assert word in claims.VERDICTS
 
 
 def test_verdict_rejects_non_numbers_and_takes_holds():
     with pytest.raises(ValueError, match="finite number"):
         claims.verdict("distca.idle_dp4", float("nan"))
     assert claims.verdict("longca.sliding_window_count", 0.5, holds=True) == "holds"
+    with pytest.raises(ValueError, match="a verdict starts with one of holds, within"):
+        claims.split_verdict("matches the paper")
 
 
 def test_record_writes_the_claim_with_its_verdict(tmp_path, monkeypatch):
@@ -76,18 +79,20 @@ def test_record_writes_the_claim_with_its_verdict(tmp_path, monkeypatch):
     monkeypatch.setenv("CADLIB_NOTEBOOK", "01_imbalance/01_stragglers.ipynb")
     row = claims.record("distca.idle_dp8", 63.9, how="sim", reason="batch not public")
     assert row.loc[0, "paper"] == "55.4" and row.loc[0, "unit"] == "%"
-    assert "above the paper" in row.loc[0, "note"]
+    assert row.loc[0, "note"].startswith("above: ")
     claims.record("distca.memory_divergence", 1.1, how="sim", setting="dp4")
     claims.record("distca.memory_divergence", 1.3, how="sim", setting="dp8")
+    claims.record("distca.memory_divergence", 1.0, how="sim", setting="uniform_64k", control=True)
     rows = {m["metric"]: m for m in report.load_metrics(tmp_path)}
-    assert set(rows) == {"distca.idle_dp8", "distca.memory_divergence@dp4", "distca.memory_divergence@dp8"}
-    assert rows["distca.idle_dp8"]["verdict"] == "above the paper by 8.5 points; batch not public"
+    assert set(rows) == {"distca.idle_dp8", "distca.memory_divergence@dp4", "distca.memory_divergence@dp8",
+                         "distca.memory_divergence@uniform_64k"}
+    assert rows["distca.idle_dp8"]["verdict"] == "above: 8.5 points over 55.4%; batch not public"
     assert rows["distca.memory_divergence@dp4"]["paper"] == [1.08, 1.17]
     assert "Figure 4a" in rows["distca.memory_divergence@dp4"]["paper_source"]
     table = claims.claims_table(report.load_metrics(tmp_path), "cpu", results_dir=tmp_path)
-    div = [r for r in table if r["claim"].startswith("distca.memory_divergence")]
-    assert [r["ours"] for r in div] == ["1.1x (dp4)", "1.3x (dp8)"]
-    assert [r["verdict"] for r in div] == ["within the paper's range", "above the paper's range by 0.13x"]
+    (div,) = [r for r in table if r["claim"] == "distca.memory_divergence"]       # one row per claim
+    assert div["ours"] == "1.3x (dp8)" and div["verdict"] == "above" and div["why"] == "0.13x over 1.17x"
+    assert div["other settings"] == "1.1x (dp4); 1 control run left out" and div["value"] == 1.3
     with pytest.raises(ValueError, match="setting must be"):
         claims.record("distca.idle_dp8", 1, how="x", setting="a@b")
     with pytest.raises(ValueError, match="unknown claim"):
@@ -110,7 +115,7 @@ def test_e2e_ours_reads_committed_style_results(tmp_path):
     rows = {r["claim"]: r for r in claims.e2e_ours(tmp_path)}
     assert set(rows) == {"distca.speedup_3d_pretrain", "distca.pingpong_gain", "distca.comm_hidden"}
     assert rows["distca.speedup_3d_pretrain"]["ours"] == pytest.approx(1.1)       # best baseline / CAD pp
-    assert rows["distca.speedup_3d_pretrain"]["verdict"] == "within the paper's range"
+    assert rows["distca.speedup_3d_pretrain"]["verdict"] == "within"
     assert rows["distca.pingpong_gain"]["ours"] == pytest.approx(12.5)
     assert rows["distca.comm_hidden"]["ours"] == pytest.approx(1.5)
     assert rows["distca.pingpong_gain"]["setting"] == "pretrain_64k_2gpu_nvlink"
@@ -122,6 +127,12 @@ def test_e2e_ours_reads_committed_style_results(tmp_path):
     gains = {r["setting"]: r for r in claims.e2e_ours(tmp_path) if r["claim"] == "distca.pingpong_gain"}
     assert set(gains) == {"pretrain_64k_2gpu_nvlink", "pretrain_64k_2gpu_nvlink_eps0.02"}
     assert "(eps0.02)" in gains["pretrain_64k_2gpu_nvlink_eps0.02"]["how"]
+    assert gains["pretrain_64k_2gpu_nvlink_eps0.02"]["control"]
+    assert not gains["pretrain_64k_2gpu_nvlink"]["control"]
+    table = claims.claims_table([], "cpu", results_dir=tmp_path)
+    (row,) = [r for r in table if r["claim"] == "distca.pingpong_gain"]
+    assert row["ours"].endswith("(pretrain_64k_2gpu_nvlink)")
+    assert row["other settings"] == "1 control run left out"
 
 
 def test_e2e_ours_on_this_repositorys_results():
@@ -142,41 +153,70 @@ def test_record_e2e_records_every_setting(tmp_path, monkeypatch):
     assert len(metrics) == 6 and all("@" in m["metric"] and m["verdict"] for m in metrics)
 
 
-def test_claims_table_shows_every_claim_run_or_not(tmp_path):
+def test_claims_table_shows_every_claim_once_run_or_not(tmp_path):
     table = claims.claims_table([], "cpu", results_dir=tmp_path)
     assert len(table) == len(paper.CLAIMS) and all(list(r) == claims.TABLE_COLUMNS for r in table)
-    by_id = {r["claim"].split(":")[0]: r for r in table}
-    assert by_id["distca.idle_dp4"]["verdict"] == "not run in profile cpu: its cell did not run"
-    assert by_id["distca.composability"]["verdict"].startswith("not run in profile cpu: measured on GPUs")
-    assert by_id["distca.speedup_4d_34b_prolong"]["verdict"].startswith("not reproduced: ")
+    assert all(r["verdict"] in claims.VERDICTS for r in table)
+    by_id = {r["claim"]: r for r in table}
+    assert by_id["distca.idle_dp4"]["verdict"] == "not reproduced"
+    assert by_id["distca.idle_dp4"]["why"] == "not run in profile cpu: its cell did not run"
+    assert by_id["distca.composability"]["why"].startswith("not run in profile cpu: measured on GPUs")
+    assert by_id["distca.speedup_4d_34b_prolong"]["why"] == paper.CLAIMS["distca.speedup_4d_34b_prolong"].gap
     assert by_id["distca.idle_dp4"]["paper"] == "19.2%" and by_id["distca.idle_dp4"]["ours"] == "—"
     _e2e(tmp_path / "bench_e2e_x.json", "prolong", [(104.0, 103.0, 101.0, 100.0, 99.9)])
     table = claims.claims_table([], "cpu", results_dir=tmp_path)
-    row = next(r for r in table if r["claim"].startswith("distca.speedup_3d_prolong"))
-    assert row["ours"] == "1.03x (prolong_64k_2gpu_nvlink)"
+    row = next(r for r in table if r["claim"] == "distca.speedup_3d_prolong")
+    assert row["ours"] == "1.03x (prolong_64k_2gpu_nvlink)" and row["verdict"] == "below"
     assert "committed results/bench_e2e_x.json" in row["kind"]
-    assert "not run in profile cpu" in row["kind"]
     recorded = [{"metric": "distca.speedup_3d_prolong@run", "ours": 1.06, "kind": "measured on 2x H200",
                  "notebook": "04_benchmarks/01_end_to_end.ipynb"}]
     row = next(r for r in claims.claims_table(recorded, "h200x2", results_dir=tmp_path)
-               if r["claim"].startswith("distca.speedup_3d_prolong"))
-    assert row["ours"] == "1.06x (run)" and row["verdict"] == "within the paper's range"
+               if r["claim"] == "distca.speedup_3d_prolong")
+    assert row["ours"] == "1.06x (run)" and row["verdict"] == "within"       # judged again: none recorded
 
 
-def test_report_ends_with_the_claims_table(tmp_path):
-    table = claims.claims_table([{"metric": "distca.idle_dp8", "ours": 55.0, "kind": "simulated"}], "cpu",
-                                results_dir=tmp_path)
+def test_closest_setting_and_range():
+    rows = [{"setting": s, "ours": v} for s, v in (("pretrain_64k_2gpu_nvlink", 1.01),
+                                                   ("pretrain_128k_2gpu_nvlink", 1.02),
+                                                   ("pretrain_64k_2gpu_inter-node-like", 1.0),
+                                                   ("pretrain_64k_2gpu_nvlink_eps0.05", 0.9))]
+    best, others, controls = claims.pick("distca.speedup_3d_pretrain", rows)
+    assert best["setting"] == "pretrain_128k_2gpu_nvlink" and len(others) == 2 and len(controls) == 1
+    best, _, _ = claims.pick("distca.comm_hidden", rows)
+    assert best["setting"] == "pretrain_64k_2gpu_inter-node-like"
+    rows.append({"setting": "pretrain_32k_2gpu_nvlink", "ours": 1.05, "primary": True})
+    assert claims.pick("distca.speedup_3d_pretrain", rows)[0]["ours"] == 1.05
+    assert claims._range(rows[:3], "x") == "1–1.02x over 3 settings"
+
+
+def test_report_opens_with_the_answer(tmp_path):
+    table = claims.claims_table([{"metric": "distca.idle_dp8", "ours": 55.0, "kind": "simulated"},
+                                 {"metric": "distca.scheduler_bytes@vs_equal_flops", "ours": 0.9,
+                                  "kind": "computed", "verdict": "holds: fewer bytes out", "primary": True}],
+                                "cpu", results_dir=tmp_path)
+    lines = headline.headline_rows(table)
+    assert 4 <= len(lines) <= 6 and lines[0]["verdict"] == "within" and lines[1]["verdict"] == "holds"
+    assert lines[-1]["verdict"] == "not reproduced" and "64+ GPUs" in lines[-1]["question"]
+    pts = {p["claim"]: p for p in headline.hero_points(table)}
+    assert set(pts) == {"distca.idle_dp8", "distca.scheduler_bytes"}
+    assert pts["distca.idle_dp8"]["ratio"] == 1.0
     md, html = report.write_report(tmp_path, [], {"device": "cpu"}, "cpu", [], claims=table)
     text = md.read_text()
-    assert text.rstrip().splitlines()[-1].startswith("| longca.published_figures")
-    assert "## Claims: paper vs ours" in text and "| " + " | ".join(report.CLAIM_COLUMNS) + " |" in text
+    assert text.index("## The answer") < text.index("## Claims: one row per claim")
+    assert text.index("## Claims: one row per claim") < text.index("## This run")
+    assert "| " + " | ".join(report.CLAIM_COLUMNS) + " |" in text
     page = html.read_text()
-    assert page.index("Claims: paper vs ours") > page.index("Paper vs ours")
-    assert "class='claim-ok'" in page and "class='claim-missing'" in page
+    assert page.index("id='headline'") < page.index("id='claims'") < page.index("id='metrics'")
+    assert page.count("<tr class='claim'") == len(paper.CLAIMS) and "class='v v-not-reproduced'" in page
+    assert "id='hero'" in page
     md, _ = report.write_report(tmp_path / "none", [], {"device": "cpu"}, "cpu", [])
-    assert "Claims: paper vs ours" not in md.read_text()
+    assert "Claims: one row per claim" not in md.read_text()
     assert json.loads(json.dumps(table))                       # plain data, as report.json would hold it
-    assert pathlib.Path(claims.__file__).exists()
+
+
+def test_verdicts_of_the_committed_results_use_the_vocabulary():
+    for r in claims.e2e_ours():
+        assert claims.split_verdict(r["verdict"])[0] in claims.VERDICTS
 
 
 def test_memory_divergence_is_measured_from_wlb_peak_memory():
@@ -212,22 +252,22 @@ def _comp(tmp_path):
 
 
 def test_composability_reports_the_merged_server_path_with_the_copies_beside(tmp_path):
-    got = {r["setting"]: r for r in claims.composability_ours(_comp(tmp_path))}
+    got = {r["setting"]: r for r in evidence.composability_ours(_comp(tmp_path))}
     fb, fwd = got["fwd_bwd"], got["fwd"]
     assert fb["ours"] == 0.9 and fb["holds"] and fb["before"] == 0.44      # lowest merged vs the first copies
     assert fwd["ours"] == 0.91 and fwd["before"] == 0.96
     assert "before (one KV copy per shard, kernel alone, commit 9964619): 0.440" in fb["note"]
     assert "16K 0.90 (missed; single reference), 64K 0.99 (met; single reference)" in fb["note"]
-    table = claims.record_composability(_comp(tmp_path))
+    table = evidence.record_composability(_comp(tmp_path))
     assert list(table.metric) == ["distca.composability@fwd", "distca.composability@fwd_bwd"]
-    assert claims.composability_ours(_comp(tmp_path)[lambda d: d.kv_share != "merged"]) == []
+    assert evidence.composability_ours(_comp(tmp_path)[lambda d: d.kv_share != "merged"]) == []
 
 
 def test_committed_composability_claim_holds_on_the_merged_path():
-    got = {r["setting"]: r for r in claims.composability_ours(server_bench.composability())}
+    got = {r["setting"]: r for r in evidence.composability_ours(server_bench.composability())}
     if not got:
         pytest.skip("no committed KV-sharing composability results")
-    assert got["fwd_bwd"]["holds"] and got["fwd_bwd"]["before"] < claims.NEAR_PEAK <= got["fwd_bwd"]["ours"]
+    assert got["fwd_bwd"]["holds"] and got["fwd_bwd"]["before"] < evidence.NEAR_PEAK <= got["fwd_bwd"]["ours"]
     note = got["fwd_bwd"]["note"]
     assert "16K 0.97 (met; bracketed reference), earlier 0.90-0.90" in note and "64K 1.00 (met" in note
 
@@ -245,7 +285,7 @@ def test_composability_claim_is_judged_on_each_documents_latest_run(tmp_path):
     (tmp_path / "bench_attention_server_composability_1gpu_bracketed.json").write_text(json.dumps(
         {"meta": {"device": "1x H200", "commit": "a90939d", "date": "2026-03-01"}, "config": {"order": "lpt"},
          "results": rows}))
-    got = {r["setting"]: r for r in claims.composability_ours(server_bench.composability(tmp_path))}
+    got = {r["setting"]: r for r in evidence.composability_ours(server_bench.composability(tmp_path))}
     fb = got["fwd_bwd"]
     assert fb["ours"] == 0.96 and fb["before"] == 0.44 and "commits 42d4937, a90939d" in fb["how"]
     assert "earlier merged runs (42d4937, the unsplit reference timed once): 0.900-0.920" in fb["note"]
@@ -255,14 +295,16 @@ def test_composability_claim_is_judged_on_each_documents_latest_run(tmp_path):
     assert list(t.latest) == [False, True, True] and list(t.reference) == ["single", "bracketed", "single"]
 
 
-def test_record_cost_model_reads_the_check(tmp_path):
-    assert claims.record_cost_model(tmp_path).empty
-    summ = [{"setting": "a", "mae_imbalance_pairs": 0.02, "mae_imbalance_model": 0.01,
-             "speedup_err_default_mean": 0.01, "speedup_err_model_mean": 0.02},
-            {"setting": "b", "mae_imbalance_pairs": 0.04, "mae_imbalance_model": 0.03}]
-    save_result(tmp_path / claims.COST_MODEL_CHECK, {}, {"summary": summ, "per_batch": []})
-    t = claims.record_cost_model(tmp_path).set_index("metric")
-    assert float(t.loc["cost_model.imbalance_mae_pairs", "ours"]) == 0.03
-    assert float(t.loc["cost_model.imbalance_mae_measured", "ours"]) == 0.02
-    assert float(t.loc["cost_model.speedup_error_measured", "ours"]) == 2.0
-    assert t.loc["cost_model.speedup_error_default", "unit"] == "%"
+def test_evidence_sections_read_the_committed_results(tmp_path):
+    assert evidence.sections(tmp_path) == []
+    summ = [{"setting": "a", "batches": 2, "mae_imbalance_pairs": 0.02, "mae_imbalance_model": 0.01,
+             "speedup_err_default_mean": 0.01, "speedup_err_model_mean": 0.02}]
+    save_result(tmp_path / evidence.COST_MODEL_CHECK, {}, {"summary": summ, "per_batch": []})
+    (s,) = evidence.sections(tmp_path)
+    assert s["id"] == "cost-model" and s["tables"][0][1].loc["a", "mae_imbalance_pairs"] == 0.02
+    ids = [s["id"] for s in evidence.sections()]
+    if not ids:
+        pytest.skip("no committed results")
+    assert {"composability", "cost-model", "e2e", "overlap"} <= set(ids)
+    for s in evidence.sections():
+        assert s["text"] and (s["tables"] or s["figures"])

@@ -175,7 +175,9 @@ def test_run_writes_report_with_summary_metrics_figures_and_failures(repo):
     assert "x: doubled to 8" in md and "boom" in md and "1/2 notebooks ran cleanly" in md
     assert "| doubled | 6 | 8 |" in md                            # paper vs ours, from the cell
     page = (run / "report.html").read_text()
-    assert page.count("P.newPlot(") == 1 and "tiny bars" in page and "not in the report" not in page
+    assert page.count("P.newPlot('a-ipynb-fig") == 1
+    assert "tiny bars" in page and "not in the report" not in page
+    assert page.index("id='headline'") < page.index("id='claims'") and "P.newPlot('hero'" in page
     assert "id='cadlib-plotlyjs'" in page and 1_000_000 < len(page) < 3_000_000   # plotly.js packed in
     nb_page = (run / "a.html").read_text()
     assert nb_page.count("Plotly.newPlot(") == 2 and 'src="plotly.min.js"' in nb_page
