@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cadlib.analysis import replay, replay4d  # noqa: E402
+from cadlib.analysis import replay, replay4d, replay_times  # noqa: E402
 from cadlib.analysis.e2e import load_committed  # noqa: E402
 from cadlib.core.measured import MeasuredCost  # noqa: E402
 from cadlib.infra.results import RESULTS_DIR, atomic_write_json, environment_info, load_result, save_result  # noqa: E402
@@ -200,7 +200,7 @@ def _plan_batch(task):
     works = replay.batch_work(s, b, rates)
     tokens = [np.concatenate([w.tokens.ravel(), (w.tokens.sum(0) if w.pingpong else w.tokens)])
               for w in works.values()]
-    return s.name, b, replay.attention_jobs(works.values(), s.spec, backend), np.concatenate(tokens)
+    return s.name, b, replay_times.attention_jobs(works.values(), s.spec, backend), np.concatenate(tokens)
 
 
 def cmd_time(a) -> int:
@@ -231,18 +231,18 @@ def cmd_time(a) -> int:
     def finish(s):
         """The linear layers, the head and the optimizer of setting ``s``'s shard."""
         spec, backend = s.spec, backends[s.name]
-        grid = replay.grid_points(np.concatenate(tokens[s.name]))
+        grid = replay_times.grid_points(np.concatenate(tokens[s.name]))
         layer = DecoderLayer(spec, mlp_recompute=True, dtype=dtype, device=device)
         head = Head(spec, device, dtype)
         for n in grid:
-            for key, fn in ((replay.linear_key(spec, backend, n),
+            for key, fn in ((replay_times.linear_key(spec, backend, n),
                              lambda: time_linear(layer, spec, n, device, dtype, timer, max(2, a.iters))),
-                            (replay.head_key(spec, backend, n),
+                            (replay_times.head_key(spec, backend, n),
                              lambda: time_head(head, spec, n, device, timer, max(2, a.iters)))):
                 if key not in times and not over():
                     fn()                                              # warm this shape once
                     times[key] = fn()
-        key = replay.optimizer_key(spec, backend)
+        key = replay_times.optimizer_key(spec, backend)
         if key not in times and not over():
             times[key] = time_optimizer(spec, device, dtype, timer, 3)
         if device.type == "cuda":
@@ -282,7 +282,7 @@ def cmd_compose(a) -> int:
     times, meta = cache["times"], cache.get("meta", {})
     derived = None
     if a.derive_from:
-        times, derived = replay.derive_backend(times, a.backend or "fa4", a.derive_from)
+        times, derived = replay_times.derive_backend(times, a.backend or "fa4", a.derive_from)
         print(f"{a.backend or 'fa4'} from {a.derive_from} where not timed: {derived}")
     rates = replay.link_rates(load_result("comm_overlap_probe_2xh200_nvlink.json"),
                               load_result("comm_overlap_probe_2xh200_inter-node-like.json"))
@@ -299,7 +299,7 @@ def cmd_compose(a) -> int:
     for s in settings(a.suite.split(","), a.batches, a.only):
         if model_check is not None:
             for b in range(s.batches):
-                times.update(replay.model_attention_times(replay.batch_work(s, b, rates).values(), s.spec,
+                times.update(replay_times.model_attention_times(replay.batch_work(s, b, rates).values(), s.spec,
                                                           backend, cost, model_check["scale"], times))
         res = replay.replay_setting(s, times, rates, backend)
         if res is None:

@@ -7,8 +7,9 @@ rank of a 256-GPU run, one after another; only the network is modelled. This mod
 for a :class:`Setting` (host only, numpy): for each sampled batch and each method the layout and plans
 (:mod:`cadlib.scheduling`), every rank's token counts, its attention-server dispatch and the bytes its
 collectives move. ``scripts/bench_replay.py`` times what the durations need on a GPU, caching every
-timed shape under a key of the call's shape (:func:`attention_key`); :func:`phases` turns work and
-times into per-rank durations, and :func:`compose_setting` composes the steps.
+timed shape under a key of the call's shape (:mod:`cadlib.analysis.replay_times`); :func:`phases`
+turns work and times into per-rank durations, and :func:`compose_work` composes the steps
+(:mod:`cadlib.analysis.replay4d`: the same with pipeline parallelism).
 
 Tensor parallelism: a DistCA node is one tensor-parallel group of ``tp`` GPUs (Megatron's cut), so each
 GPU runs ``1/tp`` of every layer's heads and MLP on all of its group's tokens
@@ -24,7 +25,6 @@ all-gather of the whole group.
 """
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 
@@ -43,6 +43,8 @@ from ..infra.results import load_result
 from ..scheduling import scheduler
 from ..scheduling.recipes import batch_docs, cad_plan, nano_plans
 from .compose import Composed, Link, Phases, compose
+from .replay_times import (DTYPE, LINEAR_GRID, attention_jobs, attention_key, grid_points, head_key, interp,
+                           linear_key, optimizer_key)
 from .idle import varlen_chunking
 from .sim import Hardware, attention_seconds, linear_seconds
 
@@ -50,14 +52,9 @@ TOKENS_PER_GROUP = 131072
 """Tokens per data-parallel group in the paper's 3D settings: a batch size of ``B`` MaxDocLen-long
 sequences over ``N`` GPUs of TP=8 is ``B x MaxDocLen / (N / 8)`` = 128K tokens in every row of Table 3."""
 METHODS = ("colocated", "wlb", "varlen", "cad", "cad-pingpong", "signal-only")
-LINEAR_GRID = (4096, 8192, 16384, 32768, 49152, 65536, 81920, 98304, 114688, 131072, 147456, 163840,
-               196608, 262144)
-"""Token counts at which the linear layers and the LM head are timed; other counts are interpolated
-linearly between the two nearest (their time is linear in tokens above a few thousand)."""
 NCCL_LATENCY_S = 25e-6
 """A collective's fixed cost in the link model: an assumption (NCCL's small-message latency is tens of
 microseconds), not measured here; it matters only for the signal-only control."""
-DTYPE = "bf16"
 
 
 @dataclass(frozen=True)
@@ -207,7 +204,7 @@ def _cad_bytes(ds: list[Dispatch], spec: ModelSpec) -> dict:
     return {"in": send, "out": (qr * qb, qs * qb), "out_bwd": (qs * qb, qr * qb), "in_bwd": back}
 
 
-def _gather_bytes(layout: Layout, spec: ModelSpec) -> dict:
+def gather_bytes(layout: Layout, spec: ModelSpec) -> dict:
     """Per-document CP: the all-gather of shared documents' K, V before attention (and again before its
     backward), and the return of their dK, dV after it."""
     sent, recv = per_doc_gather_tokens(layout)
@@ -221,7 +218,7 @@ def _colocated_work(method: str, layout: Layout, spec: ModelSpec, meta: dict) ->
     plan = scheduler.colocated(layout)
     R = layout.n_ranks
     ds = [build_dispatch(plan, r) for r in range(R)]
-    return Work(method, layout.tokens_per_rank().astype(np.int64), [ds], _gather_bytes(layout, spec),
+    return Work(method, layout.tokens_per_rank().astype(np.int64), [ds], gather_bytes(layout, spec),
                 [[_served(plan, r) for r in range(R)]], {**meta, "imbalance": plan.imbalance()})
 
 
@@ -272,82 +269,8 @@ def batch_work(s: Setting, b: int, rates: dict | None = None) -> dict[str, Work]
 
 
 # ---------------------------------------------------------------------------------------------------
-# What to time, and the times as per-rank durations
+# The times as per-rank durations
 # ---------------------------------------------------------------------------------------------------
-
-def _digest(*parts) -> str:
-    h = hashlib.sha1()
-    for p in parts:
-        a = np.ascontiguousarray(np.asarray(p, dtype=np.int64))
-        h.update(str(a.shape).encode())
-        h.update(a.tobytes())
-    return h.hexdigest()[:20]
-
-
-def spec_key(spec: ModelSpec, backend: str, dtype: str = DTYPE) -> str:
-    """The part of a key the model's shapes and the kernel give: heads, head_dim, widths, backend."""
-    return (f"{backend}|{dtype}|h{spec.n_heads}/{spec.n_kv_heads}x{spec.head_dim}|d{spec.hidden}"
-            f"|f{spec.ffn}|v{spec.vocab}")
-
-
-def attention_key(d: Dispatch, spec: ModelSpec, backend: str) -> str | None:
-    """The key of a server's fused call: its merged segments, whether it reads its buffers in place,
-    and their sizes (identical shapes are timed once); None for a server with no task."""
-    if d.n_tasks == 0:
-        return None
-    sh = d.shared()
-    flags = [int(d.q_identity), int(sh.kv_identity), int(sh.all_once), d.q_keep + d.n_recv_q,
-             d.n_local + d.n_recv_kv, int(d.cu_q[-1]), *d.gathered_rows()]
-    return "attn|" + spec_key(spec, backend) + "|" + _digest(sh.cu_q, sh.cu_k, flags)
-
-
-def attention_jobs(works, spec: ModelSpec, backend: str) -> dict[str, Dispatch]:
-    """Every distinct server call of some works: ``{key: dispatch}``."""
-    jobs = {}
-    for w in works:
-        for ds in w.dispatch:
-            for d in ds:
-                k = attention_key(d, spec, backend)
-                if k is not None and k not in jobs:
-                    jobs[k] = d
-    return jobs
-
-
-def linear_key(spec: ModelSpec, backend: str, n: int) -> str:
-    return f"linear|{spec_key(spec, backend)}|{int(n)}"
-
-
-def head_key(spec: ModelSpec, backend: str, n: int) -> str:
-    return f"head|{spec_key(spec, backend)}|{int(n)}"
-
-
-def optimizer_key(spec: ModelSpec, backend: str) -> str:
-    return f"optimizer|{spec_key(spec, backend)}|L{spec.n_layers}"
-
-
-def grid_points(tokens) -> list[int]:
-    """The points of ``LINEAR_GRID`` that interpolating (or extrapolating, past its end) every token
-    count of ``tokens`` needs."""
-    t = np.asarray(tokens, dtype=np.int64).ravel()
-    g = np.asarray(LINEAR_GRID)
-    lo = np.clip(np.searchsorted(g, t, side="right") - 1, 0, g.size - 2)
-    return sorted({int(x) for x in np.concatenate([g[lo], g[lo + 1]])})
-
-
-def interp(cache: dict, key_of, tokens, field_: str) -> np.ndarray:
-    """A timed quantity (``field_`` of ``cache[key_of(n)]``, ms) at every token count, seconds: linear
-    between the grid points that were timed (past the last, along the last segment), proportional to
-    the tokens below the first one."""
-    t = np.asarray(tokens, dtype=np.float64)
-    g = np.array([n for n in LINEAR_GRID if key_of(n) in cache], dtype=np.float64)
-    if g.size < 2:
-        raise ValueError(f"fewer than two grid points timed for {key_of(0).rsplit('|', 1)[0]}")
-    val = np.array([cache[key_of(int(n))][field_] for n in g])
-    lo = np.clip(np.searchsorted(g, t, side="right") - 1, 0, g.size - 2)
-    w = (t - g[lo]) / (g[lo + 1] - g[lo])
-    v = np.where(t < g[0], val[0] * t / g[0], val[lo] + w * (val[lo + 1] - val[lo]))
-    return np.where(t > 0, v * 1e-3, 0.0)
-
 
 @dataclass(frozen=True)
 class Links:
@@ -387,7 +310,7 @@ def phases(s: Setting, w: Work, times: dict, links: Links, backend: str, signal_
                 attn_f[idx], attn_b[idx] = times[k]["fwd_ms"] * 1e-3, times[k]["bwd_ms"] * 1e-3
     lin = {f: interp(times, lambda n: linear_key(spec, backend, n), w.tokens, f)
            for f in ("pre_ms", "post_ms", "pre_bwd_ms", "post_bwd_ms")}
-    tp = _tp_seconds(s, w.tokens, links.tp)
+    tp = tp_seconds(s, w.tokens, links.tp)
     link = links.cad if w.method in ("cad", "cad-pingpong", "signal-only") else links.dp
 
     def coll(name):
@@ -411,7 +334,7 @@ before QKV; after the O projection, before and after the MLP; the backward's mir
 input gathered again for its recompute."""
 
 
-def _tp_seconds(s: Setting, tokens, link: Link) -> dict[str, np.ndarray]:
+def tp_seconds(s: Setting, tokens, link: Link) -> dict[str, np.ndarray]:
     """Tensor parallelism's activation collectives, taken as exposed: ``tokens x hidden`` in bf16, of
     which each GPU sends and receives ``(tp - 1) / tp`` per collective."""
     t = np.asarray(tokens, dtype=np.float64)
@@ -505,7 +428,7 @@ def model_phases(s: Setting, w: Work, links: Links, hw: Hardware | None = None,
                 continue
             attn_f[idx] = attention_seconds(a, b, spec, hw, "fwd", 1).sum()
             attn_b[idx] = attention_seconds(a, b, spec, hw, "bwd", 1).sum()
-    tp = _tp_seconds(s, w.tokens, links.tp)
+    tp = tp_seconds(s, w.tokens, links.tp)
     link = links.cad if w.method in ("cad", "cad-pingpong", "signal-only") else links.dp
 
     def coll(name):
@@ -643,51 +566,6 @@ def summary_line(s: Setting, res: dict) -> str:
             sp = r.get("speedup_over_wlb")
             parts.append(f"{r['method']} {r['step_s_mean'] * 1e3:.0f} ms" + (f" ({sp:.3f}x wlb)" if sp else ""))
     return f"{s.name}: " + ", ".join(parts)
-
-
-def derive_backend(times: dict, target: str, source: str) -> tuple[dict, dict]:
-    """``times`` completed for backend ``target`` from ``source`` where ``target`` was not timed: the
-    linear layers, the head and the optimizer copied (they do not depend on the attention kernel), each
-    attention call scaled by the time ratio ``target / source`` fitted over the calls timed with both
-    (forward and backward apart, weighted by time). Returns the completed times and the fit:
-    ``{"shapes_both", "ratio_fwd", "ratio_bwd", "derived"}``."""
-    tag_s, tag_t = f"|{source}|", f"|{target}|"
-    both = [(times[k], times[k.replace(tag_s, tag_t, 1)]) for k in times
-            if k.startswith("attn" + tag_s) and k.replace(tag_s, tag_t, 1) in times]
-    if not both:
-        raise ValueError(f"no attention shape is timed with both {source!r} and {target!r}: nothing to fit")
-    rf = sum(t["fwd_ms"] for _, t in both) / sum(s_["fwd_ms"] for s_, _ in both)
-    rb = sum(t["bwd_ms"] for _, t in both) / sum(s_["bwd_ms"] for s_, _ in both)
-    out, derived = dict(times), 0
-    for k, v in times.items():
-        if tag_s not in k:
-            continue
-        kt = k.replace(tag_s, tag_t, 1)
-        if kt in times:
-            continue
-        if k.startswith("attn|"):
-            out[kt] = {"fwd_ms": v["fwd_ms"] * rf, "bwd_ms": v["bwd_ms"] * rb, "derived_from": source}
-            derived += 1
-        else:
-            out[kt] = dict(v)
-    return out, {"shapes_both": len(both), "ratio_fwd": rf, "ratio_bwd": rb, "derived": derived,
-                 "source": source, "target": target}
-
-
-def model_attention_times(works, spec: ModelSpec, backend: str, cost, scale: float = 1.0,
-                          times: dict | None = None) -> dict:
-    """Times for the server calls of ``works`` that ``times`` lacks, from a kernel latency table
-    (:class:`cadlib.core.measured.MeasuredCost`, on the merged segments) times ``scale`` (measured over
-    predicted on the calls the replay timed, :func:`kernel_model_check`); each marked ``"modelled"``."""
-    out = {}
-    for k, d in attention_jobs(works, spec, backend).items():
-        if times is not None and k in times:
-            continue
-        sh = d.shared()
-        q, kv = np.diff(sh.cu_q), np.diff(sh.cu_k)
-        out[k] = {"fwd_ms": cost.fused_seconds(q, kv, "fwd", spec) * 1e3 * scale,
-                  "bwd_ms": cost.fused_seconds(q, kv, "bwd", spec) * 1e3 * scale, "modelled": True}
-    return out
 
 
 def kernel_model_check(settings_, times: dict, cost, backend: str, rates: dict, batches: int = 2) -> dict:

@@ -45,8 +45,8 @@ from ..scheduling.pipeline import micro_nanos, tick_plans
 from ..scheduling import scheduler
 from .compose import Phases, compose_lockstep, compose_pass, one_f_one_b
 from .idle import varlen_chunking
-from .replay import (DTYPE, TOKENS_PER_GROUP, Links, Setting, _gather_bytes, _tp_seconds, batch_lengths,
-                     head_key, interp, linear_key, optimizer_key, shard_params)
+from .replay import TOKENS_PER_GROUP, Links, Setting, gather_bytes, tp_seconds, batch_lengths, shard_params
+from .replay_times import DTYPE, head_key, interp, linear_key, optimizer_key
 from .sim import Hardware
 
 HEAD_FWD_SHARE = 1 / 3
@@ -216,7 +216,7 @@ def _linear(base: Setting, tokens, times: dict, links: Links, backend: str) -> d
     spec = base.spec
     lin = {f: interp(times, lambda n: linear_key(spec, backend, n), tokens, f)
            for f in ("pre_ms", "post_ms", "pre_bwd_ms", "post_bwd_ms")}
-    tp = _tp_seconds(base, tokens, links.tp)
+    tp = tp_seconds(base, tokens, links.tp)
     return {"pre": lin["pre_ms"] + tp["pre"], "post": lin["post_ms"] + tp["post"],
             "pre_bwd": lin["pre_bwd_ms"] + tp["pre_bwd"], "post_bwd": lin["post_bwd_ms"] + tp["post_bwd"]}
 
@@ -274,7 +274,7 @@ def pipeline_1f1b(s: Setting4D, lays: list[Layout], pp: int, dp: int, times, lin
         tok = lay.tokens_per_rank().astype(np.float64)
         plan = scheduler.colocated(lay)
         af, ab = _attention([plan], spec, cost, scale, dp)
-        g = _gather_bytes(lay, spec)
+        g = gather_bytes(lay, spec)
         lin = _linear(base, tok, times, links, backend)
         ph = Phases(**lin, attn=af[0], attn_bwd=ab[0], comm_in=links.dp.seconds(*g["in"]),
                     comm_out=links.dp.seconds(*g["out"]), comm_in_bwd=links.dp.seconds(*g["in_bwd"]),
