@@ -17,7 +17,7 @@ Run::
 
     python scripts/bench_attention_server.py --part composability          # 1 GPU
     python scripts/bench_attention_server.py --part composability --doc-lens 16384,65536 \
-        --shards 128,512,1024,2048 --kv-share merged,copy --backends fa4   # issue 10's comparison
+        --shards 128,512,1024,2048 --kv-share merged,copy --backends fa4   # KV sharing against per-shard copies
     python scripts/bench_attention_server.py --part overhead               # 1 GPU
     torchrun --nproc-per-node=2 scripts/bench_attention_server.py --part overhead   # 2 GPUs
     python scripts/bench_attention_server.py --smoke                        # CPU, sdpa_ref, tiny

@@ -72,10 +72,10 @@ def composability(results_dir: str | os.PathLike | None = None,
 
     * ``kv_share``: ``kernel`` (the kernel alone on per-shard KV copies; files written before the
       server merged shards carry no such field), ``copy`` (the server path, a KV copy per shard),
-      ``merged`` (the server path, one KV buffer per (server, document): issue 10) or ``unsplit``
+      ``merged`` (the server path, one KV buffer per (server, document), :mod:`cadlib.dispatch.kvshare`) or ``unsplit``
       (the reference row, ratio 1); ``path`` says it in words (:data:`COMPOSABILITY_PATHS`).
     * ``stage``: ``before`` (per-shard copies: ``kernel``, ``copy``), ``after`` (``merged``) or
-      ``unsplit``: what a plot of issue 10's change compares.
+      ``unsplit``: what a plot of KV sharing's change compares.
     * ``pattern``: ``all`` or ``alternate`` (every other shard on the server: nothing merges);
       ``order``: the kernel mode's call order (``lpt``, longest KV prefix first as the server, or ``doc``).
     * ``reference``: ``bracketed`` where the file timed the unsplit document before and after the
@@ -108,16 +108,16 @@ def composability(results_dir: str | os.PathLike | None = None,
 
 
 COMPOSABILITY_TARGET = 0.95
-"""Issue 10's target: forward+backward on 512-token shards at least this share of the unsplit
+"""The composability target: forward+backward on 512-token shards at least this share of the unsplit
 document's TF/s, on 16K and 64K documents (1 x H200, FA4, bf16, llama3-8b heads)."""
 
 
 def composability_before_after(rows, backend: str = "fa4", mode: str = "fwd_bwd"):
-    """Issue 10's comparison from :func:`composability`'s rows: one row per (document, shard, series)
+    """KV sharing's before and after from :func:`composability`'s rows: one row per (document, shard, series)
     of ``backend`` and ``mode``, every shard on the server (pattern ``all``, call order ``lpt``),
     unsplit rows left out. ``series``: ``<stage>: <path> (<commit>)``; the server paths keep one
     series per commit measured (a later commit's rerun is its own line), the kernel alone (the same
-    kernel at every commit) only its first measurement, the one issue 10 started from."""
+    kernel at every commit) only its first measurement, the one the server path started from."""
     sel = rows[(rows.backend == backend) & (rows["mode"] == mode) & (rows.pattern == "all")
                & (rows.order == "lpt") & (rows.stage != "unsplit")].copy()
     first = sel[sel.kv_share == "kernel"].groupby("doc").date.transform("min")

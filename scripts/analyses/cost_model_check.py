@@ -1,4 +1,4 @@
-"""What the measured kernel cost model buys, on the committed end-to-end runs (issue 10).
+"""What the measured kernel cost model buys, on the committed end-to-end runs.
 
 For every committed ``results/bench_e2e_*.json`` and every batch, the batch's layout and plans are
 rebuilt exactly as ``cadlib.train`` built them (:func:`cadlib.analysis.cost_check.rebuild_plans`; the rebuilt
@@ -35,7 +35,7 @@ from cadlib.core.measured import MeasuredCost  # noqa: E402
 from cadlib.infra.results import REPO_ROOT, RESULTS_DIR, save_result  # noqa: E402
 
 SPEEDUP_TARGET = 0.10
-"""Issue 10's target for the simulator's step-time error against the measured runs."""
+"""The target for the simulator's step-time error against the measured runs."""
 
 
 def _repo_path(path) -> str:

@@ -1,4 +1,4 @@
-"""Issue 10, option (b): can two segments of one fused FA4 call read ONE KV buffer (overlapping KV
+"""One KV buffer for non-contiguous shards (an alternative to KV sharing's copies): can two segments of one fused FA4 call read ONE KV buffer (overlapping KV
 via ``seqused_k``), and does the varlen backward then SUM their dK/dV or overwrite them?
 
 Two segments of one document: queries ``[a1, c1)`` over KV ``[0, c1)`` and ``[a2, c2)`` over

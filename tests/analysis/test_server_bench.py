@@ -108,7 +108,7 @@ def test_committed_composability_before_and_after():
     if not (df.kv_share == "merged").any():
         pytest.skip("no committed KV-sharing composability results")
     t = server_bench.composability_targets(df)
-    assert t[t.doc == 65536].meets.all()              # issue 10's target met on 64K in every run ...
+    assert t[t.doc == 65536].meets.all()              # the composability target met on 64K in every run ...
     assert t[t.latest].meets.all() and set(t[t.latest].reference) == {"bracketed"}    # ... and on 16K now,
     assert not t[(t.doc == 16384) & ~t.latest].meets.any()   # missed (0.90) with the reference timed once
     assert (t.fwd_bwd > t.before_fwd_bwd).all()

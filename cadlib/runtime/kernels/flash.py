@@ -54,7 +54,7 @@ def fa4_module():
     """``flash_attn.cute.interface`` when flash-attn-4 is importable, else None."""
     try:
         from flash_attn.cute import (
-            flash_attn_varlen_func,  # noqa: F401  (the detection the brief asks)
+            flash_attn_varlen_func,  # noqa: F401  (imported only to detect the varlen entry point)
             interface,
         )
     except Exception:                      # ImportError, or a CUDA/cutlass import failure
