@@ -266,6 +266,27 @@ def timeline_batches(args, world: int) -> set[int]:
     return set(sorted(imb, key=lambda b: -imb[b])[:2])
 
 
+def keep_timeline(timelines: dict, method: str, rows, args, i: int) -> None:
+    """``--timeline``: every recorded step's spans; else the last step's."""
+    if args.timeline:
+        timelines.setdefault(method, []).append(rows)
+    elif i == args.warmup + args.steps - 1:
+        timelines[method] = rows
+
+
+def write_run(env, args, model, records, timelines, **extra) -> None:
+    """This rank's result file (records, timelines, the configuration, the model), then tear down."""
+    cuda = env.device.type == "cuda"
+    write_result({"rank": env.rank, "world": env.world, "device": str(env.device),
+                  "device_name": torch.cuda.get_device_name(env.device) if cuda else "cpu",
+                  "torch": torch.__version__, "records": records, "timelines": timelines, **extra,
+                  "config": {k: v for k, v in vars(args).items() if k != "spec"},
+                  "model": {"name": args.spec.name, "layers": args.spec.n_layers,
+                            "stage_layers": list(model.layer_ids),
+                            "params": sum(p.numel() for p in model.parameters())}})
+    destroy()
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.pipeline:
@@ -323,24 +344,14 @@ def main(argv=None) -> int:
                    "sent_gathered_rows": step.server_rows, **step_metrics(rows),
                    "peak_mem_gib": torch.cuda.max_memory_allocated(env.device) / 2**30 if cuda else None}
             records.append(rec)
-            if args.timeline:
-                timelines.setdefault(method, []).append(rows)      # every recorded step
-            elif i == args.warmup + args.steps - 1:
-                timelines[method] = rows                           # the last step only
+            keep_timeline(timelines, method, rows, args, i)
             if b in keep:
                 by_batch.setdefault(method, {})[str(b)] = rows
             if env.rank == 0:
                 log(f"{method:>12} batch {b}: loss {rec['loss']:.5f} step {rec['step_ms']:.1f} ms "
                     f"(attn {rec['attention_ms']:.1f}, comm {rec['comm_ms']:.1f} exposed "
                     f"{rec['comm_exposed_ms']:.1f}, all-reduce {rec['allreduce_ms']:.1f})")
-    write_result({"rank": env.rank, "world": env.world, "device": str(env.device),
-                  "device_name": torch.cuda.get_device_name(env.device) if cuda else "cpu",
-                  "torch": torch.__version__, "records": records, "timelines": timelines,
-                  "timelines_batches": by_batch,
-                  "config": {k: v for k, v in vars(args).items() if k != "spec"},
-                  "model": {"name": args.spec.name, "layers": len(model.layers),
-                            "params": sum(p.numel() for p in model.parameters())}})
-    destroy()
+    write_run(env, args, model, records, timelines, timelines_batches=by_batch)
     return 0
 
 
@@ -400,24 +411,13 @@ def main_pipeline(args) -> int:
                    **pp_metrics(rows),
                    "peak_mem_gib": torch.cuda.max_memory_allocated(env.device) / 2**30 if cuda else None}
             records.append(rec)
-            if args.timeline:
-                timelines.setdefault(method, []).append(rows)
-            elif i == args.warmup + args.steps - 1:
-                timelines[method] = rows
+            keep_timeline(timelines, method, rows, args, i)
             if env.rank == 0:
                 log(f"{method:>12} batch {b}: loss {loss:.5f} step {rec['step_ms']:.1f} ms "
                     f"(pipeline {rec['pipeline_ms']:.1f}, attn {rec['attention_ms']:.1f}, busy "
                     f"{rec['busy_fraction']:.0%})")
-    write_result({"rank": env.rank, "world": env.world, "device": str(env.device),
-                  "device_name": torch.cuda.get_device_name(env.device) if cuda else "cpu",
-                  "torch": torch.__version__, "records": records, "timelines": timelines,
-                  "timelines_batches": {}, "grid": {"dp": grid.dp, "pp": grid.pp, "stage": grid.stage,
-                                                    "dp_rank": grid.dp_rank},
-                  "config": {k: v for k, v in vars(args).items() if k != "spec"},
-                  "model": {"name": args.spec.name, "layers": args.spec.n_layers,
-                            "stage_layers": list(model.layer_ids),
-                            "params": sum(p.numel() for p in model.parameters())}})
-    destroy()
+    write_run(env, args, model, records, timelines, timelines_batches={},
+              grid={"dp": grid.dp, "pp": grid.pp, "stage": grid.stage, "dp_rank": grid.dp_rank})
     return 0
 
 

@@ -252,14 +252,20 @@ def _check_widgets(page, changes: int = 2) -> list[str | None]:
     return seen
 
 
+def _drawn(page, page_path) -> int:
+    """Wait until every plotly figure of the open page is drawn; returns how many there are."""
+    n = page.locator(".plotly-graph-div").count()
+    assert n > 0, f"{page_path} has no plotly figure"
+    _wait(page, "(n) => document.querySelectorAll('.plotly-graph-div svg.main-svg').length >= n", 60,
+          f"all {n} figures of {page_path} to be drawn", arg=n)
+    return n
+
+
 def check_figures(page_path: pathlib.Path, screenshot: pathlib.Path | None = None) -> int:
     """Open a static page and wait until every plotly figure in it is drawn; returns how many."""
     with browser_page() as page:
         page.goto(pathlib.Path(page_path).resolve().as_uri())
-        n = page.locator(".plotly-graph-div").count()
-        assert n > 0, f"{page_path} has no plotly figure"
-        _wait(page, "(n) => document.querySelectorAll('.plotly-graph-div svg.main-svg').length >= n", 60,
-              f"all {n} figures of {page_path} to be drawn", arg=n)
+        n = _drawn(page, page_path)
         if screenshot:
             page.screenshot(path=str(screenshot), full_page=False)
     return n
@@ -271,10 +277,7 @@ def check_report(page_path: pathlib.Path, screenshot: pathlib.Path | None = None
     "headline_rows", "claim_rows", "claims"}`` (the claim ids of the table's rows, in order)."""
     with browser_page() as page:
         page.goto(pathlib.Path(page_path).resolve().as_uri())
-        n = page.locator(".plotly-graph-div").count()
-        assert n > 0, f"{page_path} has no plotly figure"
-        _wait(page, "(n) => document.querySelectorAll('.plotly-graph-div svg.main-svg').length >= n", 60,
-              f"all {n} figures of {page_path} to be drawn", arg=n)
+        n = _drawn(page, page_path)
         headline = page.locator("#headline table.headline tr").count() - 1
         assert headline >= 4, f"the headline block has {headline} rows"
         assert page.locator("#headline #hero svg.main-svg").count() >= 1, "the headline's figure is not drawn"
