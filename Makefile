@@ -5,6 +5,9 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.cadlib-installed
 RUN_ARGS ?=
+# pytest workers (pytest-xdist): one per core, at most 4, as the multi-process tests start up to 8 ranks each
+TEST_WORKERS ?= auto
+XDIST  := -n $(TEST_WORKERS) --maxprocesses=4
 
 .PHONY: run report test test-layers test-wheel test-unit test-notebooks test-browser browser lab venv lint clean
 
@@ -33,12 +36,12 @@ test-wheel: $(STAMP)
 # pytest exits 5 when it collected no test; that is a failure for us (tests must exist), so no masking
 # here -- the notebooks target below handles its own case explicitly.
 test-unit: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q $(XDIST) --dist worksteal tests
 
 test-notebooks: $(STAMP)
 	@nb=$$(find notebooks -name '*.ipynb' -not -path '*/.ipynb_checkpoints/*' | sort); \
 	if [ -z "$$nb" ]; then echo "no notebooks to validate"; exit 0; fi; \
-	$(PY) -m pytest -q -p no:cacheprovider --nbval-lax $$nb
+	$(PY) -m pytest -q -p no:cacheprovider $(XDIST) --dist loadscope --nbval-lax $$nb
 
 # Debian's chromium (installed when missing; CI runs as root) driven by the playwright package of the
 # dev extra, pointed at that browser: no browser download.

@@ -99,12 +99,12 @@ def test_methods_agree_on_loss_and_gradients(world, sent_last, tmp_path):
     df = launch.run_torchrun("cadlib.train", world,
                              own + ["--methods", ",".join(methods), "--nano-split", split,
                               "--tokens-per-rank", "256", "--max-doc-len", "400", "--min-shard", "16",
-                              "--steps", "5", "--warmup", "0", "--dtype", "fp32",
+                              "--steps", "3", "--warmup", "0", "--dtype", "fp32",
                               "--dump-grads", str(tmp_path)],
                              timeout=300, pg_backend="gloo", echo=False, progress=False)
     recs = [r for res in df.attrs["results"] for r in res["records"] if r["rank"] == 0]
     loss = {m: [r["loss"] for r in recs if r["method"] == m] for m in methods}
-    assert len(loss["colocated"]) == 5 and loss["colocated"][-1] < loss["colocated"][0]   # it trains
+    assert len(loss["colocated"]) == 3 and loss["colocated"][-1] < loss["colocated"][0]   # it trains
     for m in methods[1:]:
         assert np.allclose(loss[m], loss["colocated"], atol=1e-4, rtol=0), (m, loss[m], loss["colocated"])
     ref = torch.load(tmp_path / "colocated.pt")

@@ -19,6 +19,7 @@ import math
 import os
 import pathlib
 import re
+import statistics
 
 from ..core.paper import CLAIMS, Claim, claim
 from ..infra.results import find_results, load_result
@@ -213,8 +214,6 @@ def e2e_ours(results_dir: str | os.PathLike | None = None) -> list[dict]:
 
 def _memory_divergence(records: list[dict], method: str) -> tuple[float, float] | None:
     """``(worst, median)`` over batches of ``max / mean`` peak memory across ranks for ``method``."""
-    import statistics
-
     per: dict = {}
     for r in records:
         if r.get("method") == method and r.get("peak_mem_gib"):

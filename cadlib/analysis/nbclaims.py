@@ -49,6 +49,8 @@ def stragglers(
             f"distca.idle_dp{d}",
             round(float(100 * med.loc[d]), 2),
             how=how,
+            setting="simulated",
+            primary=True,
             reason="the paper's batch, token cap and measured rates are not public",
         )
         for d in (4, 8)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import html
+import importlib.util
 import json
 import math
 import numbers
@@ -341,5 +342,4 @@ def write_report(dest: str | os.PathLike, rows: list[dict], meta: dict, profile:
 
 
 def _has_tabulate() -> bool:
-    import importlib.util
     return importlib.util.find_spec("tabulate") is not None

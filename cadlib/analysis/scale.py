@@ -160,6 +160,7 @@ def record_claims(results_dir=None) -> pd.DataFrame:
     idl = idle(results_dir).set_index("dp")
     for dp in (4, 8):
         out.append(claims.record(f"distca.idle_dp{dp}", float(idl.loc[dp, "varlen"]), how=HOW,
+                                 setting="h200-replay",
                                  note="variable-length chunking of whole documents under the group's tokens"))
     ag = allgather(results_dir).set_index("nodes")
     for n in (2, 32):

@@ -14,6 +14,7 @@ import platform
 import subprocess
 import sys
 import tempfile
+from dataclasses import asdict, is_dataclass
 from typing import Any
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -45,8 +46,6 @@ def atomic_write_json(path: str | os.PathLike, obj: Any) -> pathlib.Path:
 def json_default(obj: Any) -> Any:
     """The one JSON fallback of the library: tensors and numpy values (``tolist()``/``item()``),
     dataclasses (``asdict``), sets and tuples (lists), paths (strings)."""
-    from dataclasses import asdict, is_dataclass
-
     if is_dataclass(obj) and not isinstance(obj, type):
         return asdict(obj)
     if hasattr(obj, "tolist"):
