@@ -275,7 +275,7 @@ def _failure(rc: int, what: str, run_dir: Path, console: _Console) -> TorchrunEr
 
 
 # ---------------------------------------------------------------------------------------- results
-def _results_frame(run_dir: Path, nproc: int):
+def results_frame(run_dir: Path, nproc: int):
     """One row per rank that wrote a result: ``rank`` first, then a dict's keys (else ``result``)."""
     import pandas as pd  # the notebooks extra: a deferred optional import
 
@@ -354,7 +354,7 @@ def run_torchrun(module_or_script: str | os.PathLike, nproc: int, args: Sequence
     console.close()
     if rc != 0:
         raise _failure(rc, what, run_dir, console)
-    df = _results_frame(run_dir, nproc)
+    df = results_frame(run_dir, nproc)
     df.attrs.update(run_dir=str(run_dir), log_dir=str(rank_log_dir(run_dir)), progress=console.events,
                     command=cmd, wall_s=time.monotonic() - t0, pg_backend=resolved)
     return df

@@ -3,7 +3,6 @@ documents that every method attends alike, and one small setting composed end to
 import json
 
 import numpy as np
-import pytest
 
 from cadlib.analysis import replay, replay4d
 from cadlib.core.measured import MeasuredCost

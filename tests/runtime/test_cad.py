@@ -2,10 +2,11 @@
 
 In-process (one rank, no process group): shared KV prefixes, the byte packing, error messages, and
 that the check notices a wrong dispatch. Multi-process (``@pytest.mark.multiproc``): gloo on CPU via
-``run_torchrun("cadlib.verify", ...)`` on 1-4 ranks, every distribution, 1-token documents, an empty
+``cadlib.verify`` on 1-4 ranks (forked by ``tests/ranks.py``), every distribution, 1-token documents, an empty
 rank and a document spanning all ranks, scheduler plans and random plans; fp32 rel err <= 1e-5."""
 import numpy as np
 import pytest
+import ranks
 import torch
 
 from cadlib import testing
@@ -14,6 +15,7 @@ from cadlib.core.layout import Layout, global_rows
 from cadlib.core.plan import CATask, Plan
 from cadlib.data.workload import DISTRIBUTIONS
 from cadlib.dispatch.build import build_dispatch
+from cadlib.infra.launch import TorchrunError
 from cadlib.runtime.comm import pack_rows, unpack_rows
 from cadlib.runtime.stages import cad_attention, prepare
 from cadlib.testing import random_inputs, random_plan, rank_inputs, reference, reference_errors
@@ -164,9 +166,7 @@ COMMON = ["--tokens-per-rank", "512", "--max-doc-len", "700", "--min-shard", "32
 
 
 def launch(world, args, rtol=FP32_RTOL):
-    launch_mod = pytest.importorskip("cadlib.infra.launch")
-    df = launch_mod.run_torchrun("cadlib.verify", world, COMMON + args, timeout=300, pg_backend="gloo",
-                                 echo=False, progress=False)
+    df = ranks.run("cadlib.verify", world, COMMON + args)
     assert len(df) == world and df["passed"].all()
     cases = [c for c in df.attrs["results"][0]["cases"] if "skipped" not in c]
     for c in cases:
@@ -209,9 +209,8 @@ def test_bad_input_raises_on_every_rank_before_the_all_to_all():
     # rank 0 passes bf16, rank 1 float32 (and, second round, every rank passes integers): each rank
     # must raise a ValueError; none may hang in a collective
     from pathlib import Path
-    launch_mod = pytest.importorskip("cadlib.infra.launch")
     target = Path(__file__).resolve().parents[1] / "launch_targets" / "cad_bad_input.py"
-    df = launch_mod.run_torchrun(target, 2, timeout=120, pg_backend="gloo", echo=False, progress=False)
+    df = ranks.run(target, 2, timeout=120)
     assert len(df) == 2
     for errs in df["errors"]:
         assert "ranks disagree" in errs[0] and "dtype torch.int64" in errs[1], errs
@@ -219,10 +218,9 @@ def test_bad_input_raises_on_every_rank_before_the_all_to_all():
 
 @pytest.mark.multiproc
 def test_verify_fails_when_it_checked_nothing():
-    launch_mod = pytest.importorskip("cadlib.infra.launch")
-    with pytest.raises(launch_mod.TorchrunError):
-        launch_mod.run_torchrun("cadlib.verify", 1, ["--case", "empty-rank", "--tokens-per-rank", "64"],
-                                timeout=120, pg_backend="gloo", echo=False, progress=False)
+    with pytest.raises(TorchrunError) as err:
+        ranks.run("cadlib.verify", 1, ["--case", "empty-rank", "--tokens-per-rank", "64"], timeout=120)
+    assert "FAILED: no case was checked" in (err.value.run_dir / "ranks" / "0" / "stdout.log").read_text()
 
 
 @pytest.mark.multiproc

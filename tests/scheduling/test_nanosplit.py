@@ -9,6 +9,7 @@ gives colocated's losses and first-step gradients on batches with a document tha
 cut, a document shorter than the minimum piece, and a rank whose B half would be empty uncut."""
 import numpy as np
 import pytest
+import ranks
 import torch
 
 from cadlib import train
@@ -146,7 +147,6 @@ SEEDS = {2: 1, 4: 37}          # batches 0-2 hold all three cases below (checked
 @pytest.mark.multiproc
 @pytest.mark.parametrize("world", [2, 4])
 def test_pingpong_with_cut_documents_matches_colocated(world, tmp_path):
-    launch = pytest.importorskip("cadlib.infra.launch")
     argv = ["--tokens-per-rank", "256", "--max-doc-len", "400", "--min-shard", "16", "--steps", "3",
             "--warmup", "0", "--seed", str(SEEDS[world])]
     args = train.parse_args(argv)
@@ -162,10 +162,8 @@ def test_pingpong_with_cut_documents_matches_colocated(world, tmp_path):
         empty_b |= any(len(r) == 0 for r in split_nano_batches(layout)[1].rows)
     assert spans and short and empty_b
     methods = ["colocated", "cad-pingpong"]
-    df = launch.run_torchrun("cadlib.train", world,
-                             [*argv, "--methods", ",".join(methods), "--nano-split", "docs",
-                              "--dtype", "fp32", "--dump-grads", str(tmp_path)],
-                             timeout=300, pg_backend="gloo", echo=False, progress=False)
+    df = ranks.run("cadlib.train", world, [*argv, "--methods", ",".join(methods), "--nano-split", "docs",
+                                           "--dtype", "fp32", "--dump-grads", str(tmp_path)])
     recs = [r for res in df.attrs["results"] for r in res["records"] if r["rank"] == 0]
     loss = {m: [r["loss"] for r in recs if r["method"] == m] for m in methods}
     assert len(loss["colocated"]) == 3
