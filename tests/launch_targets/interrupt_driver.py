@@ -2,9 +2,9 @@
 import sys
 from pathlib import Path
 
-from cadlib.infra import launch
+from cadlib.infra import launch, proctree
 
-launch.KILL_GRACE_S = 1.0
+proctree.KILL_GRACE_S = 1.0            # what run_torchrun waits before SIGKILL
 try:
     launch.run_torchrun(Path(__file__).with_name("hang.py"), 2, args=[sys.argv[1]], timeout=120,
                         echo=True, progress=False)
