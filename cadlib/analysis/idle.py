@@ -19,7 +19,8 @@ from ..core.layout import Chunk, Layout
 from ..data.packing import pack
 from ..data.workload import sample_docs
 from ..data.workload import sample_kwargs as resolve
-from .sim import Hardware, attention_seconds, linear_seconds, one_f_one_b, simulate, simulate_dp
+from .compose import one_f_one_b
+from .sim import Hardware, attention_seconds, linear_seconds, simulate, simulate_dp
 
 
 def idle_fraction_sweep(distribution: str, dp_sizes: Sequence[int], context_lengths: Sequence[int],

@@ -23,7 +23,7 @@ from ..core import cost
 from ..core.layout import Layout
 from ..data import packing, workload
 from ..scheduling import nanosplit
-from . import plots, sim
+from . import compose, plots, sim
 from .idle import pp_timeline
 from .lessons_cad import (  # noqa: F401  (the chapter 2 lessons, under one name)
     ID_BASE,
@@ -174,7 +174,7 @@ def pp_cases(model, pp_stages: int, n_microbatches: int, microbatch_tokens: int)
         )
         t = _pp_frame(fwd, bwd, heavy=name.startswith("microbatch 0"))
         frames.append(t.assign(case=name))
-        makespans[name] = sim.one_f_one_b(fwd, bwd)[0]
+        makespans[name] = compose.one_f_one_b(fwd, bwd)[0]
     long_case = cases["microbatch 0 = one long document"]
     ranks, d = [], 0
     for mb in long_case:

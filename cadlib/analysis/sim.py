@@ -55,7 +55,7 @@ from ..core.cost import (
 )
 from ..core.layout import Layout
 from ..core.plan import Plan
-from .compose import Phases, compose, one_f_one_b  # noqa: F401  (one_f_one_b: sim's 1F1B, re-exported)
+from .compose import Phases, compose, one_f_one_b
 from ..data.packing import per_doc_zigzag_layout
 from ..scheduling.scheduler import schedule
 

@@ -13,7 +13,7 @@ The cluster, its links and the training setup are :mod:`cadlib.analysis.whatif_s
 
 A step of ``m`` micro-batches on ``pp`` stages of ``L / pp`` layers (1F1B): micro-batch ``i`` on stage
 ``s`` takes its composed forward ``F[s, i]`` and backward ``B[s, i]`` (the ranks of a stage meet at
-every collective; the LM head only on the last stage), :func:`cadlib.analysis.sim.one_f_one_b` gives the
+every collective; the LM head only on the last stage), :func:`cadlib.analysis.compose.one_f_one_b` gives the
 makespan, and the gradient all-reduce follows: ``step = makespan + allreduce``. With ``pp = m = 1``
 this is exactly the simulator's step of the scale replay. Per method: tokens/s ``= dp m T / step``;
 idle fraction ``= 1 - mean_g busy_g / step``; bytes each GPU sends in the attention collectives per
@@ -39,7 +39,7 @@ from ..data.packing import pack
 from ..scheduling import scheduler
 from . import replay
 from .compose import Composed, compose
-from .sim import one_f_one_b
+from .compose import one_f_one_b
 from .sim_band import error_bands
 from .whatif_setup import Cluster, Documents, Training, setting
 

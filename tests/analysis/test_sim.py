@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cadlib.analysis.compose import one_f_one_b
 from cadlib.analysis.idle import idle_fraction_sweep
 from cadlib.analysis.sim import (
     Hardware,
@@ -15,7 +16,6 @@ from cadlib.analysis.sim import (
     attention_seconds,
     comm_seconds,
     linear_seconds,
-    one_f_one_b,
     simulate,
     simulate_cad,
     simulate_cp,
