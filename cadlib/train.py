@@ -287,6 +287,16 @@ def write_run(env, args, model, records, timelines, **extra) -> None:
     destroy()
 
 
+def start_step(tl: Timeline, env) -> None:
+    """Every rank starts a timed step together: the device idle and its peak-memory counter reset, a
+    barrier, then the timeline's origin."""
+    if env.device.type == "cuda":
+        torch.cuda.synchronize(env.device)
+        torch.cuda.reset_peak_memory_stats(env.device)
+    dist.barrier(group=env.group)
+    tl.origin()
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.pipeline:
@@ -311,11 +321,7 @@ def main(argv=None) -> int:
             b = i - args.warmup if i >= args.warmup else i      # warm-up reuses the first batches
             step = Step(method, batch_docs(args, b, env.world), args, model, env.rank, env.world,
                         cad_group, env.device)
-            if cuda:
-                torch.cuda.synchronize(env.device)
-                torch.cuda.reset_peak_memory_stats(env.device)
-            dist.barrier(group=env.group)
-            tl.origin()
+            start_step(tl, env)
             with tl.span("step", "forward"):
                 loss = forward(step, model, env.group if method in ("colocated", "wlb") else cad_group,
                                streams, tl, args, method == "signal-only")
@@ -378,11 +384,7 @@ def main_pipeline(args) -> int:
         for i in range(args.warmup + args.steps):
             b = i - args.warmup if i >= args.warmup else i
             step = PipelineStep(method, args, b, grid, cad_group, env.device, args.spec.hidden)
-            if cuda:
-                torch.cuda.synchronize(env.device)
-                torch.cuda.reset_peak_memory_stats(env.device)
-            dist.barrier(group=env.group)
-            tl.origin()
+            start_step(tl, env)
             with tl.span("step", "pipeline"):
                 loss_sum = runner.run(step, tl)
             with tl.span("step", "allreduce"):
