@@ -52,3 +52,11 @@ def test_paper_figures_are_defined_once():
         if path.name == "paper.py":
             continue
         assert "1.35" not in path.read_text(), f"{path} restates a paper figure; import cadlib.core.paper"
+
+
+def test_the_package_docstrings_example_runs():
+    import doctest
+
+    import cadlib
+    result = doctest.testmod(cadlib)
+    assert result.attempted >= 5 and result.failed == 0, result
