@@ -8,12 +8,19 @@ Two steps (:mod:`cadlib.analysis.replay` says what a rank's work is):
   sizes), one decoder layer's linear parts and the LM head on a grid of token counts, and one
   optimizer step. The cache (``--cache``, JSON) grows across runs; a run stops at ``--budget-s`` and
   writes what it has, so the next one continues.
+* ``shapes4d`` (any machine): the 4D settings (Table 4) need thousands of distinct server calls per
+  batch (1,900-8,300 for the 128K rows), more than a session's device time can time; this lists
+  every distinct call of each setting's first batch and samples ``--sample`` per setting, in
+  proportion to their modelled time, into ``results/replay/shapes_4d_sample.json``; ``time --suite
+  4d`` times them, and ``compose --suite 4d`` scales the kernel table to them.
 * ``compose`` (any machine): composes every batch's step from the cache and the link model
   (:mod:`cadlib.analysis.compose`) and writes a JSON per setting under ``--out`` and the summary.
 
     python scripts/bench_replay.py time --suite validation,3d --cache $OUT/replay_times.json --budget-s 500
     python scripts/bench_replay.py compose --suite validation,3d --cache results/replay/times_h200.json
-    python scripts/bench_replay.py compose --suite 4d --workers 2     # Table 4: PP, modelled attention
+    python scripts/bench_replay.py shapes4d --sample 40               # Table 4: a sample of its server calls
+    python scripts/bench_replay.py time --suite 4d --cache $OUT/replay_times.json      # time the sample
+    python scripts/bench_replay.py compose --suite 4d --workers 2     # Table 4: PP, attention scaled to the sample
     python scripts/bench_replay.py time --smoke --cache /tmp/t.json && \
         python scripts/bench_replay.py compose --smoke --cache /tmp/t.json --out /tmp/replay     # CPU
 """
@@ -25,6 +32,7 @@ import math
 import multiprocessing
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -203,6 +211,53 @@ def _plan_batch(task):
     return s.name, b, replay_times.attention_jobs(works.values(), s.spec, backend), np.concatenate(tokens)
 
 
+def time_segments(q_lens, kv_lens, spec, device, dtype, backend, gen, timer, iters: int) -> dict:
+    """One fused causal call on merged segments (query and KV lengths), forward then backward."""
+    cu_q = torch.tensor(np.r_[0, np.cumsum(q_lens)], dtype=torch.int32, device=device)
+    cu_k = torch.tensor(np.r_[0, np.cumsum(kv_lens)], dtype=torch.int32, device=device)
+    mq, mk = int(max(q_lens)), int(max(kv_lens))
+
+    def rnd(n, h):
+        return torch.randn(n, h, spec.head_dim, generator=gen, device=device).to(dtype)
+    q, k, v = rnd(int(cu_q[-1]), spec.n_heads), rnd(int(cu_k[-1]), spec.n_kv_heads), rnd(int(cu_k[-1]), spec.n_kv_heads)
+    dout = torch.randn_like(q)
+    fw, bw = [], []
+    for _ in range(iters):
+        a = timer.mark()
+        out, lse = kernels.attend(q, k, v, cu_q, cu_k, mq, mk, causal=True, backend=backend)
+        b = timer.mark()
+        kernels.attend_backward(dout, q, k, v, out, lse, cu_q, cu_k, mq, mk, causal=True, backend=backend)
+        c = timer.mark()
+        fw.append(timer.ms(a, b))
+        bw.append(timer.ms(b, c))
+    return {"fwd_ms": float(np.median(fw)), "bwd_ms": float(np.median(bw)), "iters": iters}
+
+
+def time_4d(a, cache, save, device, dtype) -> int:
+    """The sampled 4D server calls (``shapes4d``) that the cache lacks."""
+    sample = load_result(a.shapes)["results"]
+    times, t0 = cache["times"], time.perf_counter()
+    timer, gen = Timer(device), torch.Generator(device=device).manual_seed(0)
+    spec = replay4d.paper_4d_settings(1)[0].spec
+    backend = kernels.resolve_backend(a.backend, device, dtype, spec.head_dim)
+    jobs = [(k, sh) for k, sh in sample["shapes"].items() if k.replace("|fa4|", f"|{backend}|", 1) not in times]
+    done = 0
+    if jobs:
+        time_segments(jobs[0][1]["q"], jobs[0][1]["kv"], spec, device, dtype, backend, gen, timer, 2)  # compiles
+    for k, sh in jobs:
+        if time.perf_counter() - t0 > a.budget_s:
+            break
+        times[k.replace("|fa4|", f"|{backend}|", 1)] = {
+            **time_segments(sh["q"], sh["kv"], spec, device, dtype, backend, gen, timer, max(2, a.iters)),
+            "setting": sh["setting"]}
+        done += 1
+        if done % 50 == 0:
+            print(f"[{time.perf_counter() - t0:5.0f} s] {done}/{len(jobs)} sampled 4D calls", flush=True)
+    save()
+    print(f"timed {done} of {len(jobs)} sampled 4D calls in {time.perf_counter() - t0:.0f} s")
+    return 0 if done == len(jobs) else 3
+
+
 def cmd_time(a) -> int:
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -210,6 +265,11 @@ def cmd_time(a) -> int:
     cache = json.loads(cache_path.read_text()) if cache_path.exists() else {}
     times = cache.setdefault("times", {})
     t_start = time.perf_counter()
+    if a.suite == "4d":
+        def save4d():
+            cache["meta"] = environment_info()
+            atomic_write_json(cache_path, cache)
+        return time_4d(a, cache, save4d, device, dtype)
     rates = replay.link_rates(load_result("comm_overlap_probe_2xh200_nvlink.json"),
                               load_result("comm_overlap_probe_2xh200_inter-node-like.json"))
     todo = settings(a.suite.split(","), a.batches, a.only)
@@ -318,16 +378,55 @@ def cmd_compose(a) -> int:
     return 0
 
 
+def _shapes_4d(job):
+    """A pool worker: the distinct server calls of a 4D setting's first batch, with their modelled time."""
+    s, times, rates, backend, cost = job
+    price = replay_times.SegmentPrice(s.spec, backend, cost, record=True)
+    replay4d.replay_setting_4d(replace(s, batches=1), times, rates, backend, price)
+    return s, price.shapes
+
+
+def cmd_shapes4d(a) -> int:
+    """Sample each 4D setting's server calls, in proportion to their modelled time (seed 0)."""
+    cache = json.loads(Path(a.cache).read_text())
+    rates = replay.link_rates(load_result("comm_overlap_probe_2xh200_nvlink.json"),
+                              load_result("comm_overlap_probe_2xh200_inter-node-like.json"))
+    backend = a.backend or "fa4"
+    cost = MeasuredCost.load(RESULTS_DIR / "kernel_profile_h200.json", backend)
+    todo = [s for s in replay4d.paper_4d_settings(1) if a.only in s.name]
+    rng, out, counts = np.random.default_rng(0), {}, {}
+    with multiprocessing.get_context("spawn").Pool(max(1, min(a.workers, len(todo)))) as pool:
+        for s, shapes in pool.imap_unordered(_shapes_4d, [(s, cache["times"], rates, backend, cost) for s in todo]):
+            keys = sorted(shapes)
+            w = np.array([shapes[k]["model_ms"] for k in keys])
+            pick = rng.choice(len(keys), size=min(a.sample, len(keys)), replace=False, p=w / w.sum())
+            for i in pick:
+                out[keys[i]] = {**shapes[keys[i]], "setting": s.name}
+            counts[s.name] = {"distinct": len(keys), "model_s": float(w.sum() / 1e3), "sampled": int(pick.size)}
+            print(f"{s.name}: {len(keys)} distinct calls, {w.sum() / 1e3:.0f} s modelled; sampled {pick.size}",
+                  flush=True)
+    path = save_result(Path(a.shapes), {"sample_per_setting": a.sample, "batch": 0, "seed": 0, "backend": backend,
+                                        "weights": "modelled fwd+bwd time", "per_setting": counts},
+                       {"shapes": out})
+    print(f"{len(out)} calls -> {path}")
+    return 0
+
+
 def _one_4d(job):
     s, times, rates, backend, cost, scale = job
-    return s, replay4d.replay_setting_4d(s, times, rates, backend, cost, scale)
+    price = replay_times.SegmentPrice(s.spec, backend, cost, scale, times)
+    return s, replay4d.replay_setting_4d(s, times, rates, backend, price)
 
 
 def cmd_compose_4d(a, times, meta, rates, backend) -> int:
     """The 4D settings (Table 4): attention from the kernel table scaled to the timed FA4 calls, the
     linear layers, head and optimizer from the cache; one process per setting (``--workers``)."""
     cost = MeasuredCost.load(RESULTS_DIR / "kernel_profile_h200.json", backend)
-    check = replay.kernel_model_check(replay.paper_3d_settings()[:3], times, cost, backend, rates)
+    shapes_path = Path(a.shapes)
+    shapes = load_result(shapes_path)["results"]["shapes"] if shapes_path.exists() else {}
+    check = replay_times.segment_model_check(times, shapes, cost, replay4d.paper_4d_settings(1)[0].spec, backend)
+    if check is None:
+        check = replay.kernel_model_check(replay.paper_3d_settings()[:3], times, cost, backend, rates)
     print(f"kernel table against the timed calls: {check}", flush=True)
     todo = [s for s in replay4d.paper_4d_settings(a.batches or 3) if a.only in s.name]
     jobs = [(s, times, rates, backend, cost, check["scale"]) for s in todo]
@@ -352,7 +451,7 @@ def cmd_compose_4d(a, times, meta, rates, backend) -> int:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("command", choices=("time", "compose"))
+    ap.add_argument("command", choices=("time", "compose", "shapes4d"))
     ap.add_argument("--suite", default="validation,3d", help=f"comma-separated: {', '.join(SUITES)}")
     ap.add_argument("--smoke", action="store_true", help="the CPU smoke suite (tiny model, sdpa_ref)")
     ap.add_argument("--cache", default=str(RESULTS_DIR / "replay" / "times_h200.json"))
@@ -368,13 +467,18 @@ def main(argv=None) -> int:
     ap.add_argument("--derive-from", default=None,
                     help="compose: where --backend was not timed, scale this backend's times (fitted ratio)")
     ap.add_argument("--device", default=None)
+    ap.add_argument("--shapes", default=str(RESULTS_DIR / "replay" / "shapes_4d_sample.json"),
+                    help="shapes4d: where to write the 4D sample; time --suite 4d: the sample to time")
+    ap.add_argument("--sample", type=int, default=40, help="shapes4d: calls sampled per 4D setting")
     ap.add_argument("--workers", type=int, default=12, help="processes planning batches beside the timing")
     a = ap.parse_args(argv)
     if a.smoke:
         a.suite, a.device = "smoke", "cpu"
         a.backend = a.backend or "sdpa_ref"
-    if a.iters < 1 or (a.batches is not None and a.batches < 1):
-        ap.error("--iters and --batches must be >= 1")
+    if a.iters < 1 or (a.batches is not None and a.batches < 1) or a.sample < 1:
+        ap.error("--iters, --batches and --sample must be >= 1")
+    if a.command == "shapes4d":
+        return cmd_shapes4d(a)
     return cmd_time(a) if a.command == "time" else cmd_compose(a)
 
 

@@ -46,7 +46,7 @@ from ..scheduling import scheduler
 from .compose import Phases, compose_lockstep, compose_pass, one_f_one_b
 from .idle import varlen_chunking
 from .replay import TOKENS_PER_GROUP, Links, Setting, gather_bytes, tp_seconds, batch_lengths, shard_params
-from .replay_times import DTYPE, head_key, interp, linear_key, optimizer_key
+from .replay_times import DTYPE, SegmentPrice, head_key, interp, linear_key, optimizer_key
 from .sim import Hardware
 
 HEAD_FWD_SHARE = 1 / 3
@@ -182,15 +182,15 @@ def _segments(plan, server: int):
     return (end - a[start]).astype(np.float64), end.astype(np.float64)
 
 
-def _attention(plans, spec, cost, scale: float, R: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per plan (nano-batch) and server: the modelled forward and backward seconds of its fused call."""
+def _attention(plans, price, R: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per plan (nano-batch) and server: the forward and backward seconds of its fused call
+    (:class:`cadlib.analysis.replay_times.SegmentPrice`: timed, or the kernel table scaled)."""
     f, bk = np.zeros((len(plans), R)), np.zeros((len(plans), R))
     for i, p in enumerate(plans):
         for r in range(R):
             q, kv = _segments(p, r)
             if q.size:
-                f[i, r] = cost.fused_seconds(q, kv, "fwd", spec) * scale
-                bk[i, r] = cost.fused_seconds(q, kv, "bwd", spec) * scale
+                f[i, r], bk[i, r] = price.seconds(q, kv)
     return f, bk
 
 
@@ -262,7 +262,7 @@ def _ends(s: Setting4D, pp: int, times: dict, backend: str):
 # One configuration's step, per method
 # ---------------------------------------------------------------------------------------------------
 
-def pipeline_1f1b(s: Setting4D, lays: list[Layout], pp: int, dp: int, times, links: Links, cost, scale,
+def pipeline_1f1b(s: Setting4D, lays: list[Layout], pp: int, dp: int, times, links: Links, price,
                   backend: str, method: str) -> dict:
     """Colocated or WLB under 1F1B: each op is its stage's layers over the microbatch's ``dp`` ranks."""
     base, spec = s.base(dp), s.spec
@@ -273,7 +273,7 @@ def pipeline_1f1b(s: Setting4D, lays: list[Layout], pp: int, dp: int, times, lin
     for m, lay in enumerate(lays):
         tok = lay.tokens_per_rank().astype(np.float64)
         plan = scheduler.colocated(lay)
-        af, ab = _attention([plan], spec, cost, scale, dp)
+        af, ab = _attention([plan], price, dp)
         g = gather_bytes(lay, spec)
         lin = _linear(base, tok, times, links, backend)
         ph = Phases(**lin, attn=af[0], attn_bwd=ab[0], comm_in=links.dp.seconds(*g["in"]),
@@ -292,7 +292,7 @@ def pipeline_1f1b(s: Setting4D, lays: list[Layout], pp: int, dp: int, times, lin
     return {"step_s": step, "pipeline_s": makespan, "idle_fraction": 1 - busy / (pp * dp * makespan)}
 
 
-def pipeline_lockstep(s: Setting4D, lays: list[Layout], pp: int, dp: int, times, links: Links, cost, scale,
+def pipeline_lockstep(s: Setting4D, lays: list[Layout], pp: int, dp: int, times, links: Links, price,
                       backend: str, signal_only: bool = False) -> dict:
     """CAD with ping-pong in DistCA's lock-step ticks, every tick's plans over all ``pp x dp`` nodes."""
     base, spec, R = s.base(dp), s.spec, pp * dp
@@ -307,7 +307,7 @@ def pipeline_lockstep(s: Setting4D, lays: list[Layout], pp: int, dp: int, times,
         bwd = tick.phase == "B"
         tok = np.array([[len(r) for r in _stack_rows(tick, [n[j] for n in nanos], dp)] for j in range(2)],
                        dtype=np.float64)
-        af, ab = _attention(ps, spec, cost, scale, R)
+        af, ab = _attention(ps, price, R)
         pre, post = _cad_bytes(ps, spec, bwd)
         lin = _linear(base, tok, times, links, backend)
         zero = np.zeros((2, R))
@@ -339,9 +339,10 @@ def _stack_rows(tick, parts, dp: int):
     return out
 
 
-def replay_setting_4d(s: Setting4D, times: dict, rates: dict, backend: str, cost, scale: float,
+def replay_setting_4d(s: Setting4D, times: dict, rates: dict, backend: str, price: SegmentPrice,
                       progress=None) -> dict:
-    """Every configuration and method of every batch, and per method its best configuration."""
+    """Every configuration and method of every batch, and per method its best configuration; ``price``
+    gives the server calls' durations (and counts how many were timed)."""
     links = Links.of(s.base(1), rates)
     rows = []
     for b in range(s.batches):
@@ -350,19 +351,20 @@ def replay_setting_4d(s: Setting4D, times: dict, rates: dict, backend: str, cost
             base = micro_layouts(s, groups, dp)
             common = dict(batch=b, pp=pp, dp=dp, n_micro=n_micro)
             rows.append({**common, "method": "colocated", "cp": 1, "max_tokens_per_rank": s.micro_tokens,
-                         **pipeline_1f1b(s, base, pp, dp, times, links, cost, scale, backend, "colocated")})
+                         **pipeline_1f1b(s, base, pp, dp, times, links, price, backend, "colocated")})
             for c in (c for c in s.wlb_cp if dp % c == 0):
                 lays = wlb_micro_layouts(s, groups, dp, c)
                 top = int(max(lay.tokens_per_rank().max() for lay in lays))
                 rows.append({**common, "method": "wlb", "cp": c, "max_tokens_per_rank": top,
-                             **pipeline_1f1b(s, lays, pp, dp, times, links, cost, scale, backend, "wlb")})
+                             **pipeline_1f1b(s, lays, pp, dp, times, links, price, backend, "wlb")})
             for m in ("cad-pingpong", "signal-only"):
                 rows.append({**common, "method": m, "cp": 1, "max_tokens_per_rank": s.micro_tokens,
-                             **pipeline_lockstep(s, base, pp, dp, times, links, cost, scale, backend,
+                             **pipeline_lockstep(s, base, pp, dp, times, links, price, backend,
                                                  signal_only=m == "signal-only")})
             if progress is not None:
                 progress(f"{s.name} batch {b} pp={pp}")
-    return {"per_config": rows, "summary": summarise_4d(s, rows)}
+    return {"per_config": rows, "summary": summarise_4d(s, rows),
+            "attention_calls": {"timed": price.timed, "modelled": price.modelled}}
 
 
 def summarise_4d(s: Setting4D, rows: list[dict]) -> list[dict]:

@@ -142,3 +142,60 @@ def model_attention_times(works, spec: ModelSpec, backend: str, cost, scale: flo
         out[k] = {"fwd_ms": cost.fused_seconds(q, kv, "fwd", spec) * 1e3 * scale,
                   "bwd_ms": cost.fused_seconds(q, kv, "bwd", spec) * 1e3 * scale, "modelled": True}
     return out
+
+
+def segments_key(q, kv, spec: ModelSpec, backend: str) -> str:
+    """The key of a fused call given by its merged segments alone (query and KV lengths, causal,
+    bottom-right aligned): the pipeline replay's server calls (:mod:`cadlib.analysis.replay4d`)."""
+    return "seg|" + spec_key(spec, backend) + "|" + _digest(q, kv)
+
+
+class SegmentPrice:
+    """Forward and backward seconds of a fused call on its merged segments: timed where ``times``
+    holds the call's :func:`segments_key`, else the kernel latency table ``cost`` times ``scale``
+    (measured over predicted on timed calls). Counts how many calls were priced each way; with
+    ``record``, keeps every distinct call's segments and modelled seconds in ``shapes`` (what
+    ``scripts/bench_replay.py shapes4d`` samples for timing)."""
+
+    def __init__(self, spec: ModelSpec, backend: str, cost, scale: float = 1.0, times: dict | None = None,
+                 record: bool = False):
+        self.spec, self.backend, self.cost, self.scale = spec, backend, cost, float(scale)
+        self.times = times or {}
+        self.record = record
+        self.shapes: dict[str, dict] = {}
+        self.timed = self.modelled = 0
+
+    def seconds(self, q, kv) -> tuple[float, float]:
+        k = segments_key(q, kv, self.spec, self.backend)
+        t = self.times.get(k)
+        if t is not None and not t.get("modelled"):
+            self.timed += 1
+            return t["fwd_ms"] * 1e-3, t["bwd_ms"] * 1e-3
+        self.modelled += 1
+        f = float(self.cost.fused_seconds(q, kv, "fwd", self.spec))
+        b = float(self.cost.fused_seconds(q, kv, "bwd", self.spec))
+        if self.record and k not in self.shapes:
+            self.shapes[k] = {"q": np.asarray(q, dtype=np.int64).tolist(),
+                              "kv": np.asarray(kv, dtype=np.int64).tolist(), "model_ms": (f + b) * 1e3}
+        return f * self.scale, b * self.scale
+
+
+def segment_model_check(times: dict, shapes: dict, cost, spec: ModelSpec, backend: str) -> dict | None:
+    """The kernel table against the sampled pipeline-replay calls that were timed (``shapes``: key ->
+    ``{"q", "kv"}``, as ``scripts/bench_replay.py shapes4d`` writes them): measured / predicted, forward
+    + backward, time-weighted (the ``scale`` for the calls not timed), its median, 10th and 90th
+    percentiles and the calls; None when none of them was timed."""
+    meas, pred = [], []
+    for k, sh in shapes.items():
+        t = times.get(k.replace("|fa4|", f"|{backend}|", 1))
+        if t is None or t.get("modelled"):
+            continue
+        meas.append(t["fwd_ms"] + t["bwd_ms"])
+        pred.append(cost.fused_seconds(np.asarray(sh["q"]), np.asarray(sh["kv"]), "fwd_bwd", spec) * 1e3)
+    if not meas:
+        return None
+    m, p = np.array(meas), np.array(pred)
+    r = m / p
+    return {"calls": int(m.size), "scale": float(m.sum() / p.sum()), "median": float(np.median(r)),
+            "p10": float(np.percentile(r, 10)), "p90": float(np.percentile(r, 90)), "backend": backend,
+            "shapes": "sampled 4D calls"}

@@ -1,8 +1,16 @@
 #!/usr/bin/env bash
 # One H200 with FlashAttention-4: the GPU checks of the package and the scale replay's timings.
 # Stages (STAGES, in order; each under its own timeout):
-#   fa4       install FA4 from the two wheel folders (.fa4a/ copied to /tmp/fa4 by an earlier call,
-#             .fa4b/ carried by this one) into /tmp/site
+#   fa4       install FA4 into /tmp/site: the DSL wheel's two parts (part_aa, part_ab) in /tmp/fa4,
+#             copied there by earlier calls (or part_ab carried in .fa4b/), the other wheels in any
+#             carried .fa4*/ folder
+#   e2e1x     scripts/bench_e2e.py on this one GPU (DP=1; uniform and pretrain, 64K and 128K tokens,
+#             colocated and CAD ping-pong) into /tmp/e2e1x and $OUT: the replay's check on the very
+#             machine that times it
+#   time1x    scripts/bench_replay.py time on those runs (validation suite, '_1x_') into a fresh
+#             $OUT/times_1x.json
+#   time4d    scripts/bench_replay.py time --suite 4d: the sampled pipeline-replay server calls
+#             (results/replay/shapes_4d_sample.json) into $OUT/times_4d.json
 #   gputests  the kernel tests on CUDA (every backend the machine has)
 #   replay2   scripts/bench_server_replay.py on the committed pretrain 64K and prolong 128K batches
 #   kernels   the FA4 column of the kernel x mask table, merged into a copy of results/bench_kernels.json
@@ -23,8 +31,9 @@ for st in $STAGES; do
   stamp "stage $st"
   case $st in
     fa4)
-      cat /tmp/fa4/part_aa .fa4b/part_ab > /tmp/fa4/nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl \
-        && rm -f /tmp/fa4/part_aa && cp .fa4b/*.whl /tmp/fa4/ \
+      [ -f /tmp/fa4/part_ab ] || cp .fa4b/part_ab /tmp/fa4/
+      cat /tmp/fa4/part_aa /tmp/fa4/part_ab > /tmp/fa4/nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl \
+        && rm -f /tmp/fa4/part_aa /tmp/fa4/part_ab && { cp .fa4*/*.whl /tmp/fa4/ 2>/dev/null; true; } \
         && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/fa4/*.whl 2>&1 | tail -2
       python3 -c "import cadlib.runtime.kernels as k; print('backends', k.available_backends('cuda'))" 2>&1 | tee -a "$LOG" ;;
     gputests)
@@ -43,6 +52,17 @@ for st in $STAGES; do
       [ -f "$OUT/replay_times.json" ] || cp results/replay/times_h200.json "$OUT/replay_times.json" 2>/dev/null || true
       timeout $(( ${REPLAY_BUDGET:-400} + 60 )) python3 scripts/bench_replay.py time --suite "${REPLAY_SUITE:-validation,3d}" \
         --cache "$OUT/replay_times.json" --budget-s "${REPLAY_BUDGET:-400}" 2>&1 | tail -25 | tee -a "$LOG" ;;
+    e2e1x)
+      timeout ${E2E_TIMEOUT:-480} python3 scripts/bench_e2e.py --nproc 1 --dists uniform,pretrain --tokens 65536,131072 \
+        --methods colocated,cad-pingpong --steps 4 --warmup 1 --quiet --out /tmp/e2e1x 2>&1 | tail -6 | tee -a "$LOG"
+      cp /tmp/e2e1x/*.json "$OUT/" ;;
+    time1x)
+      cp /tmp/e2e1x/bench_e2e_1x_*.json results/
+      timeout 200 python3 scripts/bench_replay.py time --suite validation --only _1x_ --cache "$OUT/times_1x.json" \
+        --budget-s 150 2>&1 | tail -8 | tee -a "$LOG" ;;
+    time4d)
+      timeout $(( ${REPLAY_BUDGET:-150} + 60 )) python3 scripts/bench_replay.py time --suite 4d --cache "$OUT/times_4d.json" \
+        --budget-s "${REPLAY_BUDGET:-150}" 2>&1 | tail -8 | tee -a "$LOG" ;;
     *) echo "unknown stage $st" | tee -a "$LOG" ;;
   esac
 done

@@ -4,7 +4,7 @@ import json
 
 import numpy as np
 
-from cadlib.analysis import replay, replay4d
+from cadlib.analysis import replay, replay4d, replay_times
 from cadlib.core.measured import MeasuredCost
 from cadlib.core.paper import DISTCA_TABLE4_8B
 from cadlib.infra.results import RESULTS_DIR, load_result
@@ -38,7 +38,8 @@ def test_a_small_setting_composes_every_configuration():
     rates = replay.link_rates(load_result("comm_overlap_probe_2xh200_nvlink.json"))
     cost = MeasuredCost.load(RESULTS_DIR / "kernel_profile_h200.json", "fa4")
     s = replay4d.Setting4D("t", "distca-pretrain", 32, 4, 131072, batches=1, pps=(1, 2))
-    res = replay4d.replay_setting_4d(s, times, rates, "fa4", cost, 1.04)
+    price = replay_times.SegmentPrice(s.spec, "fa4", cost, 1.04, record=True)
+    res = replay4d.replay_setting_4d(s, times, rates, "fa4", price)
     rows = res["per_config"]
     assert {(r["pp"], r["method"]) for r in rows} >= {(p, m) for p in (1, 2) for m in replay4d.METHODS_4D}
     assert all(r["step_s"] > r["pipeline_s"] > 0 for r in rows)
@@ -51,3 +52,8 @@ def test_a_small_setting_composes_every_configuration():
     views = {r["view"] for r in res["summary"]}
     assert {"any", "budget", "pp=1", "pp=2"} <= views
     assert all(np.isfinite(r["speedup_over_wlb"]) for r in res["summary"])
+    assert res["attention_calls"]["timed"] == 0 and res["attention_calls"]["modelled"] > 0
+    # a timed call replaces its modelled time, and is counted as timed
+    k, sh = next(iter(price.shapes.items()))
+    timed = replay_times.SegmentPrice(s.spec, "fa4", cost, 1.04, times={k: {"fwd_ms": 1.0, "bwd_ms": 2.0}})
+    assert timed.seconds(np.array(sh["q"]), np.array(sh["kv"])) == (1e-3, 2e-3) and timed.timed == 1
