@@ -20,10 +20,12 @@ documents. Per configuration ``(pp, dp)`` and method:
 
 Durations: the linear layers, LM head and optimizer from the H200 timings of the 3D replay
 (``results/replay/times_h200.json``, the same TP=8 shard); core attention from the measured kernel
-table (:class:`cadlib.core.measured.MeasuredCost`, FA4, on each server's merged segments) times the
-scale it needs to match the FA4 calls the 3D replay timed (:func:`cadlib.analysis.replay.kernel_model_check`),
-since the 4D shapes were not timed (no device time was left); the network at 50 GB/s per GPU between
-nodes. As the paper sweeps configurations, each method's step is that of its best ``pp`` (and ``c``
+table (:class:`cadlib.core.measured.MeasuredCost`, FA4, on each server's merged segments), except
+for the calls timed on an H200 (:class:`cadlib.analysis.replay_times.SegmentPrice`): a batch has
+500-8,600 distinct calls, more than a session's device time can time, so ``scripts/bench_replay.py
+shapes4d`` samples 40 per setting by modelled time, those are timed, and the others take the table
+times the sample's measured / predicted (:func:`cadlib.analysis.replay_times.segment_model_check`);
+the network at 50 GB/s per GPU between nodes. As the paper sweeps configurations, each method's step is that of its best ``pp`` (and ``c``
 for WLB) over the setting's batches. Not modelled: memory (the paper's WLB runs out of memory at high
 CP or DP degrees; here every configuration is allowed, which favours the baseline), the LM head
 split between the forward and backward ticks (a third forward, as its matmuls are), p2p overlapping
