@@ -240,14 +240,15 @@ def time_4d(a, cache, save, device, dtype) -> int:
     timer, gen = Timer(device), torch.Generator(device=device).manual_seed(0)
     spec = replay4d.paper_4d_settings(1)[0].spec
     backend = kernels.resolve_backend(a.backend, device, dtype, spec.head_dim)
-    jobs = [(k, sh) for k, sh in sample["shapes"].items() if k.replace("|fa4|", f"|{backend}|", 1) not in times]
+    jobs = [(replay_times.key_for_backend(k, backend), sh) for k, sh in sample["shapes"].items()]
+    jobs = [(k, sh) for k, sh in jobs if k not in times]
     done = 0
     if jobs:
         time_segments(jobs[0][1]["q"], jobs[0][1]["kv"], spec, device, dtype, backend, gen, timer, 2)  # compiles
     for k, sh in jobs:
         if time.perf_counter() - t0 > a.budget_s:
             break
-        times[k.replace("|fa4|", f"|{backend}|", 1)] = {
+        times[k] = {
             **time_segments(sh["q"], sh["kv"], spec, device, dtype, backend, gen, timer, max(2, a.iters)),
             "setting": sh["setting"]}
         done += 1

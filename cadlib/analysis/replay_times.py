@@ -150,6 +150,11 @@ def segments_key(q, kv, spec: ModelSpec, backend: str) -> str:
     return "seg|" + spec_key(spec, backend) + "|" + _digest(q, kv)
 
 
+def key_for_backend(key: str, backend: str) -> str:
+    """A :func:`segments_key` recorded for FA4 (the sample's backend) as the same call on ``backend``."""
+    return key.replace("|fa4|", f"|{backend}|", 1)
+
+
 class SegmentPrice:
     """Forward and backward seconds of a fused call on its merged segments: timed where ``times``
     holds the call's :func:`segments_key`, else the kernel latency table ``cost`` times ``scale``
@@ -187,7 +192,7 @@ def segment_model_check(times: dict, shapes: dict, cost, spec: ModelSpec, backen
     percentiles and the calls; None when none of them was timed."""
     meas, pred = [], []
     for k, sh in shapes.items():
-        t = times.get(k.replace("|fa4|", f"|{backend}|", 1))
+        t = times.get(key_for_backend(k, backend))
         if t is None or t.get("modelled"):
             continue
         meas.append(t["fwd_ms"] + t["bwd_ms"])

@@ -57,3 +57,22 @@ def test_a_small_setting_composes_every_configuration():
     k, sh = next(iter(price.shapes.items()))
     timed = replay_times.SegmentPrice(s.spec, "fa4", cost, 1.04, times={k: {"fwd_ms": 1.0, "bwd_ms": 2.0}})
     assert timed.seconds(np.array(sh["q"]), np.array(sh["kv"])) == (1e-3, 2e-3) and timed.timed == 1
+
+
+def test_segment_model_check_scales_the_table_to_the_timed_sample():
+    cost = MeasuredCost.load(RESULTS_DIR / "kernel_profile_h200.json", "fa4")
+    spec = replay4d.paper_4d_settings(1)[0].spec
+    shapes = {replay_times.segments_key(q, kv, spec, "fa4"): {"q": q, "kv": kv}
+              for q, kv in (([512, 2048], [4096, 2048]), ([16384], [65536]), ([128] * 40, [128] * 40))}
+    assert replay_times.segment_model_check({}, shapes, cost, spec, "fa4") is None      # nothing timed
+    factors = (2.0, 0.5, 1.0)
+    times = {}
+    for (k, sh), f in zip(shapes.items(), factors):
+        p = cost.fused_seconds(np.asarray(sh["q"]), np.asarray(sh["kv"]), "fwd_bwd", spec) * 1e3
+        times[k] = {"fwd_ms": 0.25 * f * p, "bwd_ms": 0.75 * f * p}
+    first = next(iter(shapes))
+    times[first] = {**times[first], "modelled": True}       # a modelled entry is not a timing
+    got = replay_times.segment_model_check(times, shapes, cost, spec, "fa4")
+    assert got["calls"] == 2 and np.isclose(got["median"], 0.75)
+    p = [cost.fused_seconds(np.asarray(sh["q"]), np.asarray(sh["kv"]), "fwd_bwd", spec) for sh in shapes.values()]
+    assert np.isclose(got["scale"], (0.5 * p[1] + p[2]) / (p[1] + p[2]))     # time-weighted, not the median
