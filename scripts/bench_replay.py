@@ -40,7 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cadlib.analysis import replay, replay4d, replay_times  # noqa: E402
+from cadlib.analysis import replay, replay4d, replay_phases, replay_results, replay_times  # noqa: E402
 from cadlib.analysis.e2e import load_committed  # noqa: E402
 from cadlib.core.measured import MeasuredCost  # noqa: E402
 from cadlib.infra.results import RESULTS_DIR, atomic_write_json, environment_info, load_result, save_result  # noqa: E402
@@ -205,7 +205,7 @@ def time_optimizer(spec, device, dtype, timer, iters: int) -> dict:
 def _plan_batch(task):
     """A pool worker: one batch's work (host only): its distinct server calls and token counts."""
     s, b, rates, backend = task
-    works = replay.batch_work(s, b, rates)
+    works = replay_phases.batch_work(s, b, rates)
     tokens = [np.concatenate([w.tokens.ravel(), (w.tokens.sum(0) if w.pingpong else w.tokens)])
               for w in works.values()]
     return s.name, b, replay_times.attention_jobs(works.values(), s.spec, backend), np.concatenate(tokens)
@@ -271,7 +271,7 @@ def cmd_time(a) -> int:
             cache["meta"] = environment_info()
             atomic_write_json(cache_path, cache)
         return time_4d(a, cache, save4d, device, dtype)
-    rates = replay.link_rates(load_result("comm_overlap_probe_2xh200_nvlink.json"),
+    rates = replay_phases.link_rates(load_result("comm_overlap_probe_2xh200_nvlink.json"),
                               load_result("comm_overlap_probe_2xh200_inter-node-like.json"))
     todo = settings(a.suite.split(","), a.batches, a.only)
     backends = {s.name: kernels.resolve_backend(a.backend, device, dtype, s.spec.head_dim) for s in todo}
@@ -345,7 +345,7 @@ def cmd_compose(a) -> int:
     if a.derive_from:
         times, derived = replay_times.derive_backend(times, a.backend or "fa4", a.derive_from)
         print(f"{a.backend or 'fa4'} from {a.derive_from} where not timed: {derived}")
-    rates = replay.link_rates(load_result("comm_overlap_probe_2xh200_nvlink.json"),
+    rates = replay_phases.link_rates(load_result("comm_overlap_probe_2xh200_nvlink.json"),
                               load_result("comm_overlap_probe_2xh200_inter-node-like.json"))
     backend = a.backend or "fa4"
     if "4d" in a.suite.split(","):
@@ -355,22 +355,22 @@ def cmd_compose(a) -> int:
     model_check = None
     if a.model_missing:
         cost = MeasuredCost.load(RESULTS_DIR / "kernel_profile_h200.json", backend)
-        model_check = replay.kernel_model_check(replay.paper_3d_settings()[:3], cache["times"], cost, backend, rates)
+        model_check = replay_results.kernel_model_check(replay.paper_3d_settings()[:3], cache["times"], cost, backend, rates)
         print(f"kernel table against the timed calls: {model_check}")
     for s in settings(a.suite.split(","), a.batches, a.only):
         if model_check is not None:
             for b in range(s.batches):
-                times.update(replay_times.model_attention_times(replay.batch_work(s, b, rates).values(), s.spec,
+                times.update(replay_times.model_attention_times(replay_phases.batch_work(s, b, rates).values(), s.spec,
                                                           backend, cost, model_check["scale"], times))
-        res = replay.replay_setting(s, times, rates, backend)
+        res = replay_results.replay_setting(s, times, rates, backend)
         if res is None:
             print(f"{s.name}: shapes missing from the cache; run `time` first")
             continue
         save_result(out_dir / f"replay_{s.name}{a.tag}.json",
-                    {**replay.setting_config(s, rates, backend, meta), "derived_times": derived,
+                    {**replay_results.setting_config(s, rates, backend, meta), "derived_times": derived,
                      "kernel_model": model_check}, res)
         summary += res["summary"]
-        print(replay.summary_line(s, res), flush=True)
+        print(replay_results.summary_line(s, res), flush=True)
     if summary:
         save_result(out_dir / f"replay_summary{a.tag}.json", {"cache": str(a.cache), "times_meta": meta,
                                                                "rates_gbps": rates, "backend": backend,
@@ -390,7 +390,7 @@ def _shapes_4d(job):
 def cmd_shapes4d(a) -> int:
     """Sample each 4D setting's server calls, in proportion to their modelled time (seed 0)."""
     cache = json.loads(Path(a.cache).read_text())
-    rates = replay.link_rates(load_result("comm_overlap_probe_2xh200_nvlink.json"),
+    rates = replay_phases.link_rates(load_result("comm_overlap_probe_2xh200_nvlink.json"),
                               load_result("comm_overlap_probe_2xh200_inter-node-like.json"))
     backend = a.backend or "fa4"
     cost = MeasuredCost.load(RESULTS_DIR / "kernel_profile_h200.json", backend)
@@ -427,7 +427,7 @@ def cmd_compose_4d(a, times, meta, rates, backend) -> int:
     shapes = load_result(shapes_path)["results"]["shapes"] if shapes_path.exists() else {}
     check = replay_times.segment_model_check(times, shapes, cost, replay4d.paper_4d_settings(1)[0].spec, backend)
     if check is None:
-        check = replay.kernel_model_check(replay.paper_3d_settings()[:3], times, cost, backend, rates)
+        check = replay_results.kernel_model_check(replay.paper_3d_settings()[:3], times, cost, backend, rates)
     print(f"kernel table against the timed calls: {check}", flush=True)
     todo = [s for s in replay4d.paper_4d_settings(a.batches or 3) if a.only in s.name]
     jobs = [(s, times, rates, backend, cost, check["scale"]) for s in todo]

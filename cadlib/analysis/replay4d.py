@@ -47,7 +47,8 @@ from ..scheduling.pipeline import micro_nanos, tick_plans
 from ..scheduling import scheduler
 from .compose import Phases, compose_lockstep, compose_pass, one_f_one_b
 from .idle import varlen_chunking
-from .replay import TOKENS_PER_GROUP, Links, Setting, gather_bytes, tp_seconds, batch_lengths, shard_params
+from .replay import TOKENS_PER_GROUP, Setting, batch_lengths, gather_bytes
+from .replay_phases import Links, shard_params, tp_seconds
 from .replay_times import DTYPE, SegmentPrice, head_key, interp, linear_key, optimizer_key
 from .sim import Hardware
 

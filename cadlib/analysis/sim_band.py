@@ -1,7 +1,7 @@
 """How far the simulator's steps and speedups were from measured and replayed ones: the error band of
 a prediction, from the committed scale-replay files.
 
-The simulator (:func:`cadlib.analysis.replay.model_compose`) composes durations from the cost model.
+The simulator (:func:`cadlib.analysis.replay_phases.model_compose`) composes durations from the cost model.
 The committed files hold, for the same batches, what that composition predicted (``sim_step_s``) and a
 truer step: the **measured** step of the end-to-end runs on 2x H200 (DP=2,
 ``results/replay/replay_e2e_*_validation.json``), and the **replayed** step of the paper's 3D settings,

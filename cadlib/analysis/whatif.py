@@ -3,10 +3,10 @@ and training setup, with the band its measured error gives.
 
 Batches are sampled from the user's lengths (:func:`cadlib.data.workload.sample_lengths`) or a named
 distribution, as the scale replay samples (:func:`cadlib.analysis.replay.batch_lengths`, the same
-seeds), and each is planned for every method (:func:`cadlib.analysis.replay.batch_work`): colocated
+seeds), and each is planned for every method (:func:`cadlib.analysis.replay_phases.batch_work`): colocated
 (sequential packing, per-document CP for documents split between ranks), WLB-ideal (balanced packing
 with per-document CP of the best degree) and CAD with ping-pong. The durations are the simulator's
-(:func:`cadlib.analysis.replay.model_phases`: the H200 rates of :mod:`cadlib.core.cost`, or a kernel
+(:func:`cadlib.analysis.replay_phases.model_phases`: the H200 rates of :mod:`cadlib.core.cost`, or a kernel
 latency table), composed tick by tick (:mod:`cadlib.analysis.compose`) per stage and micro-batch.
 
 The cluster, its links and the training setup are :mod:`cadlib.analysis.whatif_setup`'s.
@@ -37,7 +37,7 @@ from ..core.cost import as_model
 from ..core.measured import MeasuredCost
 from ..data.packing import pack
 from ..scheduling import scheduler
-from . import replay
+from . import replay, replay_phases
 from .compose import Composed, compose
 from .compose import one_f_one_b
 from .sim_band import error_bands
@@ -103,11 +103,11 @@ def _method_steps(s: replay.Setting, cluster: Cluster, training: Training, step:
         scheduler.schedule(pack(docs, s.dp, s.tokens), model=s.spec, tolerance=s.tolerance,
                            min_shard=s.min_shard)
         plan_ms.append((time.perf_counter() - t0) * 1e3)
-        works = replay.batch_work(s, b)
+        works = replay_phases.batch_work(s, b)
         coloc = works["colocated"].tokens
         per = {}
         for key, w in works.items():
-            ph = replay.model_phases(s, w, links, cost=cost)
+            ph = replay_phases.model_phases(s, w, links, cost=cost)
             last = _stage(w.method, ph, L, True)
             first = _stage(w.method, ph, L, False) if pp > 1 else last
             per[key] = (w, ph, first, last)
@@ -133,7 +133,7 @@ def _method_steps(s: replay.Setting, cluster: Cluster, training: Training, step:
                               "attention_s": (attn * L).tolist(), "busy_s": c.busy.tolist()}
         if progress:
             progress(1)
-    allreduce = replay.allreduce_seconds(s, links.dp)
+    allreduce = replay_phases.allreduce_seconds(s, links.dp)
     out = {}
     for key in METHODS:
         a = acc[key]

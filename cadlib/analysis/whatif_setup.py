@@ -22,7 +22,7 @@ from ..core.cost import H200_NVLINK_ALL_TO_ALL_GBPS, IB_GBPS_PER_GPU, ModelSpec,
 from ..core.defaults import DEFAULT_TOLERANCE
 from ..core.paper import DISTCA_GPU_MEMORY_GB, DISTCA_GPUS_PER_NODE
 from ..data.workload import sample_kwargs
-from . import replay
+from . import replay, replay_phases
 from .compose import Link
 
 
@@ -71,10 +71,10 @@ class Cluster:
         f_in, f_out = (k - 1) / (self.dp - 1), (self.dp - k) / (self.dp - 1)
         return 1.0 / max(f_in / self.intra_node_gbps, f_out / self.inter_node_gbps)
 
-    def links(self) -> replay.Links:
+    def links(self) -> replay_phases.Links:
         tp = self.intra_node_gbps if self.tp <= self.gpus_per_node else self.inter_node_gbps
-        dp = Link(self.dp_gbps(), replay.NCCL_LATENCY_S, "dp")
-        return replay.Links(dp=dp, tp=Link(tp, replay.NCCL_LATENCY_S, "tp"), cad=dp)
+        dp = Link(self.dp_gbps(), replay_phases.NCCL_LATENCY_S, "dp")
+        return replay_phases.Links(dp=dp, tp=Link(tp, replay_phases.NCCL_LATENCY_S, "tp"), cad=dp)
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cadlib.analysis import replay
+from cadlib.analysis import replay, replay_phases
 from cadlib.core.cost import ModelSpec
 from cadlib.data.packing import per_doc_gather_tokens, wlb_layout
 
@@ -33,7 +33,7 @@ def test_shard_and_its_errors():
 def test_batch_work_balances_bytes_and_covers_every_method():
     s = replay.Setting("t", "pretrain", 4, tokens=4096, max_doc_len=4096, tp=1, model="tiny", batches=1,
                        wlb_cp=(1, 2), min_shard=32, link="nvlink")
-    works = replay.batch_work(s, 0)
+    works = replay_phases.batch_work(s, 0)
     assert set(works) == {"colocated", "wlb/1", "wlb/2", "cad", "cad-pingpong", "signal-only"}
     for k, w in works.items():
         for name, (sent, recv) in w.bytes.items():

@@ -4,7 +4,7 @@ import json
 
 import numpy as np
 
-from cadlib.analysis import replay, replay4d, replay_times
+from cadlib.analysis import replay4d, replay_phases, replay_times
 from cadlib.core.measured import MeasuredCost
 from cadlib.core.paper import DISTCA_TABLE4_8B
 from cadlib.infra.results import RESULTS_DIR, load_result
@@ -35,7 +35,7 @@ def test_microbatches_hold_whole_documents_for_every_method():
 
 def test_a_small_setting_composes_every_configuration():
     times = json.loads((RESULTS_DIR / "replay" / "times_h200.json").read_text())["times"]
-    rates = replay.link_rates(load_result("comm_overlap_probe_2xh200_nvlink.json"))
+    rates = replay_phases.link_rates(load_result("comm_overlap_probe_2xh200_nvlink.json"))
     cost = MeasuredCost.load(RESULTS_DIR / "kernel_profile_h200.json", "fa4")
     s = replay4d.Setting4D("t", "distca-pretrain", 32, 4, 131072, batches=1, pps=(1, 2))
     price = replay_times.SegmentPrice(s.spec, "fa4", cost, 1.04, record=True)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from cadlib import whatif as cli
-from cadlib.analysis import replay, sim_band, whatif, whatif_page
+from cadlib.analysis import replay_phases, sim_band, whatif, whatif_page
 from cadlib.data.lengths import write_lengths
 from cadlib.data.workload import sample_docs
 from cadlib.infra.results import RESULTS_DIR, load_result
@@ -61,12 +61,12 @@ def test_pipeline_and_micro_batches_compose_by_1f1b():
     tr = lambda **kw: _training(context=32768, tokens_per_group=16384, **kw)     # noqa: E731
     two = whatif.simulate(L, _cluster(), tr(steps=2), docs)["methods"]            # batches 0, 1 as steps
     acc = whatif.simulate(L, _cluster(), tr(micro_batches=2), docs)["methods"]    # ... as micro-batches
-    ar = replay.allreduce_seconds(whatif.setting(L, _cluster(), tr(), docs), _cluster().links().dp)
+    ar = replay_phases.allreduce_seconds(whatif.setting(L, _cluster(), tr(), docs), _cluster().links().dp)
     acc4 = whatif.simulate(L, _cluster(), tr(micro_batches=4), docs)["methods"]
     pipe = whatif.simulate(L, _cluster(gpus=16, pp=2), tr(), docs)["methods"]
     pipe4 = whatif.simulate(L, _cluster(gpus=16, pp=2), tr(micro_batches=4), docs)["methods"]
     two_stages = whatif.setting(L, _cluster(gpus=16, pp=2), tr(), docs)
-    ar2 = replay.allreduce_seconds(two_stages, _cluster().links().dp)
+    ar2 = replay_phases.allreduce_seconds(two_stages, _cluster().links().dp)
     for m in whatif.METHODS:
         # gradient accumulation: the micro-batches one after the other, one all-reduce
         assert acc[m]["step_s"] == pytest.approx(sum(two[m]["steps_s"]) - ar, rel=1e-9)
