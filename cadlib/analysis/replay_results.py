@@ -2,16 +2,23 @@
 summary per method (speedups over colocated and WLB-ideal, the simulator's, the batch count), the check
 against the committed end-to-end run a setting replays, and how well the kernel table predicts the timed
 calls (:func:`kernel_model_check`). ``scripts/bench_replay.py compose`` writes these under
-``results/replay/``."""
+``results/replay/``.
+
+A replayed run may have been measured on another GPU than the one that timed the shapes: two H200s of
+two sessions differ by a few percent. :func:`device_ratio` measures that difference on the run's own
+steps, and the check is given both raw and with the timings scaled by it."""
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 
-from ..infra.results import load_result
+from ..infra.results import find_results, load_result
 from .replay import METHODS, Setting, Work
 from .replay_phases import (NCCL_LATENCY_S, TP_COLLECTIVES, Links, batch_work, compose_work, model_compose,
                             phases)
-from .replay_times import LINEAR_GRID, attention_jobs, grid_points, head_key, linear_key, optimizer_key
+from .replay_times import (LINEAR_GRID, attention_jobs, grid_points, head_key, linear_key, optimizer_key,
+                           scaled)
 
 
 def missing_times(s: Setting, works: dict[str, Work], times: dict, backend: str) -> list[str]:
@@ -40,6 +47,31 @@ def _measured_steps(s: Setting) -> dict:
     return out
 
 
+ONE_GPU_RUNS = "bench_e2e_1x_*.json"
+"""The committed one-GPU training runs, measured in the session that timed ``times_h200_1x.json``."""
+SAME_GPU_KEYS = ("model", "layers", "tokens_per_rank", "ce_chunk", "mlp_recompute", "dtype")
+
+
+def device_ratio(s: Setting, results_dir=None) -> dict | None:
+    """How much slower the GPU of the run ``s`` replays computes than the timing GPU, measured on the one
+    phase of a step that runs alone: the LM head and loss, the same matmuls over a rank's tokens in every
+    method with no collective beside it. ``ratio``: the run's mean in-step head span over the same span
+    in the committed one-GPU runs (:data:`ONE_GPU_RUNS`) of the same model, layers, tokens per rank and
+    loss chunk. None when ``s`` replays no run, replays a one-GPU run itself, or none matches."""
+    if s.source is None or any(p.name == s.source for p in find_results(ONE_GPU_RUNS, results_dir)):
+        return None
+    run = load_result(Path(results_dir) / s.source if results_dir else s.source)
+    key = tuple(run["config"].get(k) for k in SAME_GPU_KEYS)
+    refs = [load_result(p) for p in find_results(ONE_GPU_RUNS, results_dir)]
+    refs = [r for r in refs if tuple(r["config"].get(k) for k in SAME_GPU_KEYS) == key]
+    if not refs:
+        return None
+    ours = float(np.mean([r["head_ms"] for r in run["results"]["records"]]))
+    theirs = float(np.mean([r["head_ms"] for ref in refs for r in ref["results"]["records"]]))
+    return {"ratio": ours / theirs, "head_ms": ours, "head_ms_timing_gpu": theirs,
+            "runs": len(refs), "device": run.get("meta", {}).get("device")}
+
+
 def replay_setting(s: Setting, times: dict, rates: dict, backend: str) -> dict | None:
     """Every batch of ``s`` composed from the timed shapes (None when some are missing): per batch and
     method the step, its idle fraction, the slowest and mean rank's attention, the exposed
@@ -47,12 +79,15 @@ def replay_setting(s: Setting, times: dict, rates: dict, backend: str) -> dict |
     measured step; per rank its tokens and attention; the summary per method."""
     links = Links.of(s, rates)
     measured = _measured_steps(s)
+    dev = device_ratio(s) if measured else None
+    on_run_gpu = scaled(times, dev["ratio"]) if dev else None
     rows, ranks = [], []
     for b in range(s.batches):
         works = batch_work(s, b, rates)
         if missing_times(s, works, times, backend):
             return None
         got, sim = compose_work(s, works, times, links, backend), model_compose(s, works, links)
+        dev_steps = compose_work(s, works, on_run_gpu, links, backend) if dev else {}
         for key, c in got.items():
             w = works.get(key) or works[f"wlb/{c.breakdown['cp']}"]
             ph = phases(s, w, times, links, backend, signal_only=key == "signal-only")
@@ -66,11 +101,18 @@ def replay_setting(s: Setting, times: dict, rates: dict, backend: str) -> dict |
                 row["cp"] = c.breakdown["cp"]
             if (key, b) in measured:
                 row["measured_step_s"] = measured[(key, b)]
+                if key in dev_steps:
+                    row["step_s_on_run_gpu"] = dev_steps[key].step
             rows.append(row)
             if not key.startswith("wlb/"):
                 ranks.append({"batch": b, "method": key, "tokens": np.asarray(w.tokens).tolist(),
                               "attention_ms_per_layer": (attn * 1e3).round(3).tolist()})
-    return {"per_batch": rows, "ranks": ranks, "summary": summarise(s, rows)}
+    out = {"per_batch": rows, "ranks": ranks, "summary": summarise(s, rows)}
+    if dev:
+        out["device_ratio"] = dev
+        for rec in out["summary"]:
+            rec["device_ratio"] = dev["ratio"]
+    return out
 
 
 def summarise(s: Setting, rows: list[dict]) -> list[dict]:
@@ -100,6 +142,12 @@ def summarise(s: Setting, rows: list[dict]) -> list[dict]:
             rec["replay_vs_measured_err_of_mean"] = float(
                 np.mean([by[(m, b)]["step_s"] for b in batches])
                 / np.mean([by[(m, b)]["measured_step_s"] for b in batches]) - 1)
+            if all("step_s_on_run_gpu" in by[(m, b)] for b in batches):
+                err = [by[(m, b)]["step_s_on_run_gpu"] / by[(m, b)]["measured_step_s"] - 1 for b in batches]
+                rec["on_run_gpu_err_per_batch"] = [float(x) for x in err]
+                rec["on_run_gpu_err_of_mean"] = float(
+                    np.mean([by[(m, b)]["step_s_on_run_gpu"] for b in batches])
+                    / np.mean([by[(m, b)]["measured_step_s"] for b in batches]) - 1)
         if m == "wlb":
             rec["cp_chosen"] = [by[(m, b)].get("cp") for b in batches]
         out.append(rec)

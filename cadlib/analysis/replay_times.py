@@ -99,6 +99,15 @@ def interp(cache: dict, key_of, tokens, field_: str) -> np.ndarray:
     return np.where(t > 0, v * 1e-3, 0.0)
 
 
+def scaled(times: dict, factor: float) -> dict:
+    """``times`` with every duration (``ms`` and ``*_ms`` fields) multiplied by ``factor``: the same
+    shapes on a GPU that computes ``factor`` times slower."""
+    if not factor > 0:
+        raise ValueError(f"factor must be > 0, got {factor!r}")
+    return {k: {f: v * factor if (f == "ms" or f.endswith("_ms")) and isinstance(v, (int, float)) else v
+                for f, v in e.items()} for k, e in times.items()}
+
+
 def derive_backend(times: dict, target: str, source: str) -> tuple[dict, dict]:
     """``times`` completed for backend ``target`` from ``source`` where ``target`` was not timed: the
     linear layers, the head and the optimizer copied (they do not depend on the attention kernel), each

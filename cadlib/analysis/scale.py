@@ -64,7 +64,9 @@ def speedups(tag: str = "_3d", results_dir=None) -> pd.DataFrame:
 
 def validation(results_dir=None) -> pd.DataFrame:
     """Per committed 2x H200 setting and method: the replayed step against the measured one (the error
-    of the mean, and the per-batch errors), and the speedup over colocated, replayed and measured."""
+    of the mean, and the per-batch errors), raw and with the timings scaled to the run's GPU
+    (``device_ratio``, :func:`cadlib.analysis.replay_results.device_ratio`: ``on_gpu_*``), and the
+    speedup over colocated, replayed and measured."""
     s = summary("_validation", results_dir)
     s = s[~s.method.str.contains("/")].copy()
     rows = []
@@ -77,6 +79,10 @@ def validation(results_dir=None) -> pd.DataFrame:
                          "err_of_mean": r.replay_vs_measured_err_of_mean,
                          "err_min": min(r.replay_vs_measured_err_per_batch),
                          "err_max": max(r.replay_vs_measured_err_per_batch),
+                         "device_ratio": r.get("device_ratio", float("nan")),
+                         "on_gpu_err_of_mean": r.get("on_run_gpu_err_of_mean", float("nan")),
+                         "on_gpu_err_min": min(r.get("on_run_gpu_err_per_batch", [float("nan")])),
+                         "on_gpu_err_max": max(r.get("on_run_gpu_err_per_batch", [float("nan")])),
                          "speedup_replayed": float((col.step_s / m.step_s).mean()),
                          "speedup_measured": float((col.measured_step_s / m.measured_step_s).mean())})
     return pd.DataFrame(rows)

@@ -3,12 +3,14 @@ collectives move balance), WLB's context-parallel layout, and a whole time-and-c
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from cadlib.analysis import replay, replay_phases
+from cadlib.analysis import replay, replay_phases, replay_results, replay_times
+from cadlib.analysis.e2e import load_committed
 from cadlib.core.cost import ModelSpec
 from cadlib.data.packing import per_doc_gather_tokens, wlb_layout
 
@@ -69,3 +71,43 @@ def test_time_and_compose_on_the_cpu(tmp_path):
     assert all(r["batches"] == 2 and r["step_s_mean"] > 0 for r in summary)
     rows = json.loads((out / "replay_smoke_pretrain_dp4.json").read_text())["results"]["per_batch"]
     assert all(r["sim_step_s"] > 0 for r in rows)
+
+
+def _run(path, nproc, head_ms, tokens=65536):
+    cfg = {"model": "llama3-8b", "layers": 4, "tokens_per_rank": tokens, "ce_chunk": 8192,
+           "mlp_recompute": True, "dtype": "bf16", "nproc": nproc}
+    recs = [{"method": m, "batch": 0, "rank": 0, "step_ms": 1.0, "head_ms": h}
+            for m, h in zip(("colocated", "cad"), head_ms)]
+    path.write_text(json.dumps({"meta": {"device": f"{nproc}x H200"}, "config": cfg,
+                                "results": {"records": recs}}))
+
+
+def test_device_ratio_is_the_runs_head_over_the_one_gpu_runs(tmp_path):
+    _run(tmp_path / "bench_e2e_2x_a.json", 2, (110.0, 112.0))
+    _run(tmp_path / "bench_e2e_1x_a.json", 1, (100.0, 102.0))
+    _run(tmp_path / "bench_e2e_1x_b.json", 1, (300.0, 300.0), tokens=131072)    # another token count
+    s = replay.Setting("v", "uniform", 2, tp=1, source="bench_e2e_2x_a.json")
+    d = replay_results.device_ratio(s, tmp_path)
+    assert d["ratio"] == pytest.approx(111 / 101) and d["runs"] == 1 and d["device"] == "2x H200"
+    assert replay_results.device_ratio(replace(s, source="bench_e2e_1x_a.json"), tmp_path) is None
+    assert replay_results.device_ratio(replace(s, source=None), tmp_path) is None
+    _run(tmp_path / "bench_e2e_2x_c.json", 2, (110.0, 110.0), tokens=4096)     # no one-GPU run to match
+    assert replay_results.device_ratio(replace(s, source="bench_e2e_2x_c.json"), tmp_path) is None
+
+
+def test_scaled_times_scale_every_duration_and_nothing_else():
+    t = {"a": {"fwd_ms": 2.0, "bwd_ms": 3.0}, "o": {"ms": 4.0, "params": 10},
+         "m": {"fwd_ms": 1.0, "modelled": True}}
+    got = replay_times.scaled(t, 1.5)
+    assert got == {"a": {"fwd_ms": 3.0, "bwd_ms": 4.5}, "o": {"ms": 6.0, "params": 10},
+                   "m": {"fwd_ms": 1.5, "modelled": True}}
+    assert t["a"]["fwd_ms"] == 2.0
+    with pytest.raises(ValueError, match="factor must be > 0"):
+        replay_times.scaled(t, 0)
+
+
+def test_committed_validation_holds_the_device_ratio_of_every_two_gpu_run():
+    for it in load_committed():
+        if it["file"].startswith("bench_e2e_2x_") and it["variant"] == "":
+            d = replay_results.device_ratio(replay.e2e_setting(it))
+            assert d is not None and 1.0 < d["ratio"] < 1.06, (it["file"], d)
