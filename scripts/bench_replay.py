@@ -272,7 +272,7 @@ def cmd_time(a) -> int:
             atomic_write_json(cache_path, cache)
         return time_4d(a, cache, save4d, device, dtype)
     rates = replay_phases.link_rates(load_result("comm_overlap_probe_2xh200_nvlink.json"),
-                              load_result("comm_overlap_probe_2xh200_inter-node-like.json"))
+                                     load_result("comm_overlap_probe_2xh200_inter-node-like.json"))
     todo = settings(a.suite.split(","), a.batches, a.only)
     backends = {s.name: kernels.resolve_backend(a.backend, device, dtype, s.spec.head_dim) for s in todo}
     by_name = {s.name: s for s in todo}
@@ -346,7 +346,7 @@ def cmd_compose(a) -> int:
         times, derived = replay_times.derive_backend(times, a.backend or "fa4", a.derive_from)
         print(f"{a.backend or 'fa4'} from {a.derive_from} where not timed: {derived}")
     rates = replay_phases.link_rates(load_result("comm_overlap_probe_2xh200_nvlink.json"),
-                              load_result("comm_overlap_probe_2xh200_inter-node-like.json"))
+                                     load_result("comm_overlap_probe_2xh200_inter-node-like.json"))
     backend = a.backend or "fa4"
     if "4d" in a.suite.split(","):
         return cmd_compose_4d(a, times, meta, rates, backend)
@@ -380,35 +380,41 @@ def cmd_compose(a) -> int:
 
 
 def _shapes_4d(job):
-    """A pool worker: the distinct server calls of a 4D setting's first batch, with their modelled time."""
-    s, times, rates, backend, cost = job
+    """A pool worker: the distinct server calls of a 4D setting's first ``batches`` steps, with their
+    modelled time."""
+    s, times, rates, backend, cost, batches = job
     price = replay_times.SegmentPrice(s.spec, backend, cost, record=True)
-    replay4d.replay_setting_4d(replace(s, batches=1), times, rates, backend, price)
+    replay4d.replay_setting_4d(replace(s, batches=batches), times, rates, backend, price)
     return s, price.shapes
 
 
 def cmd_shapes4d(a) -> int:
-    """Sample each 4D setting's server calls, in proportion to their modelled time (seed 0)."""
+    """Sample each 4D setting's server calls, in proportion to their modelled time (seed 0); with
+    ``--all``, every distinct call of its first ``--batches`` steps (a full timing, to check the sample
+    against)."""
     cache = json.loads(Path(a.cache).read_text())
     rates = replay_phases.link_rates(load_result("comm_overlap_probe_2xh200_nvlink.json"),
-                              load_result("comm_overlap_probe_2xh200_inter-node-like.json"))
+                                     load_result("comm_overlap_probe_2xh200_inter-node-like.json"))
     backend = a.backend or "fa4"
     cost = MeasuredCost.load(RESULTS_DIR / "kernel_profile_h200.json", backend)
     todo = [s for s in replay4d.paper_4d_settings(1) if a.only in s.name]
+    batches = (a.batches or 3) if a.all else 1
     rng, out, counts = np.random.default_rng(0), {}, {}
+    jobs = [(s, cache["times"], rates, backend, cost, batches) for s in todo]
     with multiprocessing.get_context("spawn").Pool(max(1, min(a.workers, len(todo)))) as pool:
-        for s, shapes in pool.imap_unordered(_shapes_4d, [(s, cache["times"], rates, backend, cost) for s in todo]):
+        for s, shapes in pool.imap_unordered(_shapes_4d, jobs):
             keys = sorted(shapes)
             w = np.array([shapes[k]["model_ms"] for k in keys])
-            pick = rng.choice(len(keys), size=min(a.sample, len(keys)), replace=False, p=w / w.sum())
+            pick = np.arange(len(keys)) if a.all else \
+                rng.choice(len(keys), size=min(a.sample, len(keys)), replace=False, p=w / w.sum())
             for i in pick:
                 out[keys[i]] = {**shapes[keys[i]], "setting": s.name}
             counts[s.name] = {"distinct": len(keys), "model_s": float(w.sum() / 1e3), "sampled": int(pick.size)}
             print(f"{s.name}: {len(keys)} distinct calls, {w.sum() / 1e3:.0f} s modelled; sampled {pick.size}",
                   flush=True)
-    path = save_result(Path(a.shapes), {"sample_per_setting": a.sample, "batch": 0, "seed": 0, "backend": backend,
-                                        "weights": "modelled fwd+bwd time", "per_setting": counts},
-                       {"shapes": out})
+    cfg = {"sample_per_setting": "all" if a.all else a.sample, "batches": batches, "seed": 0,
+           "backend": backend, "weights": "modelled fwd+bwd time", "per_setting": counts}
+    path = save_result(Path(a.shapes), cfg, {"shapes": out})
     print(f"{len(out)} calls -> {path}")
     return 0
 
@@ -471,6 +477,8 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default=str(RESULTS_DIR / "replay" / "shapes_4d_sample.json"),
                     help="shapes4d: where to write the 4D sample; time --suite 4d: the sample to time")
     ap.add_argument("--sample", type=int, default=40, help="shapes4d: calls sampled per 4D setting")
+    ap.add_argument("--all", action="store_true",
+                    help="shapes4d: every distinct call of the first --batches steps (default 3), not a sample")
     ap.add_argument("--workers", type=int, default=12, help="processes planning batches beside the timing")
     a = ap.parse_args(argv)
     if a.smoke:

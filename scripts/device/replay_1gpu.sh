@@ -9,8 +9,9 @@
 #             machine that times it
 #   time1x    scripts/bench_replay.py time on those runs (validation suite, '_1x_') into a fresh
 #             $OUT/times_1x.json
-#   time4d    scripts/bench_replay.py time --suite 4d: the sampled pipeline-replay server calls
-#             (results/replay/shapes_4d_sample.json) into $OUT/times_4d.json
+#   time4d    scripts/bench_replay.py time --suite 4d: the pipeline-replay server calls of SHAPES (default
+#             the sample, results/replay/shapes_4d_sample.json; or a `shapes4d --all` listing) into
+#             $OUT/times_4d.json
 #   gputests  the kernel tests on CUDA (every backend the machine has)
 #   replay2   scripts/bench_server_replay.py on the committed pretrain 64K and prolong 128K batches
 #   kernels   the FA4 column of the kernel x mask table, merged into a copy of results/bench_kernels.json
@@ -62,7 +63,7 @@ for st in $STAGES; do
         --budget-s 150 2>&1 | tail -8 | tee -a "$LOG" ;;
     time4d)
       timeout $(( ${REPLAY_BUDGET:-150} + 60 )) python3 scripts/bench_replay.py time --suite 4d --cache "$OUT/times_4d.json" \
-        --budget-s "${REPLAY_BUDGET:-150}" 2>&1 | tail -8 | tee -a "$LOG" ;;
+        --shapes "${SHAPES:-results/replay/shapes_4d_sample.json}" --budget-s "${REPLAY_BUDGET:-150}" 2>&1 | tail -8 | tee -a "$LOG" ;;
     *) echo "unknown stage $st" | tee -a "$LOG" ;;
   esac
 done
