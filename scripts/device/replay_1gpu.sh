@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One H200 with FlashAttention-4: the GPU checks of the package and the scale replay's timings.
 # Stages (STAGES, in order; each under its own timeout):
-#   fa4       install FA4 into /tmp/site: the DSL wheel's two parts (part_aa, part_ab) in /tmp/fa4,
+#   fa4       install FA4 into /tmp/site: the DSL wheel's parts (part_aa, part_ab, ...) in /tmp/fa4,
 #             copied there by earlier calls (or part_ab carried in .fa4b/), the other wheels in any
 #             carried .fa4*/ folder
 #   e2e1x     scripts/bench_e2e.py on this one GPU (DP=1; uniform and pretrain, 64K and 128K tokens,
@@ -33,8 +33,8 @@ for st in $STAGES; do
   case $st in
     fa4)
       [ -f /tmp/fa4/part_ab ] || cp .fa4b/part_ab /tmp/fa4/
-      cat /tmp/fa4/part_aa /tmp/fa4/part_ab > /tmp/fa4/nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl \
-        && rm -f /tmp/fa4/part_aa /tmp/fa4/part_ab && { cp .fa4*/*.whl /tmp/fa4/ 2>/dev/null; true; } \
+      cat /tmp/fa4/part_a? > /tmp/fa4/nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl \
+        && rm -f /tmp/fa4/part_a? && { cp .fa4*/*.whl /tmp/fa4/ 2>/dev/null; true; } \
         && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/fa4/*.whl 2>&1 | tail -2
       python3 -c "import cadlib.runtime.kernels as k; print('backends', k.available_backends('cuda'))" 2>&1 | tee -a "$LOG" ;;
     gputests)
