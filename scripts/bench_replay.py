@@ -52,6 +52,11 @@ from cadlib.runtime.stages import serve  # noqa: E402
 SUITES = ("validation", "3d", "idle", "allgather", "smoke", "4d")
 
 
+def named(s, only: str) -> bool:
+    """Whether setting ``s``'s name contains one of the comma-separated parts of ``only`` ("" = all)."""
+    return any(part in s.name for part in only.split(","))
+
+
 def settings(suites: list[str], batches: int | None, only: str = "") -> list[replay.Setting]:
     """The settings of ``suites`` (``only``: those whose name contains it)."""
     out = []
@@ -71,7 +76,7 @@ def settings(suites: list[str], batches: int | None, only: str = "") -> list[rep
                                    model="tiny", batches=2, wlb_cp=(1, 2), min_shard=32, link="nvlink")]
         else:
             raise SystemExit(f"unknown suite {s!r}; choose from: {', '.join(SUITES)}")
-    out = [s for s in out if only in s.name]
+    out = [s for s in out if named(s, only)]
     if not out and "4d" not in suites:
         raise SystemExit(f"no setting of {suites} is named like {only!r}")
     return out
@@ -98,6 +103,13 @@ class Timer:
         return (b - a) * 1e3
 
 
+WARMUP = 1
+"""Untimed runs before each attention call's timed ones. FA4 compiles a kernel variant the first time a
+call needs it (seconds, at any point of a run, not only on the first call), and a timing that includes
+the compile is off by 100x: the cache written before this warm-up holds a few such entries
+(:func:`cadlib.analysis.replay_times.compile_suspects`)."""
+
+
 def time_attention(d, spec, device, dtype, backend, gen, timer, iters: int) -> dict:
     """The serve stage of dispatch ``d``, forward then backward, on random buffers of its sizes."""
     dd = to_device(d, device)
@@ -110,7 +122,7 @@ def time_attention(d, spec, device, dtype, backend, gen, timer, iters: int) -> d
     n_out = n_q if m.q_identity else int(m.cu_q[-1])
     dout = torch.randn((n_out, spec.n_heads, spec.head_dim), generator=gen, device=device).to(dtype)
     fw, bw = [], []
-    for _ in range(iters):
+    for _ in range(iters + 1):                 # the first run is a warm-up (see WARMUP)
         a = timer.mark()
         out = serve(q, k, v, dd, backend)
         b = timer.mark()
@@ -119,7 +131,8 @@ def time_attention(d, spec, device, dtype, backend, gen, timer, iters: int) -> d
         fw.append(timer.ms(a, b))
         bw.append(timer.ms(b, c))
         q.grad = k.grad = v.grad = None
-    return {"fwd_ms": float(np.median(fw)), "bwd_ms": float(np.median(bw)), "iters": iters}
+    return {"fwd_ms": float(np.median(fw[1:])), "bwd_ms": float(np.median(bw[1:])), "iters": iters,
+            "warmup": WARMUP}
 
 
 def time_linear(layer, spec, n, device, dtype, timer, iters: int) -> dict:
@@ -222,7 +235,7 @@ def time_segments(q_lens, kv_lens, spec, device, dtype, backend, gen, timer, ite
     q, k, v = rnd(int(cu_q[-1]), spec.n_heads), rnd(int(cu_k[-1]), spec.n_kv_heads), rnd(int(cu_k[-1]), spec.n_kv_heads)
     dout = torch.randn_like(q)
     fw, bw = [], []
-    for _ in range(iters):
+    for _ in range(iters + 1):                 # the first run is a warm-up (see WARMUP)
         a = timer.mark()
         out, lse = kernels.attend(q, k, v, cu_q, cu_k, mq, mk, causal=True, backend=backend)
         b = timer.mark()
@@ -230,7 +243,8 @@ def time_segments(q_lens, kv_lens, spec, device, dtype, backend, gen, timer, ite
         c = timer.mark()
         fw.append(timer.ms(a, b))
         bw.append(timer.ms(b, c))
-    return {"fwd_ms": float(np.median(fw)), "bwd_ms": float(np.median(bw)), "iters": iters}
+    return {"fwd_ms": float(np.median(fw[1:])), "bwd_ms": float(np.median(bw[1:])), "iters": iters,
+            "warmup": WARMUP}
 
 
 def time_4d(a, cache, save, device, dtype) -> int:
@@ -241,7 +255,8 @@ def time_4d(a, cache, save, device, dtype) -> int:
     spec = replay4d.paper_4d_settings(1)[0].spec
     backend = kernels.resolve_backend(a.backend, device, dtype, spec.head_dim)
     jobs = [(replay_times.key_for_backend(k, backend), sh) for k, sh in sample["shapes"].items()]
-    jobs = [(k, sh) for k, sh in jobs if k not in times]
+    again = set(replay_times.compile_suspects(times)) if a.retime else set()
+    jobs = [(k, sh) for k, sh in jobs if k not in times or k in again]
     done = 0
     if jobs:
         time_segments(jobs[0][1]["q"], jobs[0][1]["kv"], spec, device, dtype, backend, gen, timer, 2)  # compiles
@@ -249,7 +264,7 @@ def time_4d(a, cache, save, device, dtype) -> int:
         if time.perf_counter() - t0 > a.budget_s:
             break
         times[k] = {
-            **time_segments(sh["q"], sh["kv"], spec, device, dtype, backend, gen, timer, max(2, a.iters)),
+            **time_segments(sh["q"], sh["kv"], spec, device, dtype, backend, gen, timer, a.iters),
             "setting": sh["setting"]}
         done += 1
         if done % 50 == 0:
@@ -280,6 +295,9 @@ def cmd_time(a) -> int:
     timer, gen = Timer(device), torch.Generator(device=device).manual_seed(0)
     done = skipped = 0
     warm = False
+    again = set(replay_times.compile_suspects(times)) if a.retime else set()
+    if a.retime:
+        print(f"--retime: {len(again)} cached calls look like compiles; timing those of these settings again")
     tokens: dict[str, list] = {s.name: [] for s in todo}
 
     def save():
@@ -315,7 +333,8 @@ def cmd_time(a) -> int:
         for name, b, jobs, toks in pool.imap(_plan_batch, tasks):
             s = by_name[name]
             tokens[name].append(toks)
-            jobs = {k: d for k, d in jobs.items() if k not in times}
+            jobs = {k: d for k, d in jobs.items() if k in again} if a.retime else \
+                {k: d for k, d in jobs.items() if k not in times}
             if jobs and not warm:                       # the kernels' first calls compile: not timed
                 time_attention(next(iter(jobs.values())), s.spec, device, dtype, backends[name], gen, timer, 2)
                 warm = True
@@ -324,6 +343,7 @@ def cmd_time(a) -> int:
                     skipped += 1
                     continue
                 times[k] = time_attention(d, s.spec, device, dtype, backends[name], gen, timer, a.iters)
+                again.discard(k)
                 done += 1
             print(f"[{time.perf_counter() - t_start:6.0f} s] {name} batch {b}: {len(jobs)} new calls "
                   f"({done} timed, {skipped} left over budget)", flush=True)
@@ -341,6 +361,9 @@ def cmd_time(a) -> int:
 def cmd_compose(a) -> int:
     cache = json.loads(Path(a.cache).read_text())
     times, meta = cache["times"], cache.get("meta", {})
+    if a.more_times:                        # timings of another session, for the shapes the cache lacks
+        more = json.loads(Path(a.more_times).read_text())["times"]
+        times = {**{k: v for k, v in more.items() if k not in times}, **times}
     derived = None
     if a.derive_from:
         times, derived = replay_times.derive_backend(times, a.backend or "fa4", a.derive_from)
@@ -397,7 +420,7 @@ def cmd_shapes4d(a) -> int:
                                      load_result("comm_overlap_probe_2xh200_inter-node-like.json"))
     backend = a.backend or "fa4"
     cost = MeasuredCost.load(RESULTS_DIR / "kernel_profile_h200.json", backend)
-    todo = [s for s in replay4d.paper_4d_settings(1) if a.only in s.name]
+    todo = [s for s in replay4d.paper_4d_settings(1) if named(s, a.only)]
     batches = (a.batches or 3) if a.all else 1
     rng, out, counts = np.random.default_rng(0), {}, {}
     jobs = [(s, cache["times"], rates, backend, cost, batches) for s in todo]
@@ -435,13 +458,13 @@ def cmd_compose_4d(a, times, meta, rates, backend) -> int:
     if check is None:
         check = replay_results.kernel_model_check(replay.paper_3d_settings()[:3], times, cost, backend, rates)
     print(f"kernel table against the timed calls: {check}", flush=True)
-    todo = [s for s in replay4d.paper_4d_settings(a.batches or 3) if a.only in s.name]
+    todo = [s for s in replay4d.paper_4d_settings(a.batches or 3) if named(s, a.only)]
     jobs = [(s, times, rates, backend, cost, check["scale"]) for s in todo]
     out_dir, summary = Path(a.out), []
     with multiprocessing.get_context("spawn").Pool(max(1, min(a.workers, len(jobs)))) as pool:
         for s, res in pool.imap_unordered(_one_4d, jobs):
             cfg = {k: getattr(s, k) for k in s.__dataclass_fields__}
-            save_result(out_dir / f"replay_{s.name}.json",
+            save_result(out_dir / f"replay_{s.name}{a.tag}.json",
                         {**cfg, "configs": s.configs(), "backend": backend, "kernel_model": check,
                          "rates_gbps": rates, "times_meta": meta, "memory_slack": replay4d.MEMORY_SLACK,
                          "head_fwd_share": replay4d.HEAD_FWD_SHARE}, res)
@@ -450,7 +473,8 @@ def cmd_compose_4d(a, times, meta, rates, backend) -> int:
             print(f"{s.name}: " + ", ".join(f"{m} {r['step_s_mean']:.2f} s (pp {r['pp']}, cp {r['cp']})"
                                             for m, r in best.items()), flush=True)
     summary.sort(key=lambda r: (r["setting"], r["view"], replay4d.METHODS_4D.index(r["method"])))
-    save_result(out_dir / "replay_summary_4d.json", {"cache": str(a.cache), "times_meta": meta,
+    save_result(out_dir / f"replay_summary_4d{a.tag}.json", {"cache": str(a.cache), "times_meta": meta,
+                                                      "more_times": a.more_times,
                                                       "backend": backend, "kernel_model": check,
                                                       "rates_gbps": rates}, summary)
     return 0
@@ -464,7 +488,9 @@ def main(argv=None) -> int:
     ap.add_argument("--cache", default=str(RESULTS_DIR / "replay" / "times_h200.json"))
     ap.add_argument("--out", default=str(RESULTS_DIR / "replay"))
     ap.add_argument("--tag", default="")
-    ap.add_argument("--only", default="", help="only the settings whose name contains this")
+    ap.add_argument("--more-times", default=None,
+                    help="compose: a second cache whose shapes are used where --cache lacks them")
+    ap.add_argument("--only", default="", help="only the settings whose name contains this (comma: any of these)")
     ap.add_argument("--batches", type=int, default=None, help="batches per paper setting (default 5)")
     ap.add_argument("--budget-s", type=float, default=math.inf)
     ap.add_argument("--iters", type=int, default=1, help="timed runs per attention call (median)")
@@ -474,6 +500,9 @@ def main(argv=None) -> int:
     ap.add_argument("--derive-from", default=None,
                     help="compose: where --backend was not timed, scale this backend's times (fitted ratio)")
     ap.add_argument("--device", default=None)
+    ap.add_argument("--retime", action="store_true",
+                    help="time: only the cached calls whose times look like a compile "
+                         "(cadlib.analysis.replay_times.compile_suspects), again, with a warm-up")
     ap.add_argument("--shapes", default=str(RESULTS_DIR / "replay" / "shapes_4d_sample.json"),
                     help="shapes4d: where to write the 4D sample; time --suite 4d: the sample to time")
     ap.add_argument("--sample", type=int, default=40, help="shapes4d: calls sampled per 4D setting")

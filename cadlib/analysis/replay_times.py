@@ -108,6 +108,21 @@ def scaled(times: dict, factor: float) -> dict:
                 for f, v in e.items()} for k, e in times.items()}
 
 
+def compile_suspects(times: dict, min_ms: float = 20.0) -> list[str]:
+    """Timed attention calls whose times look like a kernel compile rather than the kernel: a call's
+    backward takes 2-3.5x its forward (median 2.5 over the cache), and a compile adds seconds to whichever
+    pass triggered it, so the screen is a pass over ``min_ms`` with the backward under 1.6x the forward
+    or over 5x it. A screen, not a verdict: ``scripts/bench_replay.py time --retime`` times them again."""
+    out = []
+    for k, e in times.items():
+        if not e or "fwd_ms" not in e or e.get("modelled") or e.get("warmup"):
+            continue
+        f, b = e["fwd_ms"], e["bwd_ms"]
+        if (f > min_ms and b < 1.6 * f) or (b > min_ms and b > 5 * f):
+            out.append(k)
+    return sorted(out)
+
+
 def derive_backend(times: dict, target: str, source: str) -> tuple[dict, dict]:
     """``times`` completed for backend ``target`` from ``source`` where ``target`` was not timed: the
     linear layers, the head and the optimizer copied (they do not depend on the attention kernel), each

@@ -3,7 +3,8 @@
 
 * :func:`summary`: one row per (setting, method) of a summary file;
 * :func:`speedups`: CAD with ping-pong over WLB-ideal and over colocated per 3D setting, beside the
-  simulator's prediction and the paper's range; :func:`speedups_4d` the same for Table 4's 4D settings;
+  simulator's prediction and the paper's range; :func:`speedups_4d` the same for Table 4's 4D settings,
+  and :func:`sample_check_4d` those whose every call was timed against the sampled replay;
 * :func:`validation`: the replayed DP=2 steps against the measured 2x H200 ones, per setting and batch;
 * :func:`ranks`: one batch's per-rank attention (the straggler picture);
 * :func:`pingpong_ablation`, :func:`idle`, :func:`allgather`: the ablation and the motivation's figures;
@@ -106,6 +107,20 @@ def speedups_4d(view: str = "budget", results_dir=None) -> pd.DataFrame:
     out["paper_low"] = out.dist.map(lambda d: lo_hi[d][0])
     out["paper_high"] = out.dist.map(lambda d: lo_hi[d][1])
     return out.reset_index().sort_values(["dist", "context_k", "gpus"]).reset_index(drop=True)
+
+
+def sample_check_4d(tag: str = "_4d_timed", views=("any", "budget"), results_dir=None) -> pd.DataFrame:
+    """The 4D settings whose every server call was timed (``replay_summary<tag>.json``) against the same
+    settings in the committed 4D replay (attention from the timed sample and the kernel table scaled to
+    it): per (setting, view, method) both steps and speedups over WLB-ideal, and their differences."""
+    timed, base = summary(tag, results_dir), summary("_4d", results_dir)
+    key = ["setting", "view", "method"]
+    timed, base = timed[timed.view.isin(views)], base[base.view.isin(views)]
+    m = base[key + ["step_s_mean", "speedup_over_wlb", "pp"]].merge(
+        timed[key + ["step_s_mean", "speedup_over_wlb", "pp"]], on=key, suffixes=("_sampled", "_timed"))
+    m["step_err"] = m.step_s_mean_sampled / m.step_s_mean_timed - 1
+    m["speedup_diff"] = m.speedup_over_wlb_sampled - m.speedup_over_wlb_timed
+    return m.sort_values(key).reset_index(drop=True)
 
 
 def ranks(setting: str = "3d_pretrain_512k_dp8", batch: int = 0, tag: str = "_3d",

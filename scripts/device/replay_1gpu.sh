@@ -12,6 +12,11 @@
 #   time4d    scripts/bench_replay.py time --suite 4d: the pipeline-replay server calls of SHAPES (default
 #             the sample, results/replay/shapes_4d_sample.json; or a `shapes4d --all` listing) into
 #             $OUT/times_4d.json
+#   retime    the cached attention calls whose times look like a kernel compile
+#             (cadlib.analysis.replay_times.compile_suspects), timed again with a warm-up: the committed
+#             cache (validation and 3D, FA4 and torch_flash; the 4D sample) into $OUT/replay_times.json,
+#             and results/replay/times_h200_4d_full.json (the listings in .shapes4d/) into
+#             $OUT/times_4d_full.json
 #   gputests  the kernel tests on CUDA (every backend the machine has)
 #   replay2   scripts/bench_server_replay.py on the committed pretrain 64K and prolong 128K batches
 #   kernels   the FA4 column of the kernel x mask table, merged into a copy of results/bench_kernels.json
@@ -64,6 +69,19 @@ for st in $STAGES; do
     time4d)
       timeout $(( ${REPLAY_BUDGET:-150} + 60 )) python3 scripts/bench_replay.py time --suite 4d --cache "$OUT/times_4d.json" \
         --shapes "${SHAPES:-results/replay/shapes_4d_sample.json}" --budget-s "${REPLAY_BUDGET:-150}" 2>&1 | tail -8 | tee -a "$LOG" ;;
+    retime)
+      cp results/replay/times_h200.json "$OUT/replay_times.json"
+      for be in fa4 torch_flash; do
+        timeout 200 python3 scripts/bench_replay.py time --suite validation,3d --retime --backend $be \
+          --cache "$OUT/replay_times.json" --budget-s 150 2>&1 | grep -v " 0 new calls" | tail -12 | tee -a "$LOG"
+      done
+      timeout 100 python3 scripts/bench_replay.py time --suite 4d --retime --cache "$OUT/replay_times.json" \
+        --budget-s 60 2>&1 | tail -3 | tee -a "$LOG"
+      cp results/replay/times_h200_4d_full.json "$OUT/times_4d_full.json"
+      for f in .shapes4d/*.json; do
+        timeout 100 python3 scripts/bench_replay.py time --suite 4d --retime --shapes "$f" \
+          --cache "$OUT/times_4d_full.json" --budget-s 60 2>&1 | tail -3 | tee -a "$LOG"
+      done ;;
     *) echo "unknown stage $st" | tee -a "$LOG" ;;
   esac
 done
