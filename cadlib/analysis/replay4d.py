@@ -25,8 +25,10 @@ for the calls timed on an H200 (:class:`cadlib.analysis.replay_times.SegmentPric
 500-8,600 distinct calls, more than a session's device time can time, so ``scripts/bench_replay.py
 shapes4d`` samples 40 per setting by modelled time, those are timed, and the others take the table
 times the sample's measured / predicted (:func:`cadlib.analysis.replay_times.segment_model_check`);
-the network at 50 GB/s per GPU between nodes. As the paper sweeps configurations, each method's step is that of its best ``pp`` (and ``c``
-for WLB) over the setting's batches. Not modelled: memory (the paper's WLB runs out of memory at high
+four settings were also timed call by call (``shapes4d --all``), which checks the sample
+(:func:`cadlib.analysis.scale.sample_check_4d`); the network at 50 GB/s per GPU between nodes. As the
+paper sweeps configurations, each method's step is that of its best ``pp`` (and ``c`` for WLB) over the
+setting's batches. Not modelled: memory (the paper's WLB runs out of memory at high
 CP or DP degrees; here every configuration is allowed, which favours the baseline), the LM head
 split between the forward and backward ticks (a third forward, as its matmuls are), p2p overlapping
 compute.

@@ -111,3 +111,15 @@ def test_committed_validation_holds_the_device_ratio_of_every_two_gpu_run():
         if it["file"].startswith("bench_e2e_2x_") and it["variant"] == "":
             d = replay_results.device_ratio(replay.e2e_setting(it))
             assert d is not None and 1.0 < d["ratio"] < 1.06, (it["file"], d)
+
+
+def test_compile_suspects_flag_a_pass_that_holds_a_compile_and_nothing_else():
+    t = {"ok": {"fwd_ms": 30.0, "bwd_ms": 75.0, "iters": 1},              # backward 2.5x forward
+         "fwd_compiled": {"fwd_ms": 423.5, "bwd_ms": 14.6, "iters": 1},
+         "both": {"fwd_ms": 2424.7, "bwd_ms": 2709.5, "iters": 2},
+         "bwd_compiled": {"fwd_ms": 4.8, "bwd_ms": 35.6, "iters": 1},
+         "tiny": {"fwd_ms": 3.0, "bwd_ms": 2.0, "iters": 1},               # under min_ms: noise, not a compile
+         "retimed": {"fwd_ms": 423.5, "bwd_ms": 14.6, "iters": 1, "warmup": 1},
+         "modelled": {"fwd_ms": 423.5, "bwd_ms": 14.6, "modelled": True},
+         "head": {"ms": 500.0}}
+    assert replay_times.compile_suspects(t) == ["both", "bwd_compiled", "fwd_compiled"]
