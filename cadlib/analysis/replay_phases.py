@@ -65,6 +65,19 @@ def link_rates(probe_nvlink: dict, probe_inter: dict | None = None, ib_gbps: flo
     return out
 
 
+def collective_seconds(w: Work, links: Links, signal_only: bool = False) -> dict[str, np.ndarray]:
+    """Per collective of ``w`` (``in``, ``out``, ``in_bwd``, ``out_bwd``) its seconds per rank (per
+    nano-batch and rank for ping-pong) over CAD's link or the data-parallel one; ``signal_only``: every
+    collective that moves bytes cut to its latency."""
+    link = links.cad if w.method in ("cad", "cad-pingpong", "signal-only") else links.dp
+    out = {}
+    for name, (sent, recv) in w.bytes.items():
+        t = link.seconds(sent, recv) if not w.pingpong else \
+            np.stack([link.seconds(*x) for x in zip(sent, recv)])
+        out[name] = np.where(t > 0, link.latency_s, 0.0) if signal_only else t
+    return out
+
+
 def phases(s: Setting, w: Work, times: dict, links: Links, backend: str, signal_only: bool = False) -> Phases:
     """Per-rank durations of one layer of ``w`` from the timed shapes ``times`` (ms) and the links."""
     spec = s.spec
@@ -79,20 +92,13 @@ def phases(s: Setting, w: Work, times: dict, links: Links, backend: str, signal_
     lin = {f: interp(times, lambda n: linear_key(spec, backend, n), w.tokens, f)
            for f in ("pre_ms", "post_ms", "pre_bwd_ms", "post_bwd_ms")}
     tp = tp_seconds(s, w.tokens, links.tp)
-    link = links.cad if w.method in ("cad", "cad-pingpong", "signal-only") else links.dp
-
-    def coll(name):
-        sent, recv = w.bytes[name]
-        t = link.seconds(sent, recv) if not w.pingpong else \
-            np.stack([link.seconds(*x) for x in zip(sent, recv)])
-        return np.where(t > 0, link.latency_s, 0.0) if signal_only else t
-
+    coll = collective_seconds(w, links, signal_only)
     total = w.tokens.sum(0) if w.pingpong else w.tokens
     head = interp(times, lambda n: head_key(spec, backend, n), total, "ms")
     return Phases(pre=lin["pre_ms"] + tp["pre"], post=lin["post_ms"] + tp["post"],
                   pre_bwd=lin["pre_bwd_ms"] + tp["pre_bwd"], post_bwd=lin["post_bwd_ms"] + tp["post_bwd"],
-                  attn=attn_f, attn_bwd=attn_b, comm_in=coll("in"), comm_out=coll("out"),
-                  comm_in_bwd=coll("in_bwd"), comm_out_bwd=coll("out_bwd"), head=head,
+                  attn=attn_f, attn_bwd=attn_b, comm_in=coll["in"], comm_out=coll["out"],
+                  comm_in_bwd=coll["in_bwd"], comm_out_bwd=coll["out_bwd"], head=head,
                   optimizer=times[optimizer_key(spec, backend)]["ms"] * 1e-3,
                   allreduce=allreduce_seconds(s, links.dp))
 
@@ -181,21 +187,14 @@ def model_phases(s: Setting, w: Work, links: Links, hw: Hardware | None = None,
             attn_f[idx] = attention_seconds(a, b, spec, hw, "fwd", 1).sum()
             attn_b[idx] = attention_seconds(a, b, spec, hw, "bwd", 1).sum()
     tp = tp_seconds(s, w.tokens, links.tp)
-    link = links.cad if w.method in ("cad", "cad-pingpong", "signal-only") else links.dp
-
-    def coll(name):
-        sent, recv = w.bytes[name]
-        x = link.seconds(sent, recv) if not w.pingpong else \
-            np.stack([link.seconds(*v) for v in zip(sent, recv)])
-        return np.where(x > 0, link.latency_s, 0.0) if signal_only else x
-
+    coll = collective_seconds(w, links, signal_only)
     n = w.tokens.sum(0) if w.pingpong else w.tokens
     head = 3 * 2.0 * spec.hidden * spec.vocab * n / hw.linear_flops_per_s
     return Phases(pre=fwd * qkv / total + tp["pre"], post=fwd * (total - qkv) / total + tp["post"],
                   pre_bwd=bwd * qkv / total + tp["pre_bwd"],
                   post_bwd=(bwd + fwd * mlp / total) * (total - qkv) / total + tp["post_bwd"],
-                  attn=attn_f, attn_bwd=attn_b, comm_in=coll("in"), comm_out=coll("out"),
-                  comm_in_bwd=coll("in_bwd"), comm_out_bwd=coll("out_bwd"), head=head,
+                  attn=attn_f, attn_bwd=attn_b, comm_in=coll["in"], comm_out=coll["out"],
+                  comm_in_bwd=coll["in_bwd"], comm_out_bwd=coll["out_bwd"], head=head,
                   allreduce=allreduce_seconds(s, links.dp))
 
 
