@@ -136,18 +136,12 @@ def summarise(s: Setting, rows: list[dict]) -> list[dict]:
                 rec[f"sim_speedup_over_{base}"] = float(np.mean(spm))
         sim_err = [by[(m, b)]["sim_step_s"] / by[(m, b)]["step_s"] - 1 for b in batches]
         rec["sim_vs_replay_step_err_mean"] = float(np.mean(sim_err))
-        if all("measured_step_s" in by[(m, b)] for b in batches):
-            err = [by[(m, b)]["step_s"] / by[(m, b)]["measured_step_s"] - 1 for b in batches]
-            rec["replay_vs_measured_err_per_batch"] = [float(x) for x in err]
-            rec["replay_vs_measured_err_of_mean"] = float(
-                np.mean([by[(m, b)]["step_s"] for b in batches])
-                / np.mean([by[(m, b)]["measured_step_s"] for b in batches]) - 1)
-            if all("step_s_on_run_gpu" in by[(m, b)] for b in batches):
-                err = [by[(m, b)]["step_s_on_run_gpu"] / by[(m, b)]["measured_step_s"] - 1 for b in batches]
-                rec["on_run_gpu_err_per_batch"] = [float(x) for x in err]
-                rec["on_run_gpu_err_of_mean"] = float(
-                    np.mean([by[(m, b)]["step_s_on_run_gpu"] for b in batches])
-                    / np.mean([by[(m, b)]["measured_step_s"] for b in batches]) - 1)
+        for field_, name in (("step_s", "replay_vs_measured"), ("step_s_on_run_gpu", "on_run_gpu")):
+            if all(field_ in by[(m, b)] and "measured_step_s" in by[(m, b)] for b in batches):
+                got = np.array([by[(m, b)][field_] for b in batches])
+                ref = np.array([by[(m, b)]["measured_step_s"] for b in batches])
+                rec[f"{name}_err_per_batch"] = [float(x) for x in got / ref - 1]
+                rec[f"{name}_err_of_mean"] = float(got.mean() / ref.mean() - 1)
         if m == "wlb":
             rec["cp_chosen"] = [by[(m, b)].get("cp") for b in batches]
         out.append(rec)
