@@ -15,7 +15,8 @@ HEADLINE = (
     ),
     ("distca.composability", "Does one fused call over many CA-tasks keep the kernel's throughput?"),
     ("distca.comm_hidden", "Does ping-pong hide CAD's communication? (2x H200)"),
-    ("distca.speedup_3d_pretrain", "Is CAD faster end to end than the best baseline? (2x H200)"),
+    ("distca.speedup_3d_pretrain",
+     "Is CAD faster end to end than the best baseline? (64-256 GPUs, replayed on one H200)"),
 )
 """The questions of the headline block, each answered by one claim's row."""
 GOOD = ("holds", "within")
