@@ -106,7 +106,7 @@ class Timer:
 WARMUP = 1
 """Untimed runs before each attention call's timed ones. FA4 compiles a kernel variant the first time a
 call needs it (seconds, at any point of a run, not only on the first call), and a timing that includes
-the compile is off by 100x: the cache written before this warm-up holds a few such entries
+the compile is off by up to 190x: the cache written before this warm-up holds a few such entries
 (:func:`cadlib.analysis.replay_times.compile_suspects`)."""
 
 
@@ -122,7 +122,7 @@ def time_attention(d, spec, device, dtype, backend, gen, timer, iters: int) -> d
     n_out = n_q if m.q_identity else int(m.cu_q[-1])
     dout = torch.randn((n_out, spec.n_heads, spec.head_dim), generator=gen, device=device).to(dtype)
     fw, bw = [], []
-    for _ in range(iters + 1):                 # the first run is a warm-up (see WARMUP)
+    for _ in range(WARMUP + iters):
         a = timer.mark()
         out = serve(q, k, v, dd, backend)
         b = timer.mark()
@@ -131,7 +131,7 @@ def time_attention(d, spec, device, dtype, backend, gen, timer, iters: int) -> d
         fw.append(timer.ms(a, b))
         bw.append(timer.ms(b, c))
         q.grad = k.grad = v.grad = None
-    return {"fwd_ms": float(np.median(fw[1:])), "bwd_ms": float(np.median(bw[1:])), "iters": iters,
+    return {"fwd_ms": float(np.median(fw[WARMUP:])), "bwd_ms": float(np.median(bw[WARMUP:])), "iters": iters,
             "warmup": WARMUP}
 
 
@@ -235,7 +235,7 @@ def time_segments(q_lens, kv_lens, spec, device, dtype, backend, gen, timer, ite
     q, k, v = rnd(int(cu_q[-1]), spec.n_heads), rnd(int(cu_k[-1]), spec.n_kv_heads), rnd(int(cu_k[-1]), spec.n_kv_heads)
     dout = torch.randn_like(q)
     fw, bw = [], []
-    for _ in range(iters + 1):                 # the first run is a warm-up (see WARMUP)
+    for _ in range(WARMUP + iters):
         a = timer.mark()
         out, lse = kernels.attend(q, k, v, cu_q, cu_k, mq, mk, causal=True, backend=backend)
         b = timer.mark()
@@ -243,7 +243,7 @@ def time_segments(q_lens, kv_lens, spec, device, dtype, backend, gen, timer, ite
         c = timer.mark()
         fw.append(timer.ms(a, b))
         bw.append(timer.ms(b, c))
-    return {"fwd_ms": float(np.median(fw[1:])), "bwd_ms": float(np.median(bw[1:])), "iters": iters,
+    return {"fwd_ms": float(np.median(fw[WARMUP:])), "bwd_ms": float(np.median(bw[WARMUP:])), "iters": iters,
             "warmup": WARMUP}
 
 
@@ -258,8 +258,6 @@ def time_4d(a, cache, save, device, dtype) -> int:
     again = set(replay_times.compile_suspects(times)) if a.retime else set()
     jobs = [(k, sh) for k, sh in jobs if k not in times or k in again]
     done = 0
-    if jobs:
-        time_segments(jobs[0][1]["q"], jobs[0][1]["kv"], spec, device, dtype, backend, gen, timer, 2)  # compiles
     for k, sh in jobs:
         if time.perf_counter() - t0 > a.budget_s:
             break
@@ -294,7 +292,6 @@ def cmd_time(a) -> int:
     tasks = [(s, b, rates, backends[s.name]) for s in todo for b in range(s.batches)]
     timer, gen = Timer(device), torch.Generator(device=device).manual_seed(0)
     done = skipped = 0
-    warm = False
     again = set(replay_times.compile_suspects(times)) if a.retime else set()
     if a.retime:
         print(f"--retime: {len(again)} cached calls look like compiles; timing those of these settings again")
@@ -333,11 +330,7 @@ def cmd_time(a) -> int:
         for name, b, jobs, toks in pool.imap(_plan_batch, tasks):
             s = by_name[name]
             tokens[name].append(toks)
-            jobs = {k: d for k, d in jobs.items() if k in again} if a.retime else \
-                {k: d for k, d in jobs.items() if k not in times}
-            if jobs and not warm:                       # the kernels' first calls compile: not timed
-                time_attention(next(iter(jobs.values())), s.spec, device, dtype, backends[name], gen, timer, 2)
-                warm = True
+            jobs = {k: d for k, d in jobs.items() if (k in again if a.retime else k not in times)}
             for k, d in jobs.items():
                 if over():
                     skipped += 1
@@ -378,13 +371,15 @@ def cmd_compose(a) -> int:
     model_check = None
     if a.model_missing:
         cost = MeasuredCost.load(RESULTS_DIR / "kernel_profile_h200.json", backend)
-        model_check = replay_results.kernel_model_check(replay.paper_3d_settings()[:3], cache["times"], cost, backend, rates)
+        model_check = replay_results.kernel_model_check(replay.paper_3d_settings()[:3], cache["times"], cost,
+                                                        backend, rates)
         print(f"kernel table against the timed calls: {model_check}")
     for s in settings(a.suite.split(","), a.batches, a.only):
         if model_check is not None:
             for b in range(s.batches):
-                times.update(replay_times.model_attention_times(replay_phases.batch_work(s, b, rates).values(), s.spec,
-                                                          backend, cost, model_check["scale"], times))
+                works = replay_phases.batch_work(s, b, rates).values()
+                times.update(replay_times.model_attention_times(works, s.spec, backend, cost, model_check["scale"],
+                                                                times))
         res = replay_results.replay_setting(s, times, rates, backend)
         if res is None:
             print(f"{s.name}: shapes missing from the cache; run `time` first")
@@ -490,7 +485,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tag", default="")
     ap.add_argument("--more-times", default=None,
                     help="compose: a second cache whose shapes are used where --cache lacks them")
-    ap.add_argument("--only", default="", help="only the settings whose name contains this (comma: any of these)")
+    ap.add_argument("--only", default="",
+                    help="only the settings whose name contains this (comma-separated: any of these)")
     ap.add_argument("--batches", type=int, default=None, help="batches per paper setting (default 5)")
     ap.add_argument("--budget-s", type=float, default=math.inf)
     ap.add_argument("--iters", type=int, default=1, help="timed runs per attention call (median)")
@@ -507,7 +503,8 @@ def main(argv=None) -> int:
                     help="shapes4d: where to write the 4D sample; time --suite 4d: the sample to time")
     ap.add_argument("--sample", type=int, default=40, help="shapes4d: calls sampled per 4D setting")
     ap.add_argument("--all", action="store_true",
-                    help="shapes4d: every distinct call of the first --batches steps (default 3), not a sample")
+                    help="shapes4d: every distinct call of the first --batches steps (default 3), "
+                         "not a sample")
     ap.add_argument("--workers", type=int, default=12, help="processes planning batches beside the timing")
     a = ap.parse_args(argv)
     if a.smoke:

@@ -58,12 +58,12 @@ def device_ratio(s: Setting, results_dir=None) -> dict | None:
     method with no collective beside it. ``ratio``: the run's mean in-step head span over the same span
     in the committed one-GPU runs (:data:`ONE_GPU_RUNS`) of the same model, layers, tokens per rank and
     loss chunk. None when ``s`` replays no run, replays a one-GPU run itself, or none matches."""
-    if s.source is None or any(p.name == s.source for p in find_results(ONE_GPU_RUNS, results_dir)):
+    one_gpu = find_results(ONE_GPU_RUNS, results_dir)
+    if s.source is None or s.source in {p.name for p in one_gpu}:
         return None
     run = load_result(Path(results_dir) / s.source if results_dir else s.source)
     key = tuple(run["config"].get(k) for k in SAME_GPU_KEYS)
-    refs = [load_result(p) for p in find_results(ONE_GPU_RUNS, results_dir)]
-    refs = [r for r in refs if tuple(r["config"].get(k) for k in SAME_GPU_KEYS) == key]
+    refs = [r for r in map(load_result, one_gpu) if tuple(r["config"].get(k) for k in SAME_GPU_KEYS) == key]
     if not refs:
         return None
     ours = float(np.mean([r["head_ms"] for r in run["results"]["records"]]))
