@@ -122,6 +122,13 @@ class _Console:
         self.events: list[dict] = []
         self.agent_stderr: list[str] = []
         self.rank0_tail: deque[str] = deque(maxlen=TAIL_LINES)
+        if echo or progress:
+            from tqdm.auto import tqdm  # the notebooks extra: a deferred optional import
+
+            # tqdm makes its write lock on first use; a Ctrl-C landing inside that leaves tqdm without
+            # a lock, and the KeyboardInterrupt surfaces as an AttributeError. Made here, before any
+            # line streams, a Ctrl-C stops the run as one.
+            tqdm.get_lock()
 
     def feed(self, stream: str, line: str) -> None:
         self.file.write(line + "\n")
