@@ -8,7 +8,7 @@ Documents come from ``--lengths`` (``.txt``, ``.csv`` / ``.jsonl`` / ``.parquet`
 The model is a named spec, its fields overridden by ``--layers``, ``--hidden``, ``--heads``,
 ``--kv-heads``, ``--head-dim``, ``--ffn``, ``--vocab``. Prints a table of colocated, WLB-ideal and CAD
 with ping-pong (step, tokens/s, idle, speedups with the simulator's measured error band, bytes sent and
-activation memory per GPU), a verdict and where it flips (:mod:`cadlib.analysis.whatif`); ``--json``
+activation memory per GPU), a verdict and where it flips (:mod:`cadlib.analysis.whatif.planner`); ``--json``
 and ``--html`` write the same. Bad input stops it before any work with exit status 2 and one line naming
 the input and what is valid.
 """
@@ -22,8 +22,9 @@ import sys
 
 import numpy as np
 
-from .analysis import whatif, whatif_page
-from .analysis.replay import TOKENS_PER_GROUP
+from .analysis.replay.settings import TOKENS_PER_GROUP
+from .analysis.whatif import page, planner
+from .analysis.whatif.setup import Cluster, Documents, Training
 from .core.cost import DEFAULT_MODEL, H200_NVLINK_ALL_TO_ALL_GBPS, IB_GBPS_PER_GPU, MODELS, as_model
 from .core.defaults import DEFAULT_TOLERANCE
 from .core.measured import MeasuredCost
@@ -140,16 +141,16 @@ def check(args) -> tuple:
         except (OSError, ValueError, KeyError, json.JSONDecodeError) as e:
             raise BadInput(f"--kernels {args.kernels}: not a kernel latency table ({e}); give "
                            "scripts/profile_kernels.py's JSON") from None
-    cluster = whatif.Cluster(gpus=gpus, gpus_per_node=args.gpus_per_node, tp=tp, pp=args.pp,
+    cluster = Cluster(gpus=gpus, gpus_per_node=args.gpus_per_node, tp=tp, pp=args.pp,
                              intra_node_gbps=args.intra_node_gbps, inter_node_gbps=args.inter_node_gbps,
                              gpu_memory_gb=args.gpu_memory_gb, kernels=args.kernels)
-    training = whatif.Training(context=args.context, tokens_per_group=args.tokens_per_group,
+    training = Training(context=args.context, tokens_per_group=args.tokens_per_group,
                                micro_batches=args.micro_batches, steps=args.steps, seed=args.seed,
                                elongate=args.elongate, tolerance=args.tolerance)
     return model, cluster, training, _documents(args)
 
 
-def _documents(args) -> whatif.Documents:
+def _documents(args) -> Documents:
     if (args.lengths is None) == (args.dist is None):
         raise BadInput("--lengths: give a lengths file (--lengths FILE) or a named distribution "
                        "(--dist NAME), one of them")
@@ -159,7 +160,7 @@ def _documents(args) -> whatif.Documents:
         if args.dist not in NAMED:
             raise BadInput(f"--dist {args.dist}: not one of the named tables; choose one of: "
                            f"{', '.join(NAMED)} (or give a lengths file)")
-        return whatif.Documents(dist=args.dist)
+        return Documents(dist=args.dist)
     try:
         lengths = read_lengths(args.lengths, args.column)
     except ValueError as e:
@@ -171,7 +172,7 @@ def _documents(args) -> whatif.Documents:
         raise BadInput(f"--lengths {args.lengths}: {over:,} of {lengths.size:,} lengths are longer than "
                        f"--context {args.context} (the longest is {int(longest.max()):,}); pass --clip to "
                        "cut them to the context, or raise --context")
-    return whatif.Documents(lengths=lengths, label=os.path.basename(os.path.normpath(args.lengths)))
+    return Documents(lengths=lengths, label=os.path.basename(os.path.normpath(args.lengths)))
 
 
 def _progress(total: int, quiet: bool):
@@ -197,18 +198,18 @@ def main(argv=None) -> int:
     except BadInput as e:
         print(f"python -m cadlib.whatif: error: {e}", file=sys.stderr)
         return 2
-    bar, tick = _progress(whatif.work_units(cluster, training, not args.no_sweep), args.quiet)
+    bar, tick = _progress(planner.work_units(cluster, training, not args.no_sweep), args.quiet)
     try:
-        res = whatif.plan(model, cluster, training, docs, with_sweep=not args.no_sweep, progress=tick)
+        res = planner.plan(model, cluster, training, docs, with_sweep=not args.no_sweep, progress=tick)
     finally:
         if bar is not None:
             bar.close()
-    print(whatif_page.text(res))
+    print(page.text(res))
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(res, indent=1))
         print(f"wrote {args.json}")
     if args.html:
-        pathlib.Path(args.html).write_text(whatif_page.page(res))
+        pathlib.Path(args.html).write_text(page.page(res))
         print(f"wrote {args.html}")
     return 0
 

@@ -7,7 +7,7 @@ signal-only control, on the same sampled batches; one JSON per setting under res
     python scripts/bench_e2e.py --nproc 2 --link inter-node-like  # NCCL_P2P_DISABLE=1: via host memory
 
 Each setting is one ``python -m cadlib.train`` launch (cadlib.infra.launch.run_torchrun) running every
-method over the same batches; :func:`cadlib.analysis.e2e.summarise` turns the per-rank records into per-batch
+method over the same batches; :func:`cadlib.analysis.runs.e2e.summarise` turns the per-rank records into per-batch
 speedups, the saving balancing could bring and how much CAD recovers, exposed communication, the
 ping-pong gain and the calibrated prediction. Results record device, torch, commit and configuration.
 """
@@ -21,7 +21,7 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from cadlib.analysis import e2e  # noqa: E402
+from cadlib.analysis.runs import e2e  # noqa: E402
 from cadlib.core import defaults  # noqa: E402
 from cadlib.infra import launch  # noqa: E402
 from cadlib.infra.results import save_result  # noqa: E402

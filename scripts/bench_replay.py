@@ -1,6 +1,6 @@
 """The paper's scale on one GPU: time every rank's work of every sampled batch, then compose the steps.
 
-Two steps (:mod:`cadlib.analysis.replay` says what a rank's work is):
+Two steps (:mod:`cadlib.analysis.replay.settings` says what a rank's work is):
 
 * ``time`` (a GPU): builds every setting's batches, plans and dispatches on the host and times, on this
   one GPU, every distinct kernel shape the steps need that the cache does not hold yet: each rank's
@@ -14,7 +14,7 @@ Two steps (:mod:`cadlib.analysis.replay` says what a rank's work is):
   proportion to their modelled time, into ``results/replay/shapes_4d_sample.json``; ``time --suite
   4d`` times them, and ``compose --suite 4d`` scales the kernel table to them.
 * ``compose`` (any machine): composes every batch's step from the cache and the link model
-  (:mod:`cadlib.analysis.compose`) and writes a JSON per setting under ``--out`` and the summary.
+  (:mod:`cadlib.analysis.model.compose`) and writes a JSON per setting under ``--out`` and the summary.
 
     python scripts/bench_replay.py time --suite validation,3d --cache $OUT/replay_times.json --budget-s 500
     python scripts/bench_replay.py compose --suite validation,3d --cache results/replay/times_h200.json
@@ -40,8 +40,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cadlib.analysis import replay, replay4d, replay_phases, replay_results, replay_times  # noqa: E402
-from cadlib.analysis.e2e import load_committed  # noqa: E402
+from cadlib.analysis.replay import phases as replay_phases, pipelined as replay4d, results as replay_results, settings as replay, times as replay_times  # noqa: E402
+from cadlib.analysis.runs.e2e import load_committed  # noqa: E402
 from cadlib.core.measured import MeasuredCost  # noqa: E402
 from cadlib.infra.results import RESULTS_DIR, atomic_write_json, environment_info, load_result, save_result  # noqa: E402
 from cadlib.runtime import kernels  # noqa: E402
@@ -70,7 +70,7 @@ def settings(suites: list[str], batches: int | None, only: str = "") -> list[rep
         elif s == "allgather":
             out += replay.allgather_settings()
         elif s == "4d":
-            continue                        # composed by cmd_compose_4d (cadlib.analysis.replay4d)
+            continue                        # composed by cmd_compose_4d (cadlib.analysis.replay.pipelined)
         elif s == "smoke":
             out += [replay.Setting("smoke_pretrain_dp4", "pretrain", 4, tokens=1024, max_doc_len=1024, tp=1,
                                    model="tiny", batches=2, wlb_cp=(1, 2), min_shard=32, link="nvlink")]
@@ -107,7 +107,7 @@ WARMUP = 1
 """Untimed runs before each attention call's timed ones. FA4 compiles a kernel variant the first time a
 call needs it (seconds, at any point of a run, not only on the first call), and a timing that includes
 the compile is off by up to 190x: the cache written before this warm-up holds a few such entries
-(:func:`cadlib.analysis.replay_times.compile_suspects`)."""
+(:func:`cadlib.analysis.replay.times.compile_suspects`)."""
 
 
 def time_attention(d, spec, device, dtype, backend, gen, timer, iters: int) -> dict:
@@ -498,7 +498,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default=None)
     ap.add_argument("--retime", action="store_true",
                     help="time: only the cached calls whose times look like a compile "
-                         "(cadlib.analysis.replay_times.compile_suspects), again, with a warm-up")
+                         "(cadlib.analysis.replay.times.compile_suspects), again, with a warm-up")
     ap.add_argument("--shapes", default=str(RESULTS_DIR / "replay" / "shapes_4d_sample.json"),
                     help="shapes4d: where to write the 4D sample; time --suite 4d: the sample to time")
     ap.add_argument("--sample", type=int, default=40, help="shapes4d: calls sampled per 4D setting")

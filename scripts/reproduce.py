@@ -15,10 +15,10 @@ stops the run with a message naming the notebook, the parameter and what is vali
 Executed notebooks land in runs/<timestamp>-<profile>/ with their HTML (every plotly figure drawn;
 plotly.js loaded from plotly.min.js beside them; maths as MathML), report.md, a self-contained
 report.html and report.json. The report opens with its answer: a headline block and the table of every
-claim of the papers, one row each (``cadlib.analysis.claims``: a claim this profile did not run says so;
+claim of the papers, one row each (``cadlib.analysis.report.claims``: a claim this profile did not run says so;
 end-to-end ones fall back to the committed results); then each notebook's summary and key figures, the
-evidence appendix (``cadlib.analysis.evidence``) and every metric the cells recorded through
-``cadlib.analysis.report.record``. Exit status 1 when any notebook failed.
+evidence appendix (``cadlib.analysis.report.evidence``) and every metric the cells recorded through
+``cadlib.analysis.report.metrics.record``. Exit status 1 when any notebook failed.
 """
 from __future__ import annotations
 
@@ -37,7 +37,9 @@ import tokenize
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from cadlib.analysis import claims, evidence, figures_html, report  # noqa: E402
+from cadlib.analysis.report import claims, evidence, metrics, writer
+
+from cadlib.analysis.figures import static as figures_html  # noqa: E402
 from cadlib.infra.results import atomic_write_text, environment_info, new_run_dir  # noqa: E402
 
 # Parameter profiles: per-notebook overrides on top of each notebook's own defaults (the defaults are the
@@ -364,7 +366,7 @@ def run_notebook(nb: pathlib.Path, out: pathlib.Path, params: dict, run_dir: pat
     row = {"notebook": rel(nb), "parameters": params, "executed": str(out), "error": "", "links": {}}
     env = {"CADLIB_REPORT_DIR": str(run_dir), "CADLIB_NOTEBOOK": rel(nb)}
     saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)                    # the kernel inherits these: cadlib.analysis.report.record writes
+    os.environ.update(env)                    # the kernel inherits these: cadlib.analysis.report.metrics.record writes
     t0 = time.perf_counter()
     try:
         pm.execute_notebook(str(nb), str(out), parameters=params, cwd=str(nb.parent),
@@ -391,14 +393,14 @@ def publish(dest: pathlib.Path, rows: list[dict], meta: dict, profile: str, run_
     dest.mkdir(parents=True, exist_ok=True)
     pub_rows = [dict(r, links={"notebook": os.path.relpath(ROOT / "notebooks" / r["notebook"], dest)})
                 for r in rows]
-    recorded = report.load_metrics(run_dir)
-    report.write_report(dest, pub_rows, meta, profile, recorded, notes,
+    recorded = metrics.load_metrics(run_dir)
+    writer.write_report(dest, pub_rows, meta, profile, recorded, notes,
                         claims=claims.claims_table(recorded, profile), evidence=evidence.sections())
-    metrics = run_dir / report.METRICS_FILE
-    if metrics.exists():
-        shutil.copyfile(metrics, dest / report.METRICS_FILE)
-    elif (dest / report.METRICS_FILE).exists():
-        (dest / report.METRICS_FILE).unlink()
+    metrics_file = run_dir / metrics.METRICS_FILE
+    if metrics_file.exists():
+        shutil.copyfile(metrics_file, dest / metrics.METRICS_FILE)
+    elif (dest / metrics.METRICS_FILE).exists():
+        (dest / metrics.METRICS_FILE).unlink()
 
 
 def main(argv=None) -> int:
@@ -448,9 +450,9 @@ def main(argv=None) -> int:
                     print(f"  (html export of {out.name} failed: {type(e).__name__}: {e})")
         print(f"[reproduce]     {row['status']} in {row['seconds']:.1f}s", flush=True)
         rows.append(row)
-    metrics = report.load_metrics(run_dir)             # the report ends with every claim, run here or not
-    report.write_report(run_dir, rows, meta, args.profile, metrics, notes,
-                        claims=claims.claims_table(metrics, args.profile), evidence=evidence.sections())
+    recorded = metrics.load_metrics(run_dir)            # the report ends with every claim, run here or not
+    writer.write_report(run_dir, rows, meta, args.profile, recorded, notes,
+                        claims=claims.claims_table(recorded, args.profile), evidence=evidence.sections())
     atomic_write_text(run_dir / "report.json", json.dumps({"meta": meta, "profile": args.profile,
                                                            "notebooks": rows}, indent=2) + "\n")
     print(f"[reproduce] report: {run_dir / 'report.html'} and report.md")

@@ -19,7 +19,7 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from cadlib.analysis.e2e import load_committed  # noqa: E402
+from cadlib.analysis.runs.e2e import load_committed  # noqa: E402
 from cadlib.core.cost import as_model  # noqa: E402
 from cadlib.data.packing import pack  # noqa: E402
 from cadlib.data.workload import sample_docs, sample_kwargs  # noqa: E402

@@ -1,2 +1,5 @@
-"""Analysis (numpy, pandas, plotly; no torch): the step simulator, idle studies, summaries of the
-committed runs, the claims of the papers against ours, the report and the plots."""
+"""What the measurements and models say, in rooms that import one way (pandas, plotly; no torch).
+
+``figures`` and ``model`` at the bottom; ``replay`` and ``runs`` above ``model``; ``whatif`` and ``report``
+above those; ``lessons`` (the notebooks' plumbing) on top. ``pyproject.toml``'s import-linter contracts hold it.
+"""

@@ -1,6 +1,6 @@
 """Defaults of an end-to-end run, in one place: ``python -m cadlib.train``, ``scripts/bench_e2e.py``,
 the plan recipes (:mod:`cadlib.scheduling.recipes`) and the labels of committed result files
-(:func:`cadlib.analysis.e2e.setting_label`) all read them here."""
+(:func:`cadlib.analysis.runs.e2e.setting_label`) all read them here."""
 from __future__ import annotations
 
 DEFAULT_TOLERANCE = 0.02

@@ -142,7 +142,7 @@ _TEXT = "checked against the paper's text (arXiv 2510.18121)"
 _E2E = "04_benchmarks/01_end_to_end.ipynb"
 _SCALE = "04_benchmarks/04_at_scale.ipynb"
 _REPLAYED = "replayed"
-"""Ours: every rank's compute replayed on 1x H200, the network modelled (cadlib.analysis.replay)."""
+"""Ours: every rank's compute replayed on 1x H200, the network modelled (cadlib.analysis.replay.settings)."""
 _GAP_34B = "a 34B model at long context needs more GPUs than the measured 2 (and 4D parallelism)"
 
 CLAIMS_LIST: tuple[Claim, ...] = (
@@ -257,7 +257,7 @@ CLAIMS_LIST: tuple[Claim, ...] = (
 )
 
 CLAIMS: dict[str, Claim] = {c.id: c for c in CLAIMS_LIST}
-"""The registry, by id. ``cadlib.analysis.claims`` turns ours into a verdict against each."""
+"""The registry, by id. ``cadlib.analysis.report.claims`` turns ours into a verdict against each."""
 if len(CLAIMS) != len(CLAIMS_LIST):
     raise RuntimeError("duplicate claim ids in cadlib.core.paper.CLAIMS_LIST")
 

@@ -4,7 +4,7 @@ intervals, how much communication compute overlapped, and DistCA's tick order.
 A span is ``{"lane": "compute" | "comm" | "step", "phase", "start_ms", "end_ms"}`` (what
 :class:`cadlib.runtime.streams.Timeline` records); backward spans carry a prime (``"attn' A"``,
 ``"send' B"``). ``python -m cadlib.train`` computes its per-step metrics from here;
-:mod:`cadlib.analysis.timelines` builds tables and figures on top.
+:mod:`cadlib.analysis.runs.timelines` builds tables and figures on top.
 """
 from __future__ import annotations
 

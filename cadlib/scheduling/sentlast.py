@@ -5,7 +5,7 @@ are (:class:`cadlib.dispatch.meta.Dispatch` ``q_identity``, :class:`cadlib.dispa
 ``kv_identity``). A **donor**, a rank that sends some of its query rows to other servers, cannot: the
 rows it keeps are scattered between the rows it sent, so its fused call gathers its query rows and
 their KV rows (forward and again backward) and scatters dQ, dK, dV back; on 2x H200 that costs ~29 ns
-per gathered row and layer (:func:`cadlib.analysis.cost_check.server_overhead_fit`), on the slowest rank.
+per gathered row and layer (:func:`cadlib.analysis.runs.cost_check.server_overhead_fit`), on the slowest rank.
 
 The order of a rank's tokens is free: positions are per token (RoPE is applied before dispatch),
 the loss is a sum over tokens and a document's synthetic tokens are a function of (document,

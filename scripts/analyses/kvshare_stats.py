@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from cadlib.analysis.server_bench import sharing_stats  # noqa: E402
+from cadlib.analysis.runs.server_bench import sharing_stats  # noqa: E402
 from cadlib.core.plan import Plan, layout_to_tasks  # noqa: E402
 from cadlib.data.packing import (
     pack,  # noqa: E402

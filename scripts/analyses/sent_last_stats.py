@@ -2,7 +2,7 @@
 """What ``--sent-last`` (cadlib.scheduling.sentlast) would save on the committed end-to-end runs, host only.
 
 For every ``results/bench_e2e_<n>x_<dist>_<tokens>k_<link>.json`` (no suffix after the link), each
-batch's plans are rebuilt as ``cadlib.train`` built them (:func:`cadlib.analysis.cost_check.rebuild_plans`:
+batch's plans are rebuilt as ``cadlib.train`` built them (:func:`cadlib.analysis.runs.cost_check.rebuild_plans`:
 ``cad``'s plan and ``cad-pingpong``'s two nano-batch plans), with and without the re-ordering. Per
 method and rank: the query and KV rows each server gathers (:meth:`cadlib.dispatch.meta.Dispatch.
 gathered_rows`, summed over the batches and, for ping-pong, the two nano-batches), and what the fitted
@@ -36,7 +36,7 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from cadlib.analysis.cost_check import rebuild_plans  # noqa: E402
+from cadlib.analysis.runs.cost_check import rebuild_plans  # noqa: E402
 from cadlib.dispatch.build import build_dispatch  # noqa: E402
 
 REASONS = ("sent_start", "context", "remote_prefix", "received", "split", "other")

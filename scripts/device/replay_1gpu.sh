@@ -13,7 +13,7 @@
 #             the sample, results/replay/shapes_4d_sample.json; or a `shapes4d --all` listing) into
 #             $OUT/times_4d.json
 #   retime    the cached attention calls whose times look like a kernel compile
-#             (cadlib.analysis.replay_times.compile_suspects), timed again with a warm-up: the committed
+#             (cadlib.analysis.replay.times.compile_suspects), timed again with a warm-up: the committed
 #             cache (validation and 3D, FA4 and torch_flash; the 4D sample) into $OUT/replay_times.json,
 #             and results/replay/times_h200_4d_full.json (the listings in .shapes4d/) into
 #             $OUT/times_4d_full.json

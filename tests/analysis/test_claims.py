@@ -4,7 +4,9 @@ import json
 
 import pytest
 
-from cadlib.analysis import claims, evidence, headline, report, server_bench
+from cadlib.analysis.report import claims, evidence, headline, metrics, writer
+
+from cadlib.analysis.runs import server_bench
 from cadlib.core import paper
 from cadlib.infra.results import REPO_ROOT, save_result
 
@@ -16,7 +18,7 @@ def test_every_claim_is_complete_and_once():
     assert len(paper.CLAIMS) == len(paper.CLAIMS_LIST) >= 20
     for c in paper.CLAIMS_LIST:
         assert c.id.startswith(("distca.", "longca.")) and c.claim and c.source and c.setting and c.verified
-        assert c.kind in report.KINDS
+        assert c.kind in metrics.KINDS
         assert (NOTEBOOKS / c.notebook).exists() or c.notebook in BEING_BUILT, c.notebook
         if c.paper is None:
             assert c.text, f"{c.id}: a qualitative claim says what it claims"
@@ -83,13 +85,13 @@ def test_record_writes_the_claim_with_its_verdict(tmp_path, monkeypatch):
     claims.record("distca.memory_divergence", 1.1, how="sim", setting="dp4")
     claims.record("distca.memory_divergence", 1.3, how="sim", setting="dp8")
     claims.record("distca.memory_divergence", 1.0, how="sim", setting="uniform_64k", control=True)
-    rows = {m["metric"]: m for m in report.load_metrics(tmp_path)}
+    rows = {m["metric"]: m for m in metrics.load_metrics(tmp_path)}
     assert set(rows) == {"distca.idle_dp8", "distca.memory_divergence@dp4", "distca.memory_divergence@dp8",
                          "distca.memory_divergence@uniform_64k"}
     assert rows["distca.idle_dp8"]["verdict"] == "above: 8.5 points over 55.4%; batch not public"
     assert rows["distca.memory_divergence@dp4"]["paper"] == [1.08, 1.17]
     assert "Figure 4a" in rows["distca.memory_divergence@dp4"]["paper_source"]
-    table = claims.claims_table(report.load_metrics(tmp_path), "cpu", results_dir=tmp_path)
+    table = claims.claims_table(metrics.load_metrics(tmp_path), "cpu", results_dir=tmp_path)
     (div,) = [r for r in table if r["claim"] == "distca.memory_divergence"]       # one row per claim
     assert div["ours"] == "1.3x (dp8)" and div["verdict"] == "above" and div["why"] == "0.13x over 1.17x"
     assert div["other settings"] == "1.1x (dp4); 1 control run left out" and div["value"] == 1.3
@@ -149,8 +151,8 @@ def test_record_e2e_records_every_setting(tmp_path, monkeypatch):
     _e2e(tmp_path / "bench_e2e_b.json", "prolong", [(104.0, 103.0, 101.0, 100.0, 99.9)])
     frame = claims.record_e2e(tmp_path)
     assert len(frame) == 6
-    metrics = report.load_metrics(tmp_path / "run")
-    assert len(metrics) == 6 and all("@" in m["metric"] and m["verdict"] for m in metrics)
+    rows = metrics.load_metrics(tmp_path / "run")
+    assert len(rows) == 6 and all("@" in m["metric"] and m["verdict"] for m in rows)
 
 
 def test_claims_table_shows_every_claim_once_run_or_not(tmp_path):
@@ -200,16 +202,16 @@ def test_report_opens_with_the_answer(tmp_path):
     pts = {p["claim"]: p for p in headline.hero_points(table)}
     assert set(pts) == {"distca.idle_dp8", "distca.scheduler_bytes"}
     assert pts["distca.idle_dp8"]["ratio"] == 1.0
-    md, html = report.write_report(tmp_path, [], {"device": "cpu"}, "cpu", [], claims=table)
+    md, html = writer.write_report(tmp_path, [], {"device": "cpu"}, "cpu", [], claims=table)
     text = md.read_text()
     assert text.index("## The answer") < text.index("## Claims: one row per claim")
     assert text.index("## Claims: one row per claim") < text.index("## This run")
-    assert "| " + " | ".join(report.CLAIM_COLUMNS) + " |" in text
+    assert "| " + " | ".join(writer.CLAIM_COLUMNS) + " |" in text
     page = html.read_text()
     assert page.index("id='headline'") < page.index("id='claims'") < page.index("id='metrics'")
     assert page.count("<tr class='claim'") == len(paper.CLAIMS) and "class='v v-not-reproduced'" in page
     assert "id='hero'" in page
-    md, _ = report.write_report(tmp_path / "none", [], {"device": "cpu"}, "cpu", [])
+    md, _ = writer.write_report(tmp_path / "none", [], {"device": "cpu"}, "cpu", [])
     assert "Claims: one row per claim" not in md.read_text()
     assert json.loads(json.dumps(table))                       # plain data, as report.json would hold it
 
@@ -221,7 +223,7 @@ def test_verdicts_of_the_committed_results_use_the_vocabulary():
 
 def test_memory_divergence_is_measured_from_wlb_peak_memory():
     """The worst batch's max/mean peak memory over ranks under WLB-ideal, recorded by the e2e notebook."""
-    from cadlib.analysis.claims import _memory_divergence
+    from cadlib.analysis.report.claims import _memory_divergence
     recs = [{"method": "wlb", "batch": 0, "rank": 0, "peak_mem_gib": 40.0},
             {"method": "wlb", "batch": 0, "rank": 1, "peak_mem_gib": 40.0},
             {"method": "wlb", "batch": 1, "rank": 0, "peak_mem_gib": 44.0},

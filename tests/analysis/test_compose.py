@@ -3,7 +3,7 @@ collectives, the link model, and bad input."""
 import numpy as np
 import pytest
 
-from cadlib.analysis.compose import Link, Phases, compose
+from cadlib.analysis.model.compose import Link, Phases, compose
 
 
 def one_stream(R=2, comm=0.5):
@@ -72,7 +72,7 @@ def test_bad_input():
 
 def test_lockstep_of_one_stage_is_the_plain_step():
     # one stage, one microbatch: the F tick then the B tick is compose()'s step (head split in two)
-    from cadlib.analysis.compose import compose_lockstep
+    from cadlib.analysis.model.compose import compose_lockstep
     ph = one_stream()
     plain = compose("cad", ph, 2)
     fwd_head, bwd_head = ph.head * 0.25, ph.head * 0.75
@@ -82,7 +82,7 @@ def test_lockstep_of_one_stage_is_the_plain_step():
 
 
 def test_lockstep_ticks_wait_for_the_slowest_stage_and_idle_ranks_serve():
-    from cadlib.analysis.compose import compose_lockstep
+    from cadlib.analysis.model.compose import compose_lockstep
     z = np.zeros(2)
     # rank 0 a dummy (no linear work) that serves attention 1.0 per layer, rank 1 a real stage
     ph = Phases(pre=np.array([0.0, 1.0]), post=np.array([0.0, 1.0]), pre_bwd=z, post_bwd=z,
@@ -95,7 +95,7 @@ def test_lockstep_ticks_wait_for_the_slowest_stage_and_idle_ranks_serve():
 
 
 def test_compose_pass_is_half_of_the_plain_step():
-    from cadlib.analysis.compose import compose_pass
+    from cadlib.analysis.model.compose import compose_pass
     ph = one_stream()
     end_f, busy_f, _ = compose_pass("cad", ph, 2)
     end_b, busy_b, _ = compose_pass("cad", ph, 2, backward=True)

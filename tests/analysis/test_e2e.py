@@ -5,7 +5,8 @@ import math
 import pandas as pd
 import pytest
 
-from cadlib.analysis import e2e, timelines
+from cadlib.analysis.report import metrics
+from cadlib.analysis.runs import e2e, timelines
 from cadlib.core import defaults, spans
 
 
@@ -95,7 +96,7 @@ def test_kernel_only_spans_is_read_from_the_colocated_timeline():
 
 
 def test_record_metrics_keeps_rows_without_a_value():
-    out = e2e.record_metrics([{"metric": "a", "ours": 1.2, "paper": 1.35, "unit": "x", "kind": "measured"},
+    out = metrics.record_metrics([{"metric": "a", "ours": 1.2, "paper": 1.35, "unit": "x", "kind": "measured"},
                               {"metric": "b", "ours": float("nan"), "paper": None, "kind": "measured"}])
     assert list(out.metric) == ["a", "b"]
 

@@ -4,22 +4,24 @@ import pandas as pd
 import pytest
 
 from cadlib import ModelSpec, pack, schedule
-from cadlib.analysis import e2e, exercises, figures_html, lessons, plots, timelines
+from cadlib.analysis.runs import e2e, timelines
+from cadlib.analysis.lessons import cad, exercises, toys
+from cadlib.analysis.figures import plots, static as figures_html
 from cadlib.core import spans
 from cadlib.cp import protocol
 
 
 def test_unit_step_of_the_stragglers_toy():
-    step = lessons.unit_step(pack([8, 2, 2, 2, 2], 2, 8))
+    step = toys.unit_step(pack([8, 2, 2, 2, 2], 2, 8))
     assert step.pairs.tolist() == [36, 12] and step.busy.tolist() == [44, 20]
     assert step.attrs["step"] == 44 and step.attrs["idle_fraction"] == pytest.approx(24 / 88)
-    assert lessons.unit_step(protocol.zigzag_layout([32], 4)).pairs.tolist() == [132] * 4
+    assert toys.unit_step(protocol.zigzag_layout([32], 4)).pairs.tolist() == [132] * 4
 
 
 def test_one_move_by_hand():
     model = ModelSpec.from_name("llama3-8b")
     two = pack([16], 2, 8)
-    hand = lessons.shard_candidates(two, donor=1, receiver=0, model=model)
+    hand = cad.shard_candidates(two, donor=1, receiver=0, model=model)
     assert hand.loc["start shard", "shard"] == "[8, 11)" and hand.loc["start shard", "bytes added"] == 36864
     assert hand.loc["end shard", "shard"] == "[14, 16)" and hand.loc["end shard", "bytes added"] == 49152
     plan = schedule(two, model=model, tolerance=0.05, min_shard=1)
@@ -28,18 +30,18 @@ def test_one_move_by_hand():
 
 def test_the_three_rank_toy_token_by_token():
     plan = schedule(pack([24, 8, 8, 8], 3, 16), model="tiny", tolerance=0.1, min_shard=4)
-    sends = lessons.dispatch_table(plan)
+    sends = cad.dispatch_table(plan)
     kv02 = sends[(sends["from"] == 0) & (sends.to == 2) & (sends.what == "KV")].iloc[0]
     assert kv02.tokens == 16 and kv02.which == "d0[0:16)"
-    call, seqlens = lessons.server_call(plan, 2)
+    call, seqlens = cad.server_call(plan, 2)
     assert seqlens["cu_seqlens_q"] == [0, 8, 16, 20] and len(call) == 3
-    assert lessons.token_runs([16, 17, 18, 1000, 1001]) == "d0[16:19) d1[0:2)"
+    assert cad.token_runs([16, 17, 18, 1000, 1001]) == "d0[16:19) d1[0:2)"
     with pytest.raises(ValueError, match="documents up to 1000 tokens"):
-        lessons.token_ids(pack([2000], 1, 2000))
+        cad.token_ids(pack([2000], 1, 2000))
 
 
 def test_the_end_to_end_measures_by_hand():
-    runs = lessons.toy_runs({"colocated": 10, "cad": 8.8, "cad-pingpong": 8.4, "signal-only": 8.2}, [6, 2])
+    runs = toys.toy_runs({"colocated": 10, "cad": 8.8, "cad-pingpong": 8.4, "signal-only": 8.2}, [6, 2])
     b = e2e.summarise(runs, {}, 2)["per_batch"][0]
     assert b["saving_frac"] == pytest.approx(0.2) and b["recovered"] == pytest.approx(0.8)
     assert b["exposed_comm_frac"] == pytest.approx(0.2 / 8.4)

@@ -3,7 +3,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from cadlib.analysis import plots
+from cadlib.analysis.figures import plots
 
 
 def _frame():

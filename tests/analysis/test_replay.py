@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cadlib.analysis import replay, replay_phases, replay_results, replay_times
-from cadlib.analysis.e2e import load_committed
+from cadlib.analysis.replay import phases as replay_phases, results as replay_results, settings as replay, times as replay_times
+from cadlib.analysis.runs.e2e import load_committed
 from cadlib.core.cost import ModelSpec
 from cadlib.data.packing import per_doc_gather_tokens, wlb_layout
 

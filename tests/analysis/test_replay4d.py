@@ -4,7 +4,7 @@ import json
 
 import numpy as np
 
-from cadlib.analysis import replay4d, replay_phases, replay_times
+from cadlib.analysis.replay import phases as replay_phases, pipelined as replay4d, times as replay_times
 from cadlib.core.measured import MeasuredCost
 from cadlib.core.paper import DISTCA_TABLE4_8B
 from cadlib.infra.results import RESULTS_DIR, load_result

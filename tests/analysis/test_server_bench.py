@@ -5,7 +5,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from cadlib.analysis import plots, server_bench
+from cadlib.analysis.figures import plots
+
+from cadlib.analysis.runs import server_bench
 
 
 def _rank(rank, step_fb, raw_fb, **kw):

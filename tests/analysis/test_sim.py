@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cadlib.analysis.compose import one_f_one_b
-from cadlib.analysis.idle import idle_fraction_sweep
-from cadlib.analysis.sim import (
+from cadlib.analysis.model.compose import one_f_one_b
+from cadlib.analysis.model.idle import idle_fraction_sweep
+from cadlib.analysis.model.sim import (
     Hardware,
     StepTimes,
     attention_seconds,
@@ -382,7 +382,7 @@ def test_simulate_cad_schedules_a_layout():
 # -- the 1F1B timeline table ----------------------------------------------------------------------------
 
 def test_pp_timeline_rows_match_the_schedule():
-    from cadlib.analysis.idle import pp_timeline
+    from cadlib.analysis.model.idle import pp_timeline
     rng = np.random.default_rng(0)
     f = rng.uniform(0.5, 2.0, (3, 5))
     b = 2 * f
@@ -410,7 +410,7 @@ def _whole_docs_once(layout):
 
 
 def test_varlen_chunking_hand_cases():
-    from cadlib.analysis.idle import varlen_chunking
+    from cadlib.analysis.model.idle import varlen_chunking
     # longest first to the least-loaded rank: 4 -> r0, 4 -> r1, 2 -> r0 (tie), 2 -> r1
     lay = varlen_chunking([4, 2, 4, 2], 2, cap=6, model=MODEL)
     assert _whole_docs_once(lay)
@@ -426,7 +426,7 @@ def test_varlen_chunking_hand_cases():
 
 
 def test_varlen_chunking_balances_time_not_tokens_and_keeps_the_longest_document_whole():
-    from cadlib.analysis.idle import varlen_chunking
+    from cadlib.analysis.model.idle import varlen_chunking
     lens = [65536] + [4096] * 48        # one long document and many short ones, 2 ranks
     seq_idle = simulate_dp(Layout([[(0, 0, 65536), (1, 0, 4096), (2, 0, 4096), (3, 0, 4096),
                                     (4, 0, 4096)], [(d, 0, 4096) for d in range(5, 49)]], lens),
@@ -442,7 +442,7 @@ def test_varlen_chunking_balances_time_not_tokens_and_keeps_the_longest_document
 
 
 def test_straggler_idle_frame_and_validation():
-    from cadlib.analysis.idle import straggler_idle
+    from cadlib.analysis.model.idle import straggler_idle
     # equal documents that fill every rank exactly: nobody waits under either packing
     df = straggler_idle("uniform", [2, 4], 8192, length=2048, seeds=(0, 1))
     assert set(df.columns) >= {"dp", "packing", "seed", "idle_fraction", "tokens_per_rank",

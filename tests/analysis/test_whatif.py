@@ -1,4 +1,4 @@
-"""Tests for the what-if planner (cadlib.analysis.whatif, its page and the ``python -m cadlib.whatif``
+"""Tests for the what-if planner (cadlib.analysis.whatif.planner, its page and the ``python -m cadlib.whatif``
 CLI): the simulator's composition reproduced, a file of a table's lengths predicting what the table
 predicts, the error band, pipelines, and every bad input stopped before any work with exit status 2."""
 import json
@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 
 from cadlib import whatif as cli
-from cadlib.analysis import replay_phases, sim_band, whatif, whatif_page
+from cadlib.analysis.replay import phases as replay_phases
+from cadlib.analysis.model import band as sim_band
+from cadlib.analysis.whatif import page as whatif_page, planner as whatif
 from cadlib.data.lengths import write_lengths
 from cadlib.data.workload import sample_docs
 from cadlib.infra.results import RESULTS_DIR, load_result

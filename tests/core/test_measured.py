@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cadlib.analysis.cost_check import compare_models, model_imbalance
-from cadlib.analysis.sim import simulate, simulate_cad
+from cadlib.analysis.runs.cost_check import compare_models, model_imbalance
+from cadlib.analysis.model.sim import simulate, simulate_cad
 from cadlib.core.layout import Layout
 from cadlib.core.measured import MeasuredCost, segment_pairs
 from cadlib.core.plan import CATask, Plan
@@ -151,7 +151,7 @@ def test_profile_script_cpu_quick_writes_a_loadable_table(tmp_path):
 
 
 # --------------------------------------------------------------------- what it buys on end-to-end runs
-from cadlib.analysis.cost_check import attention_ms, e2e_check, e2e_check_summary, rebuild_plans  # noqa: E402
+from cadlib.analysis.runs.cost_check import attention_ms, e2e_check, e2e_check_summary, rebuild_plans  # noqa: E402
 
 E2E_CFG = {"model": "tiny", "layers": 2, "tokens_per_rank": 4096, "dist": "prolong", "doc_len": None,
            "max_doc_len": None, "seed": 0, "tolerance": 0.05, "min_shard": 512, "nano_balance": "tokens",
@@ -239,7 +239,7 @@ def test_cost_model_check_script_writes_its_json(tmp_path):
 
 
 def test_server_overhead_fit_recovers_a_per_row_cost():
-    from cadlib.analysis.cost_check import server_overhead_fit
+    from cadlib.analysis.runs.cost_check import server_overhead_fit
     rng = np.random.default_rng(0)
     rows = []
     for _ in range(12):
@@ -256,7 +256,7 @@ def test_server_overhead_fit_recovers_a_per_row_cost():
 
 
 def test_gathered_rows_only_where_a_server_sent_rows_away():
-    from cadlib.analysis.cost_check import gathered_rows
+    from cadlib.analysis.runs.cost_check import gathered_rows
     from cadlib.core.layout import layout_from_lists
     from cadlib.scheduling.scheduler import colocated, schedule
     layout = layout_from_lists([[(0, 0, 900)], [(1, 0, 100)]], [900, 100])

@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import random_scattered_plan
 
-from cadlib.analysis.server_bench import sharing_stats
+from cadlib.analysis.runs.server_bench import sharing_stats
 from cadlib.core.cost import ModelSpec
 from cadlib.core.layout import Layout, global_rows
 from cadlib.core.plan import CATask, Plan, merge_groups

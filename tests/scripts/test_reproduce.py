@@ -1,4 +1,4 @@
-"""scripts/reproduce.py and cadlib.analysis.report: parameters checked up front, a real papermill run of tiny
+"""scripts/reproduce.py and cadlib.analysis.report.writer: parameters checked up front, a real papermill run of tiny
 notebooks, metrics recorded by cells, and figures in the HTML."""
 import importlib.util
 import json
@@ -8,7 +8,9 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_notebook
 
-from cadlib.analysis import figures_html, report
+from cadlib.analysis.figures import static as figures_html
+
+from cadlib.analysis.report import metrics
 from cadlib.core import paper
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -137,29 +139,29 @@ def test_this_repositorys_notebooks_reject_bad_overrides_up_front(tmp_path, caps
 
 def test_record_writes_a_json_line_and_returns_a_row(tmp_path, monkeypatch):
     monkeypatch.delenv("CADLIB_REPORT_DIR", raising=False)
-    row = report.record("speedup", 1.2, paper=paper.DISTCA_MAX_SPEEDUP, how="sim")
-    assert list(row.columns) == report.METRIC_COLUMNS and row.loc[0, "unit"] == "x"
+    row = metrics.record("speedup", 1.2, paper=paper.DISTCA_MAX_SPEEDUP, how="sim")
+    assert list(row.columns) == metrics.METRIC_COLUMNS and row.loc[0, "unit"] == "x"
     assert row.loc[0, "paper"] == "1.35" and "abstract" in row.loc[0, "source"]
     assert not list(tmp_path.iterdir())                          # no report dir: nothing written
     monkeypatch.setenv("CADLIB_REPORT_DIR", str(tmp_path))
     monkeypatch.setenv("CADLIB_NOTEBOOK", "x/y.ipynb")
-    report.record("idle", 0.2, paper=(0.19, 0.55), unit="", kind="simulated", note="n")
-    report.record("idle", 0.25, paper=(0.19, 0.55))              # a rerun of the cell replaces it
-    r = report.record("tf", 500, kind="measured")
+    metrics.record("idle", 0.2, paper=(0.19, 0.55), unit="", kind="simulated", note="n")
+    metrics.record("idle", 0.25, paper=(0.19, 0.55))              # a rerun of the cell replaces it
+    r = metrics.record("tf", 500, kind="measured")
     assert r.loc[0, "kind"].startswith("measured on ")
-    rows = report.load_metrics(tmp_path)
+    rows = metrics.load_metrics(tmp_path)
     assert [(m["metric"], m["ours"], m["notebook"]) for m in rows] == [("idle", 0.25, "x/y.ipynb"),
                                                                       ("tf", 500, "x/y.ipynb")]
-    assert report.metrics_frame(rows).loc[0, "paper"] == "0.19–0.55"
+    assert metrics.metrics_frame(rows).loc[0, "paper"] == "0.19–0.55"
     for bad, match in [(dict(metric_id=""), "metric_id"), (dict(ours=[1]), "ours must be"),
                        (dict(kind="guessed"), "kind must start with"), (dict(paper=(2, 1)), "low <= high"),
                        (dict(ours=float("nan")), "finite"), (dict(unit=3), "unit must be a string")]:
         with pytest.raises(ValueError, match=match):
-            report.record(**{"metric_id": "m", "ours": 1, **bad})
+            metrics.record(**{"metric_id": "m", "ours": 1, **bad})
 
 
 def test_run_writes_report_with_summary_metrics_figures_and_failures(repo):
-    rec = new_code_cell("from cadlib.analysis import report\nreport.record('doubled', result, paper=6, how='n * 2')")
+    rec = new_code_cell("from cadlib.analysis.report import metrics\nmetrics.record('doubled', result, paper=6, how='n * 2')")
     fig = new_code_cell(FIGURE)
     fig.metadata["tags"] = ["figure"]
     untagged = new_code_cell(FIGURE.replace("tiny bars", "not in the report"))
@@ -184,7 +186,7 @@ def test_run_writes_report_with_summary_metrics_figures_and_failures(repo):
     assert (run / "plotly.min.js").stat().st_size > 1_000_000
     published = repo / "results" / "reports"
     assert "href='../../notebooks/a.ipynb'" in (published / "report.html").read_text()
-    assert report.load_metrics(published)[0]["ours"] == 8
+    assert metrics.load_metrics(published)[0]["ours"] == 8
 
 
 def test_key_figures_fall_back_to_every_figure_when_no_cell_is_tagged():

@@ -1,0 +1,242 @@
+"""The plumbing of the lessons (the notebooks), so that their cells stay a few lines: hand-sized
+examples a reader can check with a pencil, the tables that show them, and the small studies the
+notebooks grow them into. Nothing here computes what a module of its own owns: the layouts, plans,
+dispatches, simulations and masks come from the layers below.
+
+* chapter 1 (stragglers): :func:`unit_step` (a step in unit costs), :func:`paper_idle_table`,
+  :func:`straggler_view` and :func:`explorer` (the interactive view), :func:`pp_cases` (1F1B);
+* chapter 2 (CAD) has its own module, :mod:`cadlib.analysis.lessons.cad`;
+* chapter 3 (ping-pong): :func:`nano_halves`; chapter 4 (end to end): :func:`toy_runs`;
+* every chapter: :func:`check_params`, the parameter checks a notebook runs first.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+import pandas as pd
+
+from ...core import cost
+from ...core.layout import Layout
+from ...data import packing, workload
+from ...scheduling import nanosplit
+from ..figures import plots
+from ..model import compose, sim
+from ..model.idle import pp_timeline
+
+
+def check_params(**rules) -> None:
+    """Raise ValueError naming the first parameter that breaks its rule: ``name=(value, ok, what)``,
+    where ``ok`` is a bool or a callable of the value and ``what`` says what is valid."""
+    for name, (value, ok, what) in rules.items():
+        good = ok(value) if callable(ok) else ok
+        if not good:
+            raise ValueError(f"{name} must be {what}, got {value!r}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Chapter 1: stragglers
+# ---------------------------------------------------------------------------------------------------
+
+
+def unit_step(layout: Layout, linear: float = 1.0, pair: float = 1.0) -> pd.DataFrame:
+    """One data-parallel step in unit costs: per rank its ``tokens``, causal ``pairs``, ``busy =
+    linear * tokens + pair * pairs`` and ``wait`` for the slowest rank at the gradient all-reduce.
+    ``attrs``: ``step`` (the slowest rank's busy time) and ``idle_fraction``
+    (``sum wait / (ranks x step)``)."""
+    costs = packing.rank_costs(layout, None)
+    pairs = np.array(
+        [sum(cost.causal_pairs(c.start, c.end) for c in r) for r in layout.ranks], dtype=np.int64
+    )
+    tokens = np.asarray(costs["tokens"], dtype=np.int64)
+    busy = linear * tokens + pair * pairs
+    step = float(busy.max())
+    df = pd.DataFrame(
+        {"tokens": tokens, "pairs": pairs, "busy": busy, "wait": step - busy},
+        index=pd.RangeIndex(layout.n_ranks, name="rank"),
+    )
+    df.attrs.update(step=step, idle_fraction=float(df["wait"].sum() / (layout.n_ranks * step)))
+    return df
+
+
+def paper_idle_table(frame: pd.DataFrame, paper: Mapping[int, float]) -> pd.DataFrame:
+    """The paper's idle figure beside ours, per DP size, from :func:`cadlib.analysis.model.idle.straggler_idle`
+    run with both packings: the paper's share, the median over sampled batches of variable-length
+    chunking and its 25-75% range, its tokens max/mean, and the median of fixed-length packing."""
+    var, fixed = frame[frame.packing == "varlen"], frame[frame.packing == "sequential"]
+    q = var.groupby("dp").idle_fraction.quantile([0.25, 0.5, 0.75]).unstack()
+    dps = sorted(q.index)
+    return pd.DataFrame(
+        {
+            "paper": [paper[d] / 100 if d in paper else np.nan for d in dps],
+            "variable-length (median)": q[0.5].to_numpy(),
+            "variable-length, 25%-75%": [f"{a:.0%}-{b:.0%}" for a, b in zip(q[0.25], q[0.75])],
+            "tokens max/mean": var.groupby("dp").tokens_max_over_mean.median().to_numpy(),
+            "fixed-length (median)": fixed.groupby("dp").idle_fraction.median().to_numpy(),
+        },
+        index=pd.Index(dps, name="DP"),
+    )
+
+
+def straggler_view(distribution: str, context: int, dp: int, model, seed: int = 0, tolerance: float = 0.1):
+    """One sampled batch of ``dp`` ranks x ``context`` tokens: per-rank linear and attention seconds under
+    plain DP and under CAD (the simulator's H200 rates), titled with both step times."""
+    docs = workload.sample_docs(
+        total_tokens=dp * context, seed=seed, max_doc_len=context, **workload.sample_kwargs(distribution)
+    )
+    lay = packing.pack(docs, dp, context)
+    dp_t, cad_t = sim.simulate("dp", lay, model), sim.simulate("cad", lay, model, tolerance=tolerance)
+    return plots.rank_loads(
+        {
+            "linear s": dp_t.breakdown["linear"],
+            "attention s (DP)": dp_t.breakdown["attention"],
+            "attention s (CAD)": cad_t.breakdown["attention"],
+        },
+        f"{distribution}, {context:,} tokens/rank, DP={dp}: DP step {dp_t.step:.1f}s, "
+        f"CAD step {cad_t.step:.1f}s",
+        yaxis="seconds per step",
+    )
+
+
+def explorer(view: Callable, controls: Mapping[str, tuple]):
+    """ipywidgets controls that redraw ``view(**values)`` (a function returning a figure) below them.
+    ``controls``: ``name -> (options or (min, max), value)``: a list or tuple of options gives a dropdown,
+    a ``range`` a slider. Returns the box to display."""
+    import ipywidgets as widgets
+    from IPython.display import display
+
+    ws = {}
+    for name, (options, value) in controls.items():
+        if isinstance(options, range):
+            ws[name] = widgets.IntSlider(
+                min=options.start, max=options.stop - 1, value=value, description=name
+            )
+        else:
+            ws[name] = widgets.Dropdown(options=list(options), value=value, description=name)
+    out = widgets.Output()
+
+    def redraw(_=None):
+        with out:
+            out.clear_output(wait=True)
+            view(**{k: w.value for k, w in ws.items()}).show()
+
+    for w in ws.values():
+        w.observe(redraw, names="value")
+    box = widgets.VBox([widgets.HBox(list(ws.values())), out])
+    display(box)
+    return box
+
+
+def pp_cases(model, pp_stages: int, n_microbatches: int, microbatch_tokens: int):
+    """1F1B on ``pp_stages`` stages: equal microbatches of eight short documents each, against the same
+    step whose microbatch 0 is one whole document of the same tokens. Returns ``(timeline, makespans)``:
+    every op of both cases (``lane``, ``phase``, ``start_ms``, ``end_ms``, ``microbatch``, ``case``) and each
+    case's step in seconds; the second case is checked against the simulator's own PP entry."""
+    check_params(
+        pp_stages=(
+            pp_stages,
+            pp_stages >= 1 and model.n_layers % pp_stages == 0,
+            f"a divisor of n_layers={model.n_layers}",
+        ),
+        n_microbatches=(n_microbatches, n_microbatches >= 2, "an integer >= 2"),
+        microbatch_tokens=(microbatch_tokens, microbatch_tokens >= 8, "an integer >= 8"),
+    )
+    hw, lps, short = sim.Hardware(), model.n_layers // pp_stages, microbatch_tokens // 8
+    cases = {
+        "equal microbatches": [[(0, short)] * 8] * n_microbatches,
+        "microbatch 0 = one long document": [[(0, 8 * short)]] + [[(0, short)] * 8] * (n_microbatches - 1),
+    }
+    frames, makespans = [], {}
+    for name, mbs in cases.items():
+        fwd, bwd = (
+            np.tile(
+                [
+                    sim.linear_seconds(sum(e - s for s, e in mb), model, hw, ph, lps)
+                    + sim.attention_seconds(*zip(*mb), model, hw, ph, lps).sum()
+                    for mb in mbs
+                ],
+                (pp_stages, 1),
+            )
+            for ph in ("fwd", "bwd")
+        )
+        t = _pp_frame(fwd, bwd, heavy=name.startswith("microbatch 0"))
+        frames.append(t.assign(case=name))
+        makespans[name] = compose.one_f_one_b(fwd, bwd)[0]
+    long_case = cases["microbatch 0 = one long document"]
+    ranks, d = [], 0
+    for mb in long_case:
+        ranks.append([(d + k, 0, e - s) for k, (s, e) in enumerate(mb)])
+        d += len(mb)
+    lens = [e - s for mb in long_case for s, e in mb]
+    pp = sim.simulate_pp(Layout(ranks, lens), model, pp_stages=pp_stages)
+    np.testing.assert_allclose(pp.step, makespans["microbatch 0 = one long document"], rtol=1e-9)
+    return pd.concat(frames, ignore_index=True), makespans
+
+
+def _pp_frame(fwd, bwd, heavy: bool) -> pd.DataFrame:
+    t = pp_timeline(fwd, bwd)
+    long = (t.microbatch == 0) & heavy
+    t["phase"] = np.where(t.phase == "F", "forward", "backward") + np.where(long, " (long document)", "")
+    t["lane"] = "stage " + t.stage.astype(str)
+    return t
+
+
+# ---------------------------------------------------------------------------------------------------
+# Chapter 3: ping-pong's nano-batches
+# ---------------------------------------------------------------------------------------------------
+
+
+def nano_halves(layout: Layout, min_piece: int = 512) -> pd.DataFrame:
+    """Tokens of nano-batch A and B per rank, with whole documents and with documents that may be cut
+    between the halves (``split_nano_batches``), and ``|A - B|``."""
+    rows = []
+    for cut in (False, True):
+        a, b = nanosplit.split_nano_batches(layout, "tokens", split_docs=cut, min_piece=min_piece)
+        for r in range(layout.n_ranks):
+            rows.append(
+                {
+                    "nano-batches": "cut documents" if cut else "whole documents",
+                    "rank": f"rank {r}",
+                    "A tokens": len(a.rows[r]),
+                    "B tokens": len(b.rows[r]),
+                }
+            )
+    df = pd.DataFrame(rows)
+    df["|A - B|"] = (df["A tokens"] - df["B tokens"]).abs()
+    return df
+
+
+# ---------------------------------------------------------------------------------------------------
+# Chapter 4: end to end
+# ---------------------------------------------------------------------------------------------------
+
+
+def toy_runs(steps: Mapping[str, float], colocated_attention: Sequence[float]) -> list[dict]:
+    """Rank results in the shape ``cadlib.train`` returns them, for a hand-sized end-to-end example: one
+    batch, each method's step (the same on every rank: they meet at the all-reduce) and colocated's
+    attention time per rank, for :func:`cadlib.analysis.runs.e2e.summarise`."""
+    nan = float("nan")
+    return [
+        {
+            "rank": r,
+            "records": [
+                {
+                    "method": m,
+                    "batch": 0,
+                    "rank": r,
+                    "step_ms": float(s),
+                    "layers_ms": float(s),
+                    "fwd_bwd_ms": float(s),
+                    "peak_mem_gib": nan,
+                    "attention_ms": float(attn) if m == "colocated" else nan,
+                    "comm_ms": 0.0,
+                    "comm_exposed_ms": 0.0,
+                    "allreduce_ms": 0.0,
+                    "loss": 0.0,
+                }
+                for m, s in steps.items()
+            ],
+        }
+        for r, attn in enumerate(colocated_attention)
+    ]

@@ -1,0 +1,187 @@
+"""A replay setting's results: every batch composed from the timed shapes (:func:`replay_setting`), the
+summary per method (speedups over colocated and WLB-ideal, the simulator's, the batch count), the check
+against the committed end-to-end run a setting replays, and how well the kernel table predicts the timed
+calls (:func:`kernel_model_check`). ``scripts/bench_replay.py compose`` writes these under
+``results/replay/``.
+
+A replayed run may have been measured on another GPU than the one that timed the shapes: two H200s of
+two sessions differ by a few percent. :func:`device_ratio` measures that difference on the run's own
+steps, and the check is given both raw and with the timings scaled by it."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from ...infra.results import find_results, load_result
+from .phases import NCCL_LATENCY_S, TP_COLLECTIVES, Links, batch_work, compose_work, model_compose, phases
+from .settings import METHODS, Setting, Work
+from .times import LINEAR_GRID, attention_jobs, grid_points, head_key, linear_key, optimizer_key, scaled
+
+
+def missing_times(s: Setting, works: dict[str, Work], times: dict, backend: str) -> list[str]:
+    """The keys :func:`phases` needs for these works that ``times`` lacks."""
+    spec = s.spec
+    keys = set(attention_jobs(works.values(), spec, backend))
+    toks = np.concatenate([np.concatenate([w.tokens.ravel(), (w.tokens.sum(0) if w.pingpong else w.tokens)])
+                           for w in works.values()])
+    for key_of in (lambda n: linear_key(spec, backend, n), lambda n: head_key(spec, backend, n)):
+        have = [n for n in LINEAR_GRID if key_of(n) in times]
+        if len(have) < 2:               # linear in tokens: two timed points interpolate and extrapolate
+            keys |= {key_of(n) for n in grid_points(toks)}
+    keys.add(optimizer_key(spec, backend))
+    return sorted(k for k in keys if k not in times)
+
+
+def _measured_steps(s: Setting) -> dict:
+    """``{(method, batch): slowest rank's step in seconds}`` of the committed run a setting replays."""
+    if s.source is None:
+        return {}
+    from_file = load_result(s.source)["results"]["records"]
+    out: dict = {}
+    for r in from_file:
+        k = (r["method"], int(r["batch"]))
+        out[k] = max(out.get(k, 0.0), r["step_ms"] * 1e-3)
+    return out
+
+
+ONE_GPU_RUNS = "bench_e2e_1x_*.json"
+"""The committed one-GPU training runs, measured in the session that timed ``times_h200_1x.json``."""
+SAME_GPU_KEYS = ("model", "layers", "tokens_per_rank", "ce_chunk", "mlp_recompute", "dtype")
+
+
+def device_ratio(s: Setting, results_dir=None) -> dict | None:
+    """How much slower the GPU of the run ``s`` replays computes than the timing GPU, measured on the one
+    phase of a step that runs alone: the LM head and loss, the same matmuls over a rank's tokens in every
+    method with no collective beside it. ``ratio``: the run's mean in-step head span over the same span
+    in the committed one-GPU runs (:data:`ONE_GPU_RUNS`) of the same model, layers, tokens per rank and
+    loss chunk. None when ``s`` replays no run, replays a one-GPU run itself, or none matches."""
+    one_gpu = find_results(ONE_GPU_RUNS, results_dir)
+    if s.source is None or s.source in {p.name for p in one_gpu}:
+        return None
+    run = load_result(Path(results_dir) / s.source if results_dir else s.source)
+    key = tuple(run["config"].get(k) for k in SAME_GPU_KEYS)
+    refs = [r for r in map(load_result, one_gpu) if tuple(r["config"].get(k) for k in SAME_GPU_KEYS) == key]
+    if not refs:
+        return None
+    ours = float(np.mean([r["head_ms"] for r in run["results"]["records"]]))
+    theirs = float(np.mean([r["head_ms"] for ref in refs for r in ref["results"]["records"]]))
+    return {"ratio": ours / theirs, "head_ms": ours, "head_ms_timing_gpu": theirs,
+            "runs": len(refs), "device": run.get("meta", {}).get("device")}
+
+
+def replay_setting(s: Setting, times: dict, rates: dict, backend: str) -> dict | None:
+    """Every batch of ``s`` composed from the timed shapes (None when some are missing): per batch and
+    method the step, its idle fraction, the slowest and mean rank's attention, the exposed
+    communication, the simulator's step for the same work and, for a replayed committed run, the
+    measured step; per rank its tokens and attention; the summary per method."""
+    links = Links.of(s, rates)
+    measured = _measured_steps(s)
+    dev = device_ratio(s) if measured else None
+    on_run_gpu = scaled(times, dev["ratio"]) if dev else None
+    rows, ranks = [], []
+    for b in range(s.batches):
+        works = batch_work(s, b, rates)
+        if missing_times(s, works, times, backend):
+            return None
+        got, sim = compose_work(s, works, times, links, backend), model_compose(s, works, links)
+        dev_steps = compose_work(s, works, on_run_gpu, links, backend) if dev else {}
+        for key, c in got.items():
+            w = works.get(key) or works[f"wlb/{c.breakdown['cp']}"]
+            ph = phases(s, w, times, links, backend, signal_only=key == "signal-only")
+            attn = (ph.attn + ph.attn_bwd).sum(0) if w.pingpong else ph.attn + ph.attn_bwd
+            row = {"batch": b, "method": key, "step_s": c.step, "idle_fraction": c.idle_fraction,
+                   "attention_max_s": c.breakdown["attention_max_s"],
+                   "attention_mean_s": c.breakdown["attention_mean_s"],
+                   "exposed_comm_s": c.breakdown["exposed_comm_s"], "sim_step_s": sim[key].step,
+                   "sim_idle_fraction": sim[key].idle_fraction}
+            if "cp" in c.breakdown:
+                row["cp"] = c.breakdown["cp"]
+            if (key, b) in measured:
+                row["measured_step_s"] = measured[(key, b)]
+                if key in dev_steps:
+                    row["step_s_on_run_gpu"] = dev_steps[key].step
+            rows.append(row)
+            if not key.startswith("wlb/"):
+                ranks.append({"batch": b, "method": key, "tokens": np.asarray(w.tokens).tolist(),
+                              "attention_ms_per_layer": (attn * 1e3).round(3).tolist()})
+    out = {"per_batch": rows, "ranks": ranks, "summary": summarise(s, rows)}
+    if dev:
+        out["device_ratio"] = dev
+        for rec in out["summary"]:
+            rec["device_ratio"] = dev["ratio"]
+    return out
+
+
+def summarise(s: Setting, rows: list[dict]) -> list[dict]:
+    """Per method: mean (and per-batch) speedup over colocated and over WLB-ideal, the simulator's,
+    the replay's error against a measured run, the batch count."""
+    by = {(r["method"], r["batch"]): r for r in rows}
+    methods = sorted({r["method"] for r in rows if "/" not in r["method"]}, key=METHODS.index)
+    batches = sorted({r["batch"] for r in rows})
+    out = []
+    for m in methods:
+        rec = {"setting": s.name, "dist": s.dist, "max_doc_len": s.max_doc_len, "dp": s.dp, "tp": s.tp,
+               "tokens_per_group": s.tokens, "method": m, "batches": len(batches),
+               "ranks": s.dp, "step_s_mean": float(np.mean([by[(m, b)]["step_s"] for b in batches])),
+               "idle_fraction_mean": float(np.mean([by[(m, b)]["idle_fraction"] for b in batches]))}
+        for base in ("colocated", "wlb"):
+            if (base, batches[0]) in by:
+                sp = [by[(base, b)]["step_s"] / by[(m, b)]["step_s"] for b in batches]
+                spm = [by[(base, b)]["sim_step_s"] / by[(m, b)]["sim_step_s"] for b in batches]
+                rec[f"speedup_over_{base}"] = float(np.mean(sp))
+                rec[f"speedup_over_{base}_per_batch"] = [float(x) for x in sp]
+                rec[f"sim_speedup_over_{base}"] = float(np.mean(spm))
+        sim_err = [by[(m, b)]["sim_step_s"] / by[(m, b)]["step_s"] - 1 for b in batches]
+        rec["sim_vs_replay_step_err_mean"] = float(np.mean(sim_err))
+        for field_, name in (("step_s", "replay_vs_measured"), ("step_s_on_run_gpu", "on_run_gpu")):
+            if all(field_ in by[(m, b)] and "measured_step_s" in by[(m, b)] for b in batches):
+                got = np.array([by[(m, b)][field_] for b in batches])
+                ref = np.array([by[(m, b)]["measured_step_s"] for b in batches])
+                rec[f"{name}_err_per_batch"] = [float(x) for x in got / ref - 1]
+                rec[f"{name}_err_of_mean"] = float(got.mean() / ref.mean() - 1)
+        if m == "wlb":
+            rec["cp_chosen"] = [by[(m, b)].get("cp") for b in batches]
+        out.append(rec)
+    return out
+
+
+def setting_config(s: Setting, rates: dict, backend: str, times_meta: dict) -> dict:
+    """A setting's full configuration for its result file."""
+    cfg = {k: getattr(s, k) for k in s.__dataclass_fields__ if k not in ("config", "lengths")}
+    return {**cfg, "spec": s.spec._asdict() if hasattr(s.spec, "_asdict") else vars(s.spec),
+            "links": {k: vars(v) for k, v in vars(Links.of(s, rates)).items()}, "backend": backend,
+            "nccl_latency_s": NCCL_LATENCY_S, "tp_collectives_per_layer": TP_COLLECTIVES,
+            "times_device": times_meta.get("device"), "times_commit": times_meta.get("commit"),
+            "replayed_run": s.config}
+
+
+def summary_line(s: Setting, res: dict) -> str:
+    parts = []
+    for r in res["summary"]:
+        if r["method"] in ("cad-pingpong", "wlb") or r["method"] == "colocated":
+            sp = r.get("speedup_over_wlb")
+            wlb = f" ({sp:.3f}x wlb)" if sp else ""
+            parts.append(f"{r['method']} {r['step_s_mean'] * 1e3:.0f} ms{wlb}")
+    return f"{s.name}: " + ", ".join(parts)
+
+
+def kernel_model_check(settings_, times: dict, cost, backend: str, rates: dict, batches: int = 2) -> dict:
+    """How well the kernel table predicts the calls the replay timed, over the timed calls of the first
+    ``batches`` batches of each setting: measured / predicted (forward + backward), time-weighted (the
+    ``scale`` :func:`model_attention_times` applies), its median, 10th and 90th percentiles, the calls."""
+    meas, pred = [], []
+    for s in settings_:
+        for b in range(min(batches, s.batches)):
+            for k, d in attention_jobs(batch_work(s, b, rates).values(), s.spec, backend).items():
+                if k in times and not times[k].get("modelled"):
+                    sh = d.shared()
+                    meas.append(times[k]["fwd_ms"] + times[k]["bwd_ms"])
+                    q, k_ = np.diff(sh.cu_q), np.diff(sh.cu_k)
+                    pred.append(cost.fused_seconds(q, k_, "fwd_bwd", s.spec) * 1e3)
+    m, p = np.array(meas), np.array(pred)
+    if not m.size:
+        raise ValueError(f"no timed {backend} call among these settings to check the kernel table against")
+    r = m / p
+    return {"calls": int(m.size), "scale": float(m.sum() / p.sum()), "median": float(np.median(r)),
+            "p10": float(np.percentile(r, 10)), "p90": float(np.percentile(r, 90)), "backend": backend}

@@ -1,0 +1,267 @@
+"""The paper's scale on one GPU: every rank's work in a step, as kernels of known shapes to time on one
+GPU, composed into a step with a link model (:mod:`cadlib.analysis.model.compose`).
+
+A rank's work in one layer is a fixed set of kernel calls: its linear layers at its token count, and its
+attention server's one fused call over the CA-tasks its dispatch gives it. So one GPU can time every
+rank of a 256-GPU run, one after another; only the network is modelled. The replay is three modules,
+each using the one before it:
+
+* this one, what is replayed (host only, numpy): a :class:`Setting` and the paper's settings, and for
+  each sampled batch and method the layout and plans (:mod:`cadlib.scheduling`), every rank's token
+  counts, its attention-server dispatch and the bytes its collectives move (:class:`Work`);
+* :mod:`cadlib.analysis.replay.phases`: the links, and work plus timed shapes as per-rank durations of
+  each phase (or the simulator's durations for the same work), composed into steps;
+* :mod:`cadlib.analysis.replay.results`: a setting's batches replayed, summarised and checked against
+  the committed runs they replay.
+
+``scripts/bench_replay.py`` times what the durations need on a GPU, caching every timed shape under a
+key of the call's shape (:mod:`cadlib.analysis.replay.times`); :mod:`cadlib.analysis.replay.pipelined` is the
+same with pipeline parallelism.
+
+Tensor parallelism: a DistCA node is one tensor-parallel group of ``tp`` GPUs (Megatron's cut), so each
+GPU runs ``1/tp`` of every layer's heads and MLP on all of its group's tokens
+(:meth:`cadlib.core.cost.ModelSpec.shard`), and the layer's tensor-parallel all-gathers and
+reduce-scatters cross NVLink. The replay times that shard: per-GPU times, not a whole group's.
+
+Methods: ``colocated`` (sequential packing, per-document CP for documents split between ranks), ``wlb``
+(WLB-ideal: balanced packing over ``dp / c`` replicas with per-document CP of degree ``c`` inside
+each, the best ``c`` of ``wlb_cp``), ``cad``, ``cad-pingpong`` and ``signal-only`` (ping-pong with every
+collective cut to its latency). The per-document all-gather is counted among the ranks that hold a
+document (:func:`cadlib.data.packing.per_doc_gather_tokens`), which favours the baselines over an
+all-gather of the whole group.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import numpy as np
+
+from ...core.cost import ModelSpec, as_model
+from ...core.defaults import DEFAULT_NANO_SPLIT, DEFAULT_TOLERANCE
+from ...core.layout import Layout
+from ...core.paper import DISTCA_TABLE3_8B, DISTCA_TP
+from ...data.packing import pack, per_doc_gather_tokens, wlb_layout
+from ...data.workload import sample_docs, sample_kwargs, sample_lengths
+from ...dispatch.build import build_dispatch
+from ...dispatch.meta import Dispatch
+from ...scheduling import scheduler
+from ...scheduling.recipes import batch_docs, cad_plan, nano_plans
+from ..model.idle import varlen_chunking
+from ..model.sim import Hardware
+from .times import DTYPE
+
+TOKENS_PER_GROUP = 131072
+"""Tokens per data-parallel group in the paper's 3D settings: a batch size of ``B`` MaxDocLen-long
+sequences over ``N`` GPUs of TP=8 is ``B x MaxDocLen / (N / 8)`` = 128K tokens in every row of Table 3."""
+
+
+METHODS = ("colocated", "wlb", "varlen", "cad", "cad-pingpong", "signal-only")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One replayed configuration: ``dp`` data-parallel groups of ``tp`` GPUs, ``tokens`` tokens per
+    group, ``batches`` sampled batches. ``dist`` is a workload name or preset; lengths are stretched by
+    ``elongate`` and clipped to ``max_doc_len``. ``lengths``: a user's document lengths, sampled instead
+    of ``dist`` (:func:`cadlib.data.workload.sample_lengths`, the same seeds). ``model``: a name or a
+    :class:`ModelSpec`. ``config``: a committed end-to-end run's configuration, whose batches
+    (:func:`cadlib.scheduling.recipes.batch_docs`) are replayed instead of sampled."""
+
+    name: str
+    dist: str
+    dp: int
+    tokens: int = TOKENS_PER_GROUP
+    max_doc_len: int | None = None
+    elongate: float = 1.0
+    tp: int = DISTCA_TP
+    model: str | ModelSpec = "llama3-8b"
+    n_layers: int | None = None
+    batches: int = 5
+    seed: int = 0
+    methods: tuple[str, ...] = ("colocated", "wlb", "cad", "cad-pingpong", "signal-only")
+    wlb_cp: tuple[int, ...] = (1, 2, 4, 8)
+    wlb_top: int = 2
+    link: str = "ib"
+    tolerance: float = DEFAULT_TOLERANCE
+    min_shard: int = 512
+    nano_split: str = DEFAULT_NANO_SPLIT
+    config: dict | None = field(default=None, hash=False, compare=False)
+    source: str | None = None
+    lengths: np.ndarray | None = field(default=None, hash=False, compare=False, repr=False)
+
+    def __post_init__(self):
+        for f in ("dp", "tokens", "tp", "batches"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"Setting.{f} must be an integer >= 1, got {v!r}")
+        bad = [m for m in self.methods if m not in METHODS]
+        if bad:
+            raise ValueError(f"unknown method(s) {bad}; choose from: {', '.join(METHODS)}")
+        if self.link not in LINK_NAMES:
+            raise ValueError(f"unknown link {self.link!r}; choose one of: {', '.join(LINK_NAMES)}")
+
+    @property
+    def spec(self) -> ModelSpec:
+        """The model of one GPU: the tensor-parallel shard of ``model`` with ``n_layers`` layers."""
+        m = as_model(self.model, **({"n_layers": self.n_layers} if self.n_layers else {}))
+        return m.shard(self.tp)
+
+    def cp_degrees(self) -> tuple[int, ...]:
+        return tuple(c for c in self.wlb_cp if self.dp % c == 0)
+
+    def recipe_args(self) -> SimpleNamespace:
+        """The fields :mod:`cadlib.scheduling.recipes` reads, as ``python -m cadlib.train`` has them."""
+        base = {"dist": self.dist, "tokens_per_rank": self.tokens, "seed": self.seed, "doc_len": None,
+                "max_doc_len": self.max_doc_len, "tolerance": self.tolerance, "min_shard": self.min_shard,
+                "nano_balance": "tokens", "nano_split": self.nano_split, "sent_last": False}
+        return SimpleNamespace(**{**base, **(self.config or {})})
+
+
+LINK_NAMES = ("ib", "ib-low", "nvlink", "inter-node-like")
+
+
+def paper_3d_settings(batches: int = 5, dists=("distca-pretrain", "prolong")) -> list[Setting]:
+    """The paper's 3D runs of Llama-8B (Table 3) as replay settings: MaxDocLen 128K / 256K / 512K at
+    64 / 128 / 256 GPUs, TP=8, so DP 8 / 16 / 32, and 128K tokens per DP group (``TOKENS_PER_GROUP``).
+    Pretrain is DistCA's (``distca-pretrain``: documents of at least 64K drawn twice as often) and both
+    distributions are stretched by ``MaxDocLen / 128K`` and clipped to MaxDocLen, as DistCA elongates its
+    samples for longer contexts."""
+    out = []
+    for dist in dists:
+        for ctx, sizes, gpus in DISTCA_TABLE3_8B:
+            for b, g in zip(sizes, gpus):
+                dp = g // DISTCA_TP
+                if b * ctx != dp * TOKENS_PER_GROUP:
+                    raise ValueError(f"Table 3 row {ctx}: batch {b} x {ctx} is not {dp} x {TOKENS_PER_GROUP}")
+                short = "pretrain" if dist == "distca-pretrain" else dist
+                out.append(Setting(f"3d_{short}_{ctx // 1024}k_dp{dp}", dist, dp, max_doc_len=ctx,
+                                   elongate=ctx / TOKENS_PER_GROUP, batches=batches))
+    return out
+
+
+def e2e_setting(item: dict) -> Setting:
+    """A committed end-to-end run (an item of :func:`cadlib.analysis.runs.e2e.load_committed`) as a setting:
+    its batches, model, layers, tolerance and link, at TP=1 on its GPUs."""
+    cfg = item["config"]
+    n = int(cfg.get("nproc") or 2)
+    return Setting(f"e2e_{item['file'].removeprefix('bench_e2e_').removesuffix('.json')}", cfg["dist"], n,
+                   tokens=int(cfg["tokens_per_rank"]), max_doc_len=cfg.get("max_doc_len"), tp=1,
+                   model=cfg["model"], n_layers=cfg.get("layers"),
+                   batches=len(item["results"]["per_batch"]), seed=int(cfg.get("seed", 0)),
+                   methods=tuple(m for m in cfg["methods"] if m in METHODS), wlb_cp=(1,),
+                   link=cfg.get("link") or "nvlink", tolerance=float(cfg.get("tolerance", DEFAULT_TOLERANCE)),
+                   min_shard=int(cfg.get("min_shard", 512)), nano_split=cfg.get("nano_split", "whole"),
+                   config=cfg, source=item["file"])
+
+
+def idle_settings(batches: int = 5) -> list[Setting]:
+    """The motivation's idle figure (Figure 4b): 8B, TP=8, 512K-token data chunks per DP group (DP 1,
+    2, 4, 8), DistCA's Pretrain at MaxDocLen 512K: variable-length chunking of whole documents under a
+    cap of the group's tokens (:func:`cadlib.analysis.model.idle.varlen_chunking`, the paper's baseline),
+    WLB's balanced packing (documents may be cut) and CAD with ping-pong."""
+    return [Setting(f"idle_512k_dp{dp}", "distca-pretrain", dp, tokens=524288, max_doc_len=524288,
+                    elongate=4.0, batches=batches, methods=("varlen", "wlb", "cad-pingpong"), wlb_cp=(1,))
+            for dp in (1, 2, 4, 8)]
+
+
+def allgather_settings(nodes=(2, 4, 8, 16, 32), tokens_per_node: int = TOKENS_PER_GROUP) -> list[Setting]:
+    """Per-document CP's all-gather at scale (Figure 3): 8B, TP=8, every document 32K tokens,
+    context parallelism over all ``nodes`` (one CP group), ``tokens_per_node`` tokens each."""
+    return [Setting(f"allgather_{n}nodes", "uniform", n, tokens=tokens_per_node, batches=1,
+                    methods=("wlb",), wlb_cp=(n,), config={"doc_len": 32768, "dist": "uniform"})
+            for n in nodes]
+
+
+# ---------------------------------------------------------------------------------------------------
+# A batch's work, rank by rank (host only)
+# ---------------------------------------------------------------------------------------------------
+
+def batch_lengths(s: Setting, b: int) -> list[int]:
+    """Document lengths of batch ``b``: the committed run's (its seeds) or sampled for the setting."""
+    if s.config is not None:
+        return batch_docs(s.recipe_args(), b, s.dp)
+    if s.lengths is not None:
+        return sample_lengths(s.lengths, s.dp * s.tokens, seed=s.seed * 100_003 + b, elongate=s.elongate,
+                              max_doc_len=s.max_doc_len)
+    kw = sample_kwargs(s.dist)
+    return sample_docs(kw.pop("dist"), s.dp * s.tokens, seed=s.seed * 100_003 + b, elongate=s.elongate,
+                       max_doc_len=s.max_doc_len, **kw)
+
+
+@dataclass
+class Work:
+    """One method's work in one layer of one batch. ``tokens``: per rank (``[2, R]`` for ping-pong's
+    nano-batches); ``dispatch``: per nano-batch, per rank, the attention server's :class:`Dispatch`;
+    ``bytes``: per collective (``in``, ``out``, ``in_bwd``, ``out_bwd``) ``(sent, received)`` per rank;
+    ``served``: per nano-batch, per rank, the ``(q_start, q_end)`` of the tasks it serves."""
+
+    method: str
+    tokens: np.ndarray
+    dispatch: list[list[Dispatch]]
+    bytes: dict[str, tuple[np.ndarray, np.ndarray]]
+    served: list[list[tuple[np.ndarray, np.ndarray]]]
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def pingpong(self) -> bool:
+        return self.tokens.ndim == 2
+
+
+def _served(plan, rank: int):
+    sel = plan.server == rank
+    return plan.q_start[sel], plan.q_end[sel]
+
+
+def _cad_bytes(ds: list[Dispatch], spec: ModelSpec) -> dict:
+    """The all-to-alls of CAD's stages per rank, bytes: send (Q and deduplicated KV), return (O),
+    return' (dO out) and send' (dQ, dK, dV back)."""
+    qb, kvb = spec.q_bytes(DTYPE), spec.kv_bytes(DTYPE)
+    qs, qr = (np.array([d.n_send_q for d in ds]), np.array([d.n_recv_q for d in ds]))
+    ks, kr = (np.array([d.n_send_kv for d in ds]), np.array([d.n_recv_kv for d in ds]))
+    send = (qs * qb + ks * kvb, qr * qb + kr * kvb)
+    back = (qr * qb + kr * kvb, qs * qb + ks * kvb)
+    return {"in": send, "out": (qr * qb, qs * qb), "out_bwd": (qs * qb, qr * qb), "in_bwd": back}
+
+
+def gather_bytes(layout: Layout, spec: ModelSpec) -> dict:
+    """Per-document CP: the all-gather of shared documents' K, V before attention (and again before its
+    backward), and the return of their dK, dV after it."""
+    sent, recv = per_doc_gather_tokens(layout)
+    kvb = spec.kv_bytes(DTYPE)
+    g = (sent * kvb, recv * kvb)
+    zero = (np.zeros_like(g[0]), np.zeros_like(g[0]))
+    return {"in": g, "out": zero, "out_bwd": g, "in_bwd": (g[1], g[0])}
+
+
+def _colocated_work(method: str, layout: Layout, spec: ModelSpec, meta: dict) -> Work:
+    plan = scheduler.colocated(layout)
+    R = layout.n_ranks
+    ds = [build_dispatch(plan, r) for r in range(R)]
+    return Work(method, layout.tokens_per_rank().astype(np.int64), [ds], gather_bytes(layout, spec),
+                [[_served(plan, r) for r in range(R)]], {**meta, "imbalance": plan.imbalance()})
+
+
+def method_work(s: Setting, docs: list[int], method: str, cp: int = 1) -> Work:
+    """``method``'s work for a batch of documents ``docs`` (``cp``: WLB's context-parallel degree)."""
+    spec, R, args = s.spec, s.dp, s.recipe_args()
+    if method == "colocated":
+        return _colocated_work(method, pack(docs, R, s.tokens), spec, {})
+    if method == "wlb":
+        return _colocated_work(method, wlb_layout(docs, R, cp, s.tokens, s.model), spec, {"cp": cp})
+    if method == "varlen":
+        lay = varlen_chunking(docs, R, s.tokens, as_model(s.model), Hardware(attn_kernel="fa4"))
+        return _colocated_work(method, lay, spec, {})
+    layout = pack(docs, R, s.tokens)
+    if method == "cad":
+        plan = cad_plan(layout, args, spec)
+        ds = [build_dispatch(plan, r) for r in range(R)]
+        return Work(method, layout.tokens_per_rank().astype(np.int64), [ds], _cad_bytes(ds, spec),
+                    [[_served(plan, r) for r in range(R)]], {"imbalance": plan.imbalance()})
+    nanos, plans = nano_plans(layout, args, spec)
+    ds = [[build_dispatch(p, r) for r in range(R)] for p in plans]
+    per = [_cad_bytes(d, spec) for d in ds]
+    byts = {k: tuple(np.stack([p[k][i] for p in per]) for i in range(2)) for k in per[0]}
+    tokens = np.array([[len(nb.rows[r]) for r in range(R)] for nb in nanos], dtype=np.int64)
+    return Work(method, tokens, ds, byts, [[_served(p, r) for r in range(R)] for p in plans],
+                {"imbalance": [p.imbalance() for p in plans]})

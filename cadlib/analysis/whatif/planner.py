@@ -1,0 +1,360 @@
+"""Does CAD pay off on this data and this cluster? The simulator on a user's documents, model, cluster
+and training setup, with the band its measured error gives.
+
+Batches are sampled from the user's lengths (:func:`cadlib.data.workload.sample_lengths`) or a named
+distribution, as the scale replay samples (:func:`cadlib.analysis.replay.settings.batch_lengths`, the same
+seeds), and each is planned for every method (:func:`cadlib.analysis.replay.phases.batch_work`): colocated
+(sequential packing, per-document CP for documents split between ranks), WLB-ideal (balanced packing
+with per-document CP of the best degree) and CAD with ping-pong. The durations are the simulator's
+(:func:`cadlib.analysis.replay.phases.model_phases`: the H200 rates of :mod:`cadlib.core.cost`, or a kernel
+latency table), composed tick by tick (:mod:`cadlib.analysis.model.compose`) per stage and micro-batch.
+
+The cluster, its links and the training setup are :mod:`cadlib.analysis.whatif.setup`'s.
+
+A step of ``m`` micro-batches on ``pp`` stages of ``L / pp`` layers (1F1B): micro-batch ``i`` on stage
+``s`` takes its composed forward ``F[s, i]`` and backward ``B[s, i]`` (the ranks of a stage meet at
+every collective; the LM head only on the last stage), :func:`cadlib.analysis.model.compose.one_f_one_b` gives the
+makespan, and the gradient all-reduce follows: ``step = makespan + allreduce``. With ``pp = m = 1``
+this is exactly the simulator's step of the scale replay. Per method: tokens/s ``= dp m T / step``;
+idle fraction ``= 1 - mean_g busy_g / step``; bytes each GPU sends in the attention collectives per
+step (tensor parallelism and the all-reduce, the same for every method, left out); activation memory
+per GPU, ``tokens_held x L / pp x activation_bytes_per_token x min(pp, m)`` (in flight on the first
+stage) plus, for CAD, what its attention server keeps until the backward (received Q, K, V, and the
+O and LSE it computed), against the GPU's memory (weights, gradients and optimizer state not counted).
+
+Every simulated step and speedup ``x`` is reported as ``x mid`` with the band ``[x lo, x hi]`` of
+:mod:`cadlib.analysis.model.band`; the verdict compares CAD with the faster baseline, and a short sweep
+over DP and context (MaxDocLen with the tokens per group in proportion) shows where it flips.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, replace
+
+import numpy as np
+
+from ...core.cost import as_model
+from ...core.measured import MeasuredCost
+from ...data.packing import pack
+from ...scheduling import scheduler
+from ..model.band import error_bands
+from ..model.compose import Composed, compose, one_f_one_b
+from ..replay import phases as replay_phases
+from ..replay import settings as replay
+from .setup import Cluster, Documents, Training, setting
+
+METHODS = ("colocated", "wlb", "cad-pingpong")
+BASELINES = ("colocated", "wlb")
+LABELS = {"colocated": "colocated", "wlb": "WLB-ideal", "cad-pingpong": "CAD (ping-pong)"}
+SWEEP_DP = (0.25, 0.5, 1, 2)
+SWEEP_CONTEXT = (0.5, 1, 2)
+GB = 1e9
+
+
+# ---------------------------------------------------------------------------------------------------
+# One micro-batch on one stage, and a step
+# ---------------------------------------------------------------------------------------------------
+
+def _zeros_like_bwd(ph, head_fwd: bool):
+    """The forward half of one layer's phases (the head's forward third where ``head_fwd``)."""
+    z = np.zeros_like
+    return replace(ph, pre_bwd=z(ph.pre_bwd), post_bwd=z(ph.post_bwd), attn_bwd=z(ph.attn_bwd),
+                   comm_in_bwd=z(ph.comm_in_bwd), comm_out_bwd=z(ph.comm_out_bwd),
+                   head=ph.head / 3 if head_fwd else z(ph.head), allreduce=0.0)
+
+
+def _stage(method: str, ph, layers: int, last: bool) -> tuple[float, float, Composed]:
+    """``(forward, backward, composed)`` of a micro-batch on one stage: no all-reduce; the LM head
+    (one forward, two backward thirds) on the last stage only."""
+    full = replace(ph, allreduce=0.0, head=ph.head if last else np.zeros_like(ph.head))
+    c = compose(method, full, layers)
+    f = compose(method, _zeros_like_bwd(ph, last), layers).step
+    return f, max(c.step - f, 0.0), c
+
+
+def _work_stats(w: replay.Work, s: replay.Setting, coloc_tokens: np.ndarray) -> dict:
+    """Bytes each rank sends in one layer, and the activation bytes it holds (one micro-batch, one layer)."""
+    spec = s.spec
+    sent = sum(np.asarray(w.bytes[k][0], dtype=np.float64).reshape(-1, coloc_tokens.size).sum(0)
+               for k in ("in", "out", "in_bwd", "out_bwd"))
+    held = (coloc_tokens if w.method == "cad-pingpong" else w.tokens).astype(np.float64)
+    act = held * spec.activation_bytes_per_token()
+    if w.method == "cad-pingpong":
+        per_q = spec.q_bytes() + spec.o_bytes() + spec.lse_bytes()
+        for ds in w.dispatch:
+            act = act + np.array([d.n_recv_q * per_q + d.n_recv_kv * spec.kv_bytes() for d in ds])
+    return {"sent": sent, "act": act}
+
+
+def _method_steps(s: replay.Setting, cluster: Cluster, training: Training, step: int, cost, links,
+                  progress=None) -> dict:
+    """Every method's step ``step`` (its ``micro_batches`` batches), with what the output reports."""
+    m, pp, L = training.micro_batches, cluster.pp, s.spec.n_layers
+    F = {k: np.zeros((pp, m)) for k in METHODS}
+    B = {k: np.zeros((pp, m)) for k in METHODS}
+    acc = {k: {"busy": 0.0, "attn_max": 0.0, "attn_mean": 0.0, "exposed": 0.0, "sent": 0.0, "act": 0.0,
+               "cp": [], "ranks": None} for k in METHODS}
+    plan_ms = []
+    for i in range(m):
+        b = step * m + i
+        docs = replay.batch_lengths(s, b)
+        t0 = time.perf_counter()
+        scheduler.schedule(pack(docs, s.dp, s.tokens), model=s.spec, tolerance=s.tolerance,
+                           min_shard=s.min_shard)
+        plan_ms.append((time.perf_counter() - t0) * 1e3)
+        works = replay_phases.batch_work(s, b)
+        coloc = works["colocated"].tokens
+        per = {}
+        for key, w in works.items():
+            ph = replay_phases.model_phases(s, w, links, cost=cost)
+            last = _stage(w.method, ph, L, True)
+            first = _stage(w.method, ph, L, False) if pp > 1 else last
+            per[key] = (w, ph, first, last)
+        wl = [k for k in per if k.startswith("wlb/")]
+        best = min(wl, key=lambda k: per[k][3][2].step)
+        for key in METHODS:
+            w, ph, first, last = per[best if key == "wlb" else key]
+            F[key][:-1, i], B[key][:-1, i] = first[0], first[1]
+            F[key][-1, i], B[key][-1, i] = last[0], last[1]
+            c, a = last[2], acc[key]
+            a["busy"] = a["busy"] + (c.busy if pp == 1 else (c.busy + (pp - 1) * first[2].busy) / pp)
+            a["attn_max"] += c.breakdown["attention_max_s"]
+            a["attn_mean"] += c.breakdown["attention_mean_s"]
+            a["exposed"] += c.breakdown["exposed_comm_s"]
+            st = _work_stats(w, s, coloc)
+            a["sent"] = a["sent"] + st["sent"] * L
+            a["act"] = np.maximum(a["act"], st["act"] * L * min(pp, m))
+            if key == "wlb":
+                a["cp"].append(int(best.split("/")[1]))
+            if i == 0:
+                attn = (ph.attn + ph.attn_bwd).sum(0) if w.pingpong else ph.attn + ph.attn_bwd
+                a["ranks"] = {"tokens": coloc.tolist() if w.pingpong else w.tokens.tolist(),
+                              "attention_s": (attn * L).tolist(), "busy_s": c.busy.tolist()}
+        if progress:
+            progress(1)
+    allreduce = replay_phases.allreduce_seconds(s, links.dp)
+    out = {}
+    for key in METHODS:
+        a = acc[key]
+        span = one_f_one_b(F[key], B[key])[0]
+        stp = span + allreduce
+        busy = np.asarray(a["busy"]) + allreduce
+        out[key] = {"step_s": stp, "idle_fraction": float(max(0.0, 1 - busy.mean() / stp)),
+                    "attention_max_s": a["attn_max"], "attention_mean_s": a["attn_mean"],
+                    "exposed_comm_s": a["exposed"], "sent_bytes_mean": float(np.mean(a["sent"])),
+                    "sent_bytes_max": float(np.max(a["sent"])),
+                    "activation_bytes_max": float(np.max(a["act"])),
+                    "cp": a["cp"], "ranks": a["ranks"]}
+    out["plan_ms"] = plan_ms
+    return out
+
+
+def _load_cost(cluster: Cluster) -> MeasuredCost | None:
+    return MeasuredCost.load(cluster.kernels) if cluster.kernels else None
+
+
+def simulate(model, cluster: Cluster, training: Training, docs: Documents, progress=None) -> dict:
+    """The simulator's steps (no band): per method the mean over the sampled steps of the step, idle
+    fraction, attention of the slowest and the mean rank, exposed communication, bytes sent and
+    activation memory per GPU; the speedups (mean per-step ratios); rank detail of the first step."""
+    s = setting(model, cluster, training, docs)
+    links, cost = cluster.links(), _load_cost(cluster)
+    steps = [_method_steps(s, cluster, training, k, cost, links, progress) for k in range(training.steps)]
+    res = {}
+    for key in METHODS:
+        rows = [st[key] for st in steps]
+        r = {f: float(np.mean([x[f] for x in rows])) for f in rows[0] if f not in ("cp", "ranks")}
+        r["sent_bytes_max"] = float(max(x["sent_bytes_max"] for x in rows))
+        r["activation_bytes_max"] = float(max(x["activation_bytes_max"] for x in rows))
+        for base in BASELINES:
+            sp = [st[base]["step_s"] / st[key]["step_s"] for st in steps]
+            r[f"speedup_over_{base}"] = float(np.mean(sp))
+        if key == "wlb":
+            r["cp"] = [c for x in rows for c in x["cp"]]
+        r["ranks"] = rows[0]["ranks"]
+        r["steps_s"] = [x["step_s"] for x in rows]
+        res[key] = r
+    return {"methods": res, "plan_ms": [p for st in steps for p in st["plan_ms"]]}
+
+
+# ---------------------------------------------------------------------------------------------------
+# The band, the verdict, the sweep
+# ---------------------------------------------------------------------------------------------------
+
+def _banded(sim: dict, bands: dict, tokens_per_step: int) -> dict:
+    """Every method's simulated numbers with estimates and bands (``None`` where no band exists)."""
+    out = {}
+    for key, r in sim["methods"].items():
+        row = {k: v for k, v in r.items() if k != "ranks"}
+        row["sim_step_s"] = r["step_s"]
+        b = bands.get(f"step/{key}")
+        lo, mid, hi = b.apply(r["step_s"]) if b else (None, r["step_s"], None)
+        row.update(step_s=mid, step_s_band=[lo, hi] if b else None,
+                   tokens_per_s=tokens_per_step / mid,
+                   tokens_per_s_band=[tokens_per_step / hi, tokens_per_step / lo] if b else None)
+        for base in BASELINES:
+            sp = r[f"speedup_over_{base}"]
+            row[f"sim_speedup_over_{base}"] = sp
+            b = bands.get(f"speedup/{key}/{base}") if key != base else None
+            lo, mid, hi = b.apply(sp) if b else (None, sp, None)
+            row[f"speedup_over_{base}"] = mid
+            row[f"speedup_over_{base}_band"] = [lo, hi] if b else None
+        out[key] = row
+    return out
+
+
+def pct(x: float) -> str:
+    """A share as a signed whole percent, ``+0%`` for anything that rounds to nothing."""
+    return f"{round(100 * x):+d}%"
+
+
+def _best_baseline(methods: dict) -> str:
+    """The faster baseline by CAD's estimated speedups (each step carries its own band, so the speedups,
+    not the steps, decide, as the verdict quotes them)."""
+    return min(BASELINES, key=lambda k: methods["cad-pingpong"][f"speedup_over_{k}"])
+
+
+def _classify(sp: float, band) -> str:
+    """``pays`` when the band (or, without one, the estimate) is above 1, ``loses`` below, else ``unsure``."""
+    lo, hi = (band if band and band[0] is not None else (sp, sp))
+    return "pays" if lo > 1 else "loses" if hi < 1 else "unsure"
+
+
+def _straggler(methods: dict, base: str) -> str:
+    """What makes ``base`` slow where CAD is not: the slowest rank's excess attention or the exposed
+    communication (per-document CP's all-gathers), whichever costs more of its step; then what CAD
+    itself leaves exposed."""
+    b, cad = methods[base], methods["cad-pingpong"]
+    ratio = b["attention_max_s"] / b["attention_mean_s"] if b["attention_mean_s"] > 0 else 1.0
+    excess = (b["attention_max_s"] - b["attention_mean_s"]) / b["sim_step_s"]
+    comm = b["exposed_comm_s"] / b["sim_step_s"]
+    who = LABELS[base]
+    if max(excess, comm) < 0.02:
+        text = (f"none to speak of: under {who} attention is balanced within {ratio:.2f}x the mean and "
+                f"{100 * comm:.0f}% of the step is exposed communication")
+    elif excess >= comm:
+        text = (f"core attention: under {who} the slowest rank's attention is {ratio:.2f}x the mean "
+                f"({100 * excess:.0f}% of the step)")
+    else:
+        text = (f"communication: under {who} per-document CP's K, V all-gathers leave {100 * comm:.0f}% of "
+                f"the step exposed (attention within {ratio:.2f}x the mean)")
+    exposed = cad["exposed_comm_s"] / cad["sim_step_s"]
+    if exposed >= 0.05:
+        text += f"; CAD's all-to-alls leave {100 * exposed:.0f}% of its step exposed"
+    return text
+
+
+def verdict(methods: dict) -> dict:
+    """CAD with ping-pong against the faster baseline: the saving ``1 - 1/speedup``, its band, the class
+    (``pays``, ``loses``, ``unsure``), the straggler and one line saying it."""
+    base = _best_baseline(methods)
+    cad = methods["cad-pingpong"]
+    sp, band = cad[f"speedup_over_{base}"], cad[f"speedup_over_{base}_band"]
+    save = 1 - 1 / sp
+    cls = _classify(sp, band)
+    span = f"{pct(1 - 1 / band[0])} to {pct(1 - 1 / band[1])}" if band else "no band"
+    who, strag = LABELS[base], _straggler(methods, base)
+    if cls == "pays":
+        line = f"CAD saves about {100 * save:.0f}% of the step here against {who} (band {span})"
+    elif cls == "loses":
+        line = f"CAD does not pay off here: about {100 * -save:.0f}% slower than {who} (band {span})"
+    elif abs(save) < 0.005:
+        line = f"CAD and {who} take about the same step here (band {span} for CAD's saving)"
+    elif save > 0:
+        line = f"CAD saves about {100 * save:.0f}% against {who}, but the band ({span}) includes no gain"
+    else:
+        line = (f"CAD likely does not pay off here: about {100 * -save:.0f}% slower than {who}, though the "
+                f"band ({span}) reaches a gain")
+    return {"baseline": base, "speedup": sp, "speedup_band": band, "saving": save, "class": cls,
+            "straggler": strag, "line": f"{line}; the straggler is {strag}."}
+
+
+def sweep_points(cluster: Cluster, training: Training) -> list[tuple[int, int]]:
+    """``(dp, context)`` of the sweep: DP times ``SWEEP_DP``, context times ``SWEEP_CONTEXT`` (whole
+    numbers only), the planned setting left out."""
+    dps = sorted({int(cluster.dp * f) for f in SWEEP_DP
+                  if cluster.dp * f >= 1 and float(cluster.dp * f).is_integer()})
+    ctxs = sorted({int(training.context * f) for f in SWEEP_CONTEXT
+                   if float(training.context * f).is_integer() and training.tokens_per_group * f >= 1})
+    return [(d, c) for d in dps for c in ctxs if (d, c) != (cluster.dp, training.context)]
+
+
+def sweep(model, cluster: Cluster, training: Training, docs: Documents, bands: dict,
+          progress=None) -> list[dict]:
+    """The verdict at each :func:`sweep_points` setting, one sampled step each: context scales MaxDocLen
+    and the tokens per group together."""
+    out = []
+    for dp, ctx in sweep_points(cluster, training):
+        cl = replace(cluster, gpus=dp * cluster.tp * cluster.pp)
+        tr = replace(training, context=ctx, steps=1,
+                     tokens_per_group=max(1, training.tokens_per_group * ctx // training.context))
+        sim = simulate(model, cl, tr, docs)
+        methods = _banded(sim, bands, dp * tr.micro_batches * tr.tokens_per_group)
+        v = verdict(methods)
+        out.append({"dp": dp, "gpus": cl.gpus, "context": ctx, "tokens_per_group": tr.tokens_per_group,
+                    "baseline": v["baseline"], "speedup": v["speedup"], "speedup_band": v["speedup_band"],
+                    "saving": v["saving"], "class": v["class"]})
+        if progress:
+            progress(1)
+    return out
+
+
+def work_units(cluster: Cluster, training: Training, with_sweep: bool = True) -> int:
+    """Progress units of :func:`plan`: one per planned micro-batch and one per sweep point."""
+    n = training.steps * training.micro_batches
+    return n + (len(sweep_points(cluster, training)) if with_sweep else 0)
+
+
+def plan(model, cluster: Cluster, training: Training, docs: Documents, *, with_sweep: bool = True,
+         results_dir=None, progress=None) -> dict:
+    """The what-if: inputs, per method the estimates with their bands, the verdict, the sweep and where
+    the verdict flips, the band's source, the first step's ranks; JSON-ready."""
+    model = as_model(model)
+    t0 = time.perf_counter()
+    eb = error_bands(results_dir)
+    bands = eb["bands"]
+    sim = simulate(model, cluster, training, docs, progress)
+    tokens_per_step = cluster.dp * training.micro_batches * training.tokens_per_group
+    methods = _banded(sim, bands, tokens_per_step)
+    v = verdict(methods)
+    pts = sweep(model, cluster, training, docs, bands, progress) if with_sweep else []
+    notes = []
+    if cluster.pp > 1 or training.micro_batches > 1:
+        notes.append("pipeline stages and micro-batches are composed by 1F1B, which the committed runs did "
+                     "not measure: the band covers the per-stage composition only")
+    if cluster.kernels:
+        notes.append(f"attention priced from {cluster.kernels}; the band was measured with the built-in "
+                     "H200 rates")
+    if not bands:
+        notes.append("no band: the committed replay files (results/replay/) are not in this installation")
+    mem = cluster.gpu_memory_gb * GB
+    over = [k for k in METHODS if methods[k]["activation_bytes_max"] > mem]
+    if over:
+        notes.append(f"activations exceed the GPU's {cluster.gpu_memory_gb:g} GB under "
+                     f"{', '.join(LABELS[k] for k in over)} (no recompute: an upper bound)")
+    spec = setting(model, cluster, training, docs).spec
+    lengths = None if docs.lengths is None else np.asarray(docs.lengths)
+    return {
+        "inputs": {"model": asdict(model), "cluster": {**asdict(cluster), "dp": cluster.dp,
+                                                       "dp_gbps": cluster.dp_gbps()},
+                   "training": asdict(training), "documents": _doc_summary(docs, lengths, training)},
+        "methods": methods, "verdict": v, "sweep": pts,
+        "flips": [p for p in pts if p["class"] != v["class"]],
+        "band": {"source": eb["source"] if bands else None, "files": eb["measured"] + eb["replayed"],
+                 "notes": notes},
+        "ranks": {k: r["ranks"] for k, r in sim["methods"].items()},
+        "memory": {"gpu_memory_bytes": cluster.gpu_memory_gb * GB,
+                   "activation_bytes_per_token_per_layer": spec.activation_bytes_per_token()},
+        "timing": {"plan_ms": sim["plan_ms"], "wall_s": time.perf_counter() - t0},
+    }
+
+
+def _doc_summary(docs: Documents, lengths, training: Training) -> dict:
+    out = {"source": docs.label, "dist": docs.dist}
+    if lengths is not None:
+        out.update(n_lengths=int(lengths.size), mean=float(lengths.mean()), median=float(np.median(lengths)),
+                   p99=float(np.percentile(lengths, 99)), max=int(lengths.max()),
+                   longer_than_context=int(np.count_nonzero(lengths * training.elongate > training.context)))
+        q = np.unique(np.quantile(lengths, np.linspace(0, 1, 101)))
+        out["quantiles"] = q.tolist()
+    return out
