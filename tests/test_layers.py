@@ -93,3 +93,36 @@ def test_training_runs_without_pandas(tmp_path):
                           "--tokens-per-rank", "64", "--methods", "colocated,cad-pingpong"],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
+
+
+HOST = ("cadlib.core", "cadlib.data", "cadlib.scheduling", "cadlib.dispatch", "cadlib.analysis")
+"""The layers that run without torch (with ``cadlib.whatif``, and ``cadlib.infra`` but for ``groups``)."""
+
+
+def test_the_host_layers_and_the_whatif_run_without_torch(tmp_path):
+    """A fake ``torch`` that raises on import stands first on the path: every module of the host layers,
+    the analysis, ``cadlib.infra`` (but ``groups``, which makes process groups) and the what-if import,
+    ``import cadlib`` works (its torch-backed names load when first used), and ``python -m cadlib.whatif
+    --help`` prints its usage."""
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text("raise ImportError('torch is not installed')\n")
+    files, _ = _graph()
+    mods = sorted(m for m in files if m.startswith(HOST) or m.startswith("cadlib.infra") and m != "cadlib.infra.groups")
+    mods += ["cadlib", "cadlib.whatif"]
+    code = ("import importlib, sys\n"
+            f"for m in {mods!r}:\n"
+            "    importlib.import_module(m)\n"
+            "assert 'torch' not in sys.modules or sys.modules['torch'] is None\n"
+            "import cadlib\n"
+            "try:\n"
+            "    cadlib.cad_attention\n"
+            "except ImportError as e:\n"
+            "    print('lazy:', e)\n")
+    env = {"PYTHONPATH": f"{tmp_path}:{ROOT}", "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "lazy: torch is not installed" in out.stdout
+    out = subprocess.run([sys.executable, "-m", "cadlib.whatif", "--help"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "usage:" in out.stdout and "--lengths" in out.stdout, out.stderr[-3000:]

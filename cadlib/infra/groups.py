@@ -13,9 +13,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from .progress import ENV_PG_BACKEND, launched_by_torchrun
-
-BACKENDS = ("gloo", "nccl")
+from . import backend
+from .progress import launched_by_torchrun
 
 
 class Dist(NamedTuple):
@@ -32,17 +31,9 @@ class Dist(NamedTuple):
 
 
 def resolve_pg_backend(pg_backend: str | None = None) -> str:
-    """``pg_backend``, else ``$CADLIB_PG_BACKEND``, else ``nccl`` when CUDA is available, else ``gloo``."""
-    name = pg_backend or os.environ.get(ENV_PG_BACKEND) or "auto"
-    if name == "auto":
-        name = "nccl" if torch.cuda.is_available() else "gloo"
-    if name not in BACKENDS:
-        raise ValueError(f"unknown process-group backend {name!r}; choose one of: auto, "
-                         f"{', '.join(BACKENDS)}")
-    if name == "nccl" and not torch.cuda.is_available():
-        raise ValueError("process-group backend 'nccl' needs CUDA, but torch.cuda.is_available() is False; "
-                         "use 'gloo' or 'auto'")
-    return name
+    """``pg_backend``, else ``$CADLIB_PG_BACKEND``, else ``nccl`` when CUDA is available, else ``gloo``
+    (:func:`cadlib.infra.backend.resolve_pg_backend` with this process's CUDA)."""
+    return backend.resolve_pg_backend(pg_backend, torch.cuda.is_available())
 
 
 def init_from_env(pg_backend: str | None = None) -> Dist:

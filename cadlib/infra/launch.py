@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from . import proctree
-from .groups import resolve_pg_backend
+from .backend import PG_BACKENDS, resolve_pg_backend
 from .progress import ENV_PG_BACKEND, ENV_RESULTS_DIR, parse_progress, read_results
 
 TAIL_LINES = 40
@@ -295,6 +295,18 @@ def results_frame(run_dir: Path, nproc: int):
     return df
 
 
+def _cuda_available() -> bool:
+    """Whether torch sees CUDA here. torch is loaded when a run starts, not when this module is imported:
+    a machine without torch can import cadlib (the what-if, the analysis) and is told here that launching
+    needs it."""
+    try:
+        torch = importlib.import_module("torch")
+    except ImportError as e:
+        raise RuntimeError("run_torchrun starts torch.distributed.run: install torch first "
+                           "(`make venv` does)") from e
+    return torch.cuda.is_available()
+
+
 def run_torchrun(module_or_script: str | os.PathLike, nproc: int, args: Sequence[str] | str = (),
                  timeout: float = 600, pg_backend: str = "auto",
                  env: Mapping[str, str | None] | None = None, log_dir: str | os.PathLike | None = None,
@@ -326,12 +338,12 @@ def run_torchrun(module_or_script: str | os.PathLike, nproc: int, args: Sequence
                          "without it the run stays on this machine")
     if rdzv_endpoint is not None and not re.fullmatch(r"[\w.\-\[\]:]+:\d+", str(rdzv_endpoint)):
         raise ValueError(f"rdzv_endpoint must be 'host:port', got {rdzv_endpoint!r}")
-    if pg_backend not in ("auto", "gloo", "nccl"):
+    if pg_backend != "auto" and pg_backend not in PG_BACKENDS:
         raise ValueError(f"unknown process-group backend pg_backend={pg_backend!r}; choose one of: auto, "
-                         "gloo, nccl")
+                         f"{', '.join(PG_BACKENDS)}")
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
-    resolved = resolve_pg_backend(pg_backend)
+    resolved = resolve_pg_backend(pg_backend, _cuda_available())
     target = _target_argv(module_or_script)
     argv = shlex.split(args) if isinstance(args, str) else [str(a) for a in args]
     base = Path(log_dir).expanduser() if log_dir is not None else Path(tempfile.gettempdir())
