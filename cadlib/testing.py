@@ -88,7 +88,7 @@ def random_inputs(total: int, heads, seed: int, dtype=torch.float32, device="cpu
 
 def rank_inputs(full, rows) -> tuple[torch.Tensor, ...]:
     """One rank's ``q, k, v, dout`` from :func:`random_inputs`: ``rows`` (its tokens' global rows,
-    :func:`global_rows`) of each, with ``q, k, v`` leaves that require grad."""
+    :func:`cadlib.core.layout.global_rows`) of each, with ``q, k, v`` leaves that require grad."""
     rows = torch.as_tensor(rows, device=full[0].device)
     q, k, v, dout = (t.index_select(0, rows) for t in full)
     return (*(t.requires_grad_(True) for t in (q, k, v)), dout)

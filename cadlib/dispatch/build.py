@@ -3,7 +3,7 @@
 Every rank holds the same global :class:`~cadlib.core.plan.Plan`. :func:`build_dispatch` turns it, for
 one rank, into host metadata (numpy) that the forward and backward all-to-alls and the attention
 server need, in O(chunks + tasks): split sizes, and every per-token index map below as runs of
-consecutive rows (:mod:`cadlib.core.ranges`), never one entry per token. :meth:`Dispatch.to` copies the
+consecutive rows (:mod:`cadlib.core.ranges`), never one entry per token. :func:`cadlib.runtime.device.to_device` copies the
 runs to the device once, where each map is expanded on first use; reading a map on the host
 (``dispatch.kv_rows``) expands it there. Nothing here touches a device tensor's values, so building
 and moving it never synchronises the device.

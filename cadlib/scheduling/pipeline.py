@@ -41,7 +41,7 @@ def stack_nanos(parts: list[NanoBatch | None], n_ranks_each: int) -> NanoBatch:
 
 
 def micro_nanos(micro_layouts: list[Layout], args) -> list[tuple[NanoBatch, NanoBatch]]:
-    """Each microbatch's two nano-batches (``cad-pingpong``'s split of :func:`recipes.nano_plans`)."""
+    """Each microbatch's two nano-batches (``cad-pingpong``'s split of :func:`cadlib.scheduling.recipes.nano_plans`)."""
     return [split_nano_batches(lay, args.nano_balance, split_docs=args.nano_split == "docs",
                                min_piece=args.min_shard) for lay in micro_layouts]
 

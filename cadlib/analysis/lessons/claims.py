@@ -88,7 +88,7 @@ def scheduling(
 ) -> pd.DataFrame:
     """2.1: the communication cut of raising ε from 0 to 0.15 on ``layout`` (bytes out and back per
     layer, the simulated step beside it) and the scheduler's bytes against the two baselines of ``vs``
-    (:func:`cadlib.analysis.lessons.toys.planner_comparison`), judged on the bytes out (Q, K, V: what both
+    (:func:`cadlib.analysis.lessons.cad.planner_comparison`), judged on the bytes out (Q, K, V: what both
     schedulers price), with out and back said beside."""
     plans = {
         eps: scheduler.schedule(layout, model=model, tolerance=eps, min_shard=min_shard)

@@ -25,8 +25,8 @@ How the ranks wait for each other:
   collective beside the other's linear layers or attention).
 
 Variable-length chunking (WLB-LLM, the baseline the paper's idle-time figure is about) is
-:func:`varlen_chunking`: whole documents balanced by estimated time under a token cap per rank;
-:func:`straggler_idle` sweeps its idle time against fixed-length packing. :func:`pp_timeline` turns
+:func:`cadlib.analysis.model.idle.varlen_chunking`: whole documents balanced by estimated time under a token cap per rank;
+:func:`cadlib.analysis.model.idle.straggler_idle` sweeps its idle time against fixed-length packing. :func:`cadlib.analysis.model.idle.pp_timeline` turns
 a 1F1B schedule into a table for a Gantt chart.
 
 ``busy_g`` is what GPU ``g`` would need if it never waited for another GPU (its compute plus its own

@@ -169,7 +169,7 @@ def summary_line(s: Setting, res: dict) -> str:
 def kernel_model_check(settings_, times: dict, cost, backend: str, rates: dict, batches: int = 2) -> dict:
     """How well the kernel table predicts the calls the replay timed, over the timed calls of the first
     ``batches`` batches of each setting: measured / predicted (forward + backward), time-weighted (the
-    ``scale`` :func:`model_attention_times` applies), its median, 10th and 90th percentiles, the calls."""
+    ``scale`` :func:`cadlib.analysis.replay.times.model_attention_times` applies), its median, 10th and 90th percentiles, the calls."""
     meas, pred = [], []
     for s in settings_:
         for b in range(min(batches, s.batches)):

@@ -80,7 +80,7 @@ def write_report(dest: str | os.PathLike, rows: list[dict], meta: dict, profile:
 
     ``rows``: one dict per notebook with ``notebook``, ``status``, ``seconds``, ``parameters``,
     ``error``, ``executed`` (path of the executed notebook or None) and ``links`` (``{label: href}``).
-    ``metrics``: rows from :func:`load_metrics`. ``notes``: lines shown under the header. ``claims``: the
+    ``metrics``: rows from :func:`cadlib.analysis.report.metrics.load_metrics`. ``notes``: lines shown under the header. ``claims``: the
     claims table (rows of :func:`cadlib.analysis.report.claims.claims_table`): with it the report opens with
     the headline block and the table. ``evidence``: sections of :func:`cadlib.analysis.report.evidence.sections`."""
     import nbformat
