@@ -28,14 +28,15 @@ m)`` under 1F1B, the largest count in flight of :func:`cadlib.core.pipeline.lock
 **Moments** (each adds the grads made so far: the head's and one layer's, all with a persistent
 buffer; ``x`` the nano-batch whose backward runs, ``n_x`` its tokens)::
 
-    mlp   last layer's MLP backward: A + N s b (dY of every nano-batch, N their tokens) + n_x ({mlp: s b + 4 + 5 f b | none: 2 f b |
-          full: linear_none + attn + 2 f b}) + the SwiGLU's fp32 row blocks (ours: 6 blocks of
-          min(n_x, 2^27 / f) f 4 bytes); Megatron/TE: + n_x h b (the re-gathered input, SP) and 6 f b
+    mlp   last layer's MLP backward: A + N s b (dY of every nano-batch, N their tokens) + n_x ({mlp:
+          s b + 4 + 5 f b | none: 2 f b | full: linear_none + attn + 2 f b}) + the SwiGLU's fp32 row
+          blocks (ours: 6 blocks of min(n_x, 2^27 / f) f 4 bytes); Megatron/TE: n_x (h b + 6 f b)
+          (the input re-gathered under SP; fc1's output, its activation and their gradients)
     head  LM-head backward (last stage, one head per nano-batch, x's last): A + N (s b + 4) (final norms)
           + (N - n_x) h b (dH of the heads done) + (H - 1) V h b (their dW) + n_x (2 h b + 4) (input, lse,
           dH) + ours, chunked (c = min(chunk, n_x)): V h 4 (fp32 dW) + max(c V (4 + 2 b) [p, g, the
-          previous chunk's g], c V b + V h 4 [g, the dW product]); Megatron: n_x (h b + V/t (b + 4)) (bf16 logits,
-          their fp32 copy turned into the softmax, then into its gradient in place)
+          previous chunk's g], c V b + V h 4 [g, the dW product]); Megatron: n_x (h b + V/t (b + 4))
+          (bf16 logits, their fp32 copy turned into the softmax, then into its gradient in place)
     attn  last layer's attention backward: A + n q b (dO) + call rows: q (b + 4) + 8 Hq/t per query,
           2 kv (b + 4) per KV row (dQ, dK, dV, fp32 accumulators) + re-gathered (ours, per-document CP) or
           re-sent (stateless servers) KV rows 2 kv (b + 4) + re-sent query rows 3 q b + 4 Hq/t (Q, O, dO, LSE)
@@ -344,31 +345,33 @@ def max_tokens(spec, method: str = "wlb", *, capacity: float = CAPACITY, step: i
 
 
 def configs(spec, gpus: int, tokens: int, *, methods=METHODS, tps=(8,), recomputes=("mlp", "full"),
-            max_micro: int = 64, min_micro_tokens: int = 1, capacity: float = CAPACITY,
+            max_micro: int = 64, max_doc_len: int = 1, capacity: float = CAPACITY,
             profile=MEGATRON) -> list[dict]:
     """Every 4D configuration of ``gpus`` GPUs for a step of ``tokens`` tokens, for each method:
     ``tp`` in ``tps``, ``pp`` dividing the layers, ``cp`` (WLB only), ``dp``, ``n_micro`` up to
-    ``max_micro`` micro-batches per DP replica, ``recompute`` in ``recomputes``, with the micro-batch's
-    tokens per TP group (``tokens / (dp cp n_micro)``, at least ``min_micro_tokens``, e.g. the longest
-    document over ``cp``), the peak over the stages and whether it ``fits`` in ``capacity``."""
+    ``max_micro`` micro-batches per DP replica, ``recompute`` in ``recomputes`` (DistCA's ping-pong has
+    no full recompute); the micro-batch's tokens per TP group (``tokens / (dp cp n_micro)``; a
+    micro-batch holds whole documents: WLB's CP group, ``cp n``, or CAD's DP ranks, ``dp n``, at least
+    ``max_doc_len`` tokens), the peak over the stages and whether it ``fits`` in ``capacity``."""
     spec, gpus, tokens = as_model(spec), _check("gpus", gpus), _check("tokens", tokens)
-    out = []
+    pr, out = _profile(profile), []
     for method in methods:
         for tp in tps:
-            for pp in (p for p in range(1, gpus // tp + 1) if spec.n_layers % p == 0 and gpus % (tp * p) == 0):
+            pps = [p for p in range(1, gpus // tp + 1) if spec.n_layers % p == 0 and gpus % (tp * p) == 0]
+            for pp in pps:
                 rest = gpus // (tp * pp)
                 for cp in ((c for c in range(1, rest + 1) if rest % c == 0) if method == "wlb" else (1,)):
                     dp = rest // cp
                     for m in range(1, max_micro + 1):
                         n, r = divmod(tokens, dp * cp * m)
-                        if r or n < max(1, min_micro_tokens):
+                        if r or n < 1 or n * (cp if method == "wlb" else dp) < max_doc_len:
                             continue
                         for rc in recomputes:
-                            if method == "cad" and rc == "full" and not _profile(profile).stateful_servers:
-                                continue              # DistCA's ping-pong has no full recompute
-                            kw = dict(tp=tp, pp=pp, cp=cp, dp=dp, n_micro=m, recompute=rc, profile=profile)
-                            peak = max(fits(spec, method, n, capacity=capacity, stage=s, **kw)["peak"]
-                                       for s in range(pp))
-                            out.append({"method": method, **kw, "profile": _profile(profile).name,
-                                        "tokens": n, "peak": peak, "fits": peak <= capacity})
+                            if method == "cad" and rc == "full" and not pr.stateful_servers:
+                                continue
+                            kw = dict(tp=tp, pp=pp, cp=cp, dp=dp, n_micro=m, recompute=rc)
+                            peak = max(fits(spec, method, n, capacity=capacity, stage=s, profile=pr,
+                                            **kw)["peak"] for s in range(pp))
+                            out.append({"method": method, **kw, "profile": pr.name, "tokens": n, "peak": peak,
+                                        "fits": peak <= capacity})
     return out
