@@ -74,6 +74,14 @@ DISTCA_TABLE4_8B = ((131072, (32, 64, 128), (64, 128, 256)),
                     (262144, (16, 32, 32), (64, 128, 256)),
                     (524288, (8, 8, 16), (64, 128, 256)))
 """Table 4, 4D (with PP) training configurations of Llama-8B, as Table 3."""
+DISTCA_TABLE3_34B = ((131072, (4, 8, 16), (64, 128, 256)),
+                     (262144, (2, 4, 8), (64, 128, 256)),
+                     (524288, (2, 4, 8), (64, 128, 256)))
+"""Table 3's Llama-34B rows, as ``DISTCA_TABLE3_8B``."""
+DISTCA_TABLE4_34B = ((131072, (32, 64, 128), (128, 256, 512)),
+                     (262144, (16, 32, 32), (128, 256, 512)),
+                     (393216, (8, 8, 16), (128, 256, 512)))
+"""Table 4's Llama-34B rows, as ``DISTCA_TABLE4_8B`` (its longest MaxDocLen is 384K)."""
 DISTCA_FIG3_ALLGATHER = {2: 2.7, 4: 6.0, 8: 13.5, 16: 26.5, 32: 39.7}
 """Figure 3a, per-document CP all-gather latency share of the step (%) by number of nodes, Llama-8B,
 every document 32K tokens: read off the chart (the text: "from merely 3% on 2 nodes to nearly 40% on
