@@ -352,7 +352,8 @@ def configs(spec, gpus: int, tokens: int, *, methods=METHODS, tps=(8,), recomput
     ``max_micro`` micro-batches per DP replica, ``recompute`` in ``recomputes`` (DistCA's ping-pong has
     no full recompute); the micro-batch's tokens per TP group (``tokens / (dp cp n_micro)``; a
     micro-batch holds whole documents: WLB's CP group, ``cp n``, or CAD's DP ranks, ``dp n``, at least
-    ``max_doc_len`` tokens), the peak over the stages and whether it ``fits`` in ``capacity``."""
+    ``max_doc_len`` tokens), the peak over the stages, whether it ``fits`` in ``capacity`` and what
+    sets that peak (``moment``, ``activations``, ``working_set`` of the stage with the highest)."""
     spec, gpus, tokens = as_model(spec), _check("gpus", gpus), _check("tokens", tokens)
     pr, out = _profile(profile), []
     for method in methods:
@@ -370,8 +371,9 @@ def configs(spec, gpus: int, tokens: int, *, methods=METHODS, tps=(8,), recomput
                             if method == "cad" and rc == "full" and not pr.stateful_servers:
                                 continue
                             kw = dict(tp=tp, pp=pp, cp=cp, dp=dp, n_micro=m, recompute=rc)
-                            peak = max(fits(spec, method, n, capacity=capacity, stage=s, profile=pr,
-                                            **kw)["peak"] for s in range(pp))
-                            out.append({"method": method, **kw, "profile": pr.name, "tokens": n, "peak": peak,
-                                        "fits": peak <= capacity})
+                            top = max((fits(spec, method, n, capacity=capacity, stage=s, profile=pr, **kw)
+                                       for s in range(pp)), key=lambda e: e["peak"])
+                            out.append({"method": method, **kw, "profile": pr.name, "tokens": n,
+                                        "peak": top["peak"], "fits": top["fits"], "moment": top["moment"],
+                                        "activations": top["activations"], "working_set": top["working_set"]})
     return out
