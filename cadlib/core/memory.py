@@ -40,14 +40,20 @@ buffer; ``x`` the nano-batch whose backward runs, ``n_x`` its tokens)::
     attn  last layer's attention backward: A + n q b (dO) + call rows: q (b + 4) + 8 Hq/t per query,
           2 kv (b + 4) per KV row (dQ, dK, dV, fp32 accumulators) + re-gathered (ours, per-document CP) or
           re-sent (stateless servers) KV rows 2 kv (b + 4) + re-sent query rows 3 q b + 4 Hq/t (Q, O, dO, LSE)
-    opt   optimizer step: state + all grads + temporaries (foreach sqrt: P 2 bytes; sharded: P 4 / (DP CP))
+    opt   all-reduce and optimizer step: state + all grads + temporaries (ours: P 2, the all-reduce's flat
+          bf16 bucket or the foreach step's sqrt of the second moment; sharded: P 4 / (DP CP))
 
-How it was checked: ``results/memory_model_check.json`` (``scripts/analyses/memory_check.py``) against
-every committed measured peak (``torch.cuda.max_memory_allocated``, i.e. allocated bytes: no
-fragmentation factor is fitted; the allocator's reserve is not counted, as the runs did not count it).
+Not modelled: the forward's working sets (CAD's send and receive buffers, the all-gather of
+per-document CP), at most ``n (2 q + 2 kv) b`` beside less than all the activations, below the MLP
+backward's ``n (2 s b + 5 f b)`` in every measured run; NCCL's own buffers (outside the caching
+allocator's count). How it was checked: ``results/memory_model_check.json``
+(``scripts/analyses/memory_check.py``) against every committed measured peak
+(``torch.cuda.max_memory_allocated``, i.e. allocated bytes: no fragmentation factor is fitted; the
+allocator's reserve is not counted, as the runs did not count it).
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Sequence
@@ -134,9 +140,11 @@ class Rows:
     def __post_init__(self):
         for f in ("tokens", "q", "kv", "out", "home_o", "call_q", "call_kv", "regather", "resend_q"):
             v = getattr(self, f)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or int(v) != v
-                                  or v < 0):
+            if v is None:
+                continue
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or int(v) != v or v < 0:
                 raise ValueError(f"Rows.{f} must be an integer >= 0 (or None for its default); got {v!r}")
+            object.__setattr__(self, f, int(v))
         for f, default in (("q", "tokens"), ("kv", "tokens"), ("out", "tokens"), ("call_q", "out"),
                            ("call_kv", "kv")):
             if getattr(self, f) is None:
