@@ -124,7 +124,8 @@ def check_protocol(mech_name, mask, world, rank, group, device, dtype, seed, hea
     res = _run(lambda q, k, v: mech.apply_attn(q, k, v)[0], full, rows, doc_lens, causal, group, device)
     back = mech.undispatch(mech.dispatch(full[0]))
     res["undispatch_ok"] = bool(torch.equal(back, full[0]))
-    return {**base, **res, "tokens_per_rank": mech.tokens_per_rank().tolist()}
+    shape = {k: int(getattr(mech, a)) for k, a in (("ulysses_size", "u"), ("window", "window")) if hasattr(mech, a)}
+    return {**base, **res, **shape, "tokens_per_rank": mech.tokens_per_rank().tolist()}
 
 
 def parse_args(argv=None):
