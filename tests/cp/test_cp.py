@@ -182,7 +182,10 @@ def launch(world, args):
     assert len(df) == world
     cases = df.attrs["results"][0]["cases"]
     for c in (c for c in cases if "skipped" not in c):
-        assert max(c["rel_err"].values()) <= FP32_RTOL and not c["nan"], c
+        if c["suite"] == "volume":
+            assert c["max_diff"] == 0, c
+        else:
+            assert max(c["rel_err"].values()) <= FP32_RTOL and not c["nan"], c
     assert df["passed"].all()
     return cases
 
@@ -190,8 +193,9 @@ def launch(world, args):
 @pytest.mark.multiproc
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_cp_mechanisms_match_reference(world):
-    """One launch per world size: random layouts for layout_attention, then every mechanism x mask."""
-    cases = launch(world, ["--suite", "layout,protocol", "--seeds", "4"])
+    """One launch per world size: random layouts for layout_attention, then every mechanism x mask, then
+    the bytes every mechanism sends per rank against its closed form (cadlib.cp.volume)."""
+    cases = launch(world, ["--suite", "layout,protocol,volume", "--seeds", "4"])
     layout = [c for c in cases if c["suite"] == "layout"]
     assert len(layout) == 4 and all(c["shared_docs"] >= 1 for c in layout)
     proto = [c for c in cases if c["suite"] == "protocol"]
@@ -201,6 +205,11 @@ def test_cp_mechanisms_match_reference(world):
     assert all(c["undispatch_ok"] for c in proto if "skipped" not in c)
     assert any(0 in c["tokens_per_rank"] for c in proto if "skipped" not in c) or world == 2
     assert any(c["min_doc"] < world for c in proto)
+    vol = [c for c in cases if c["suite"] == "volume" and "skipped" not in c]
+    assert {(c["mechanism"], c["mask"]) for c in vol} == want - {("cad", "full"), ("cad", "full_document")}
+    for c in vol:                      # counted == per-rank closed form (and the equal-shard one) on every rank
+        assert c["max_diff"] == 0 and (c["max_sent"] > 0 or c["mask"].endswith("document") or c["mechanism"] == "cad")
+        assert (c["equal_shard"] is not None) == (c["mask"] in ("full", "causal") and c["mechanism"] != "cad")
     loong = next(c for c in proto if c["mechanism"] == "loongtrain")
     if world >= 4:                     # inner and outer rings both carry blocks (world 8: Ulysses too)
         positions = world // loong["ulysses_size"]
