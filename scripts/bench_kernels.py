@@ -50,6 +50,7 @@ import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from cadlib.core.paper import LONGCA_DRAWS  # noqa: E402
 from cadlib.data.masks import ALL_TYPES, FULL, Mask, make_mask  # noqa: E402
 from cadlib.infra.results import atomic_write_json, save_result  # noqa: E402
 from cadlib.runtime import kernels  # noqa: E402
@@ -66,8 +67,7 @@ SYMBOL = {"X": "unsupported", "E": "out of memory", "!": "failed", "-": "skipped
 DRAWN_MASKS = ("full_document", "causal_document", "share_question", "causal_blockwise", "prefix_lm_document",
                "block_causal_document", "full_document_long", "causal_document_long")
 """The masks whose documents are drawn from a distribution (LongCA-bench's document-type masks)."""
-BENCH_DRAWS = 30
-"""Draws per document-type mask in LongCA-bench, reported as median and 20/80% quantiles."""
+BENCH_DRAWS = LONGCA_DRAWS
 DEFAULT_HEADS = "64:8"
 
 

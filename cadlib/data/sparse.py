@@ -35,19 +35,20 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..core.cost import ATTN_BWD_MULT
+from ..core.paper import LONGCA_SPARSITIES, LONGCA_UNIFORM_BLOCKS, LONGCA_VARIABLE_MIN_BLOCK
 from .masks import FULL, Mask
 
 UNIFORM, VARIABLE = "uniform_block_sparse", "variable_block_sparse"
 SPARSE_TYPES = (UNIFORM, VARIABLE)
 DEFAULT_SEED = 42
 """The benchmark's ``seed_everything(42)``."""
-SPARSITIES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
-"""The sparsity ratios (kept fraction) of the study, 0.1-0.9."""
-UNIFORM_BLOCKS = (64, 128)
+SPARSITIES = tuple(round(float(s), 1) for s in np.arange(LONGCA_SPARSITIES[0], LONGCA_SPARSITIES[1] + 0.05, 0.1))
+"""The sparsity ratios (kept fraction) of the study, 0.1-0.9 in steps of 0.1."""
+UNIFORM_BLOCKS = LONGCA_UNIFORM_BLOCKS
 """Block sizes of the uniform masks."""
 VARIABLE_AVG_BLOCKS = (128, 256, 512, 1024)
 """Average block sizes of the variable masks."""
-MIN_VARIABLE_BLOCK = 128
+MIN_VARIABLE_BLOCK = LONGCA_VARIABLE_MIN_BLOCK
 """Smallest block of a variable mask (the benchmark's ``min_q_block_size = min_kv_block_size``)."""
 
 
