@@ -23,6 +23,13 @@ Timing (GPU): per cell one untimed call (compilation, autotuning; fewer repetiti
 checked against a float32 dense reference (``max_err``). Results are saved after every cell, so an
 interrupted run keeps what it measured; ``--merge`` adds to an existing file (replacing equal cells).
 
+Heads: ``--heads 64:8,64:64`` measures GQA and MHA (LongCA-bench's two settings); every record carries
+its ``heads``. Draws: with ``--draws N`` every mask whose documents are drawn (``DRAWN_MASKS``) is timed on
+``N`` independent draws (seeds ``seed .. seed + N - 1``; the benchmark takes 30), each with one untimed
+call and ``--draw-reps`` timed ones; the record gives the median over the draws of each draw's median
+and the 20/80% quantiles across draws (``median_ms``, ``q20_ms``, ``q80_ms``; TF/s per draw from its own
+area: ``tflops``, ``tflops_q20``, ``tflops_q80``), and the draws themselves (``per_draw``).
+
     python scripts/bench_kernels.py --backends fa4,torch_flash --out results/bench_kernels.json --merge
     python scripts/bench_kernels.py --smoke        # CPU, tiny, seconds
 """
@@ -43,6 +50,7 @@ import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from cadlib.core.paper import LONGCA_DRAWS  # noqa: E402
 from cadlib.data.masks import ALL_TYPES, FULL, Mask, make_mask  # noqa: E402
 from cadlib.infra.results import atomic_write_json, save_result  # noqa: E402
 from cadlib.runtime import kernels  # noqa: E402
@@ -56,6 +64,11 @@ SMOKE_BACKENDS = ("sdpa_math", "flex_eager", "sdpa_ref")
 SEQLENS = (1024, 2048, 4096, 8192, 16384, 24576, 32768, 40960, 49152)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SYMBOL = {"X": "unsupported", "E": "out of memory", "!": "failed", "-": "skipped"}
+DRAWN_MASKS = ("full_document", "causal_document", "share_question", "causal_blockwise", "prefix_lm_document",
+               "block_causal_document", "full_document_long", "causal_document_long")
+"""The masks whose documents are drawn from a distribution (LongCA-bench's document-type masks)."""
+BENCH_DRAWS = LONGCA_DRAWS
+DEFAULT_HEADS = "64:8"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -287,7 +300,7 @@ def run_cell(backend, mask, heads, dim, dtype, device, timer, args, check: bool)
     """fwd and bwd records of one (backend, mask, seqlen)."""
     T = mask.total
     base = {"backend": backend, "mask": mask.name, "seqlen": T, "area": mask.area(),
-            "sparsity": mask.sparsity()}
+            "sparsity": mask.sparsity(), "heads": heads_str(heads)}
     gen = torch.Generator(device=device).manual_seed(args.seed)
     recs = []
     if device.type == "cuda":
@@ -343,6 +356,57 @@ def run_cell(backend, mask, heads, dim, dtype, device, timer, args, check: bool)
     return recs
 
 
+def heads_str(heads) -> str:
+    return f"{heads[0]}:{heads[1]}"
+
+
+def parse_heads(text: str) -> list[tuple[int, int]]:
+    """``"64:8,64:64"`` (pairs) or the older ``"64,8"`` (one pair) -> ``[(64, 8), (64, 64)]``."""
+    if ":" not in text:
+        return [tuple(int(x) for x in text.split(","))]
+    return [tuple(int(x) for x in pair.split(":")) for pair in text.split(",")]
+
+
+def run_draws(backend, name, T, heads, dtype, device, timer, args, check: bool) -> list[dict]:
+    """fwd and bwd records of ``args.draws`` draws of mask ``name`` (module docstring): each draw's
+    median, then the median and 20/80% quantiles across draws."""
+    sub = argparse.Namespace(**{**vars(args), "warmup": 0, "reps": args.draw_reps})
+    per = []
+    for i in range(args.draws):
+        mask = make_mask(name, T, args.seed + i, window=args.window, block=args.block)
+        per.append(run_cell(backend, mask, heads, args.head_dim, dtype, device, timer, sub, check and i == 0))
+        if any(r["status"] != "ok" for r in per[-1]):
+            return [{**r, "draws": i + 1, "error": f"draw {i} (seed {args.seed + i}): " + r.get("error", "")}
+                    for r in per[-1]]
+    out = []
+    for j in range(2):
+        recs = [p[j] for p in per]
+        ms = np.array([r["median_ms"] for r in recs])
+        tf = np.array([r["tflops"] for r in recs])
+        out.append({**recs[0], "draws": args.draws, "reps": args.draw_reps, "median_ms": float(np.median(ms)),
+                    "q20_ms": float(np.quantile(ms, 0.2)), "q80_ms": float(np.quantile(ms, 0.8)),
+                    "tflops": float(np.median(tf)), "tflops_q20": float(np.quantile(tf, 0.2)),
+                    "tflops_q80": float(np.quantile(tf, 0.8)),
+                    "area": int(np.median([r["area"] for r in recs])),
+                    "sparsity": float(np.median([r["sparsity"] for r in recs])),
+                    "flops": float(np.median([r["flops"] for r in recs])),
+                    "peak_mem_gb": max((r["peak_mem_gb"] for r in recs if r.get("peak_mem_gb") is not None),
+                                       default=None),
+                    "per_draw": [{"seed": args.seed + i, "median_ms": r["median_ms"], "tflops": r["tflops"],
+                                  "area": r["area"]} for i, r in enumerate(recs)]})
+    return out
+
+
+def _key(r: dict) -> tuple:
+    return (r["backend"], r["mask"], r["seqlen"], r.get("heads", DEFAULT_HEADS))
+
+
+def _with_heads(rows: list[dict], config: dict | None) -> list[dict]:
+    """Rows of files written before records carried their heads get the file's ``--heads``."""
+    default = heads_str(parse_heads((config or {}).get("heads") or DEFAULT_HEADS.replace(":", ","))[0])
+    return [r if "heads" in r else {**r, "heads": default} for r in rows]
+
+
 # ---------------------------------------------------------------------------------------------------
 # Driver
 # ---------------------------------------------------------------------------------------------------
@@ -353,13 +417,15 @@ def _brief(r: dict) -> str:
     return f"{r['status']} {r.get('error', '')[:80]}"
 
 
-def table(rows: list[dict], seqlen: int, direction: str) -> str:
-    """Mask x backend: TF/s at ``seqlen`` or the status symbol."""
+def table(rows: list[dict], seqlen: int, direction: str, heads: str = DEFAULT_HEADS) -> str:
+    """Mask x backend: TF/s at ``seqlen`` and ``heads`` or the status symbol."""
     cells = {(r["mask"], r["backend"]): (f"{r['tflops']:.3g}" if r["status"] == "ok" else r["status"])
-             for r in rows if r["seqlen"] == seqlen and r["direction"] == direction}
+             for r in rows if r["seqlen"] == seqlen and r["direction"] == direction
+             and r.get("heads", DEFAULT_HEADS) == heads}
     masks = [m for m in ALL_TYPES if any(k[0] == m for k in cells)]
     backs = [b for b in BACKENDS if any(k[1] == b for k in cells)]
-    lines = [f"{direction} TF/s at {seqlen} tokens", "mask".ljust(24) + "".join(b.rjust(15) for b in backs)]
+    lines = [f"{direction} TF/s at {seqlen} tokens, heads {heads}",
+             "mask".ljust(24) + "".join(b.rjust(15) for b in backs)]
     for m in masks:
         lines.append(m.ljust(24) + "".join(cells.get((m, b), "").rjust(15) for b in backs))
     return "\n".join(lines)
@@ -370,7 +436,10 @@ def parse_args(argv=None):
     p.add_argument("--backends", default=None, help=f"comma-separated, from: {', '.join(BACKENDS)}")
     p.add_argument("--masks", default=",".join(ALL_TYPES))
     p.add_argument("--seqlens", default=",".join(str(s) for s in SEQLENS))
-    p.add_argument("--heads", default="64,8", help="query heads,KV heads")
+    p.add_argument("--heads", default=DEFAULT_HEADS, help="Hq:Hkv pairs, e.g. 64:8,64:64 (or the older 64,8)")
+    p.add_argument("--draws", type=int, default=1,
+                   help=f"draws of each document-type mask (LongCA-bench: {BENCH_DRAWS}); median, 20/80%%")
+    p.add_argument("--draw-reps", type=int, default=3, help="timed calls per draw (after one untimed)")
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", default="bf16", choices=tuple(DTYPES))
     p.add_argument("--warmup", type=int, default=2)
@@ -392,7 +461,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.smoke:
         args.seqlens = "256"
-        args.heads, args.head_dim, args.dtype = "4,2", 16, "fp32"
+        args.heads, args.head_dim, args.dtype = ("4:2" if args.heads == DEFAULT_HEADS else args.heads), 16, "fp32"
         args.warmup, args.reps, args.window, args.block = 1, 3, 32, 64
         args.backends = args.backends or ",".join(SMOKE_BACKENDS)
         if args.out == "results/bench_kernels.json":
@@ -403,6 +472,14 @@ def parse_args(argv=None):
     for m in args.masks.split(","):
         if m not in ALL_TYPES:
             p.error(f"unknown mask {m!r}; choose from: {', '.join(ALL_TYPES)}")
+    try:
+        hs = parse_heads(args.heads)
+    except ValueError:
+        hs = []
+    if not hs or any(len(h) != 2 or h[0] % h[1] for h in hs):
+        p.error(f"--heads must be Hq:Hkv pairs with Hq a multiple of Hkv (e.g. 64:8,64:64), got {args.heads!r}")
+    if args.draws < 1:
+        p.error(f"--draws must be >= 1, got {args.draws}")
     return args
 
 
@@ -427,8 +504,8 @@ def combine(paths: list[str], out: Path) -> list[dict]:
         res = json.loads(Path(path).read_text())
         metas.append(res.get("meta"))
         configs.append(res.get("config"))
-        for r in res.get("results", []):
-            key = (r["backend"], r["mask"], r["seqlen"], r["direction"])
+        for r in _with_heads(res.get("results", []), res.get("config")):
+            key = (*_key(r), r["direction"])
             if r.get("status") == "-":
                 static = statically_unsupported(r["backend"], _mask_of(r, masks))
                 if static is not None:
@@ -454,13 +531,14 @@ def main(argv=None) -> int:
     if args.combine:
         rows = combine(args.combine, Path(args.out))
         for direction in ("fwd", "bwd"):
-            print(table(rows, max(r["seqlen"] for r in rows), direction))
+            for h in sorted({r["heads"] for r in rows}):
+                print(table(rows, max(r["seqlen"] for r in rows), direction, h))
         print(f"wrote {args.out} ({len(rows)} records from {len(args.combine)} files)")
         return 0
     device = torch.device("cuda") if torch.cuda.is_available() and not args.smoke else torch.device("cpu")
     default = GPU_DEFAULT if device.type == "cuda" else SMOKE_BACKENDS
     backends = (args.backends or ",".join(default)).split(",")
-    heads = tuple(int(x) for x in args.heads.split(","))
+    heads_list = parse_heads(args.heads)
     seqlens = [int(s) for s in args.seqlens.split(",")]
     dtype = DTYPES[args.dtype]
     if device.type == "cpu" and dtype != torch.float32:
@@ -469,44 +547,49 @@ def main(argv=None) -> int:
     out = Path(args.out)
     rows: list[dict] = []
     if args.merge and out.exists():
-        rows = json.loads(out.read_text()).get("results", [])
+        old = json.loads(out.read_text())
+        rows = _with_heads(old.get("results", []), old.get("config"))
     config = {**vars(args), "device": str(device), "backends_run": backends}
     timer = Timer(device)
     t_start = _T0
-    for backend in backends:
-        why = available(backend, device)
-        for name in args.masks.split(","):
-            too_slow = None
-            for i, T in enumerate(seqlens):
-                key = (backend, name, T)
-                mask = make_mask(name, T, args.seed, window=args.window, block=args.block)
-                base = {"backend": backend, "mask": name, "seqlen": T, "area": mask.area(),
-                        "sparsity": mask.sparsity()}
-                over = args.time_budget_s is not None and time.monotonic() - t_start > args.time_budget_s
-                static = None if why is not None else statically_unsupported(backend, mask)
-                if why is not None or static is not None or too_slow is not None or over:
-                    if why is not None:
-                        status, err = "X", why
-                    elif static is not None:           # it cannot run this mask: not tried
-                        status, err = "X", f"unsupported ({static}; decided without running)"
+    for heads in heads_list:
+        for backend in backends:
+            why = available(backend, device)
+            for name in args.masks.split(","):
+                too_slow = None
+                for i, T in enumerate(seqlens):
+                    key = (backend, name, T, heads_str(heads))
+                    mask = make_mask(name, T, args.seed, window=args.window, block=args.block)
+                    base = {"backend": backend, "mask": name, "seqlen": T, "area": mask.area(),
+                            "sparsity": mask.sparsity(), "heads": heads_str(heads)}
+                    over = args.time_budget_s is not None and time.monotonic() - t_start > args.time_budget_s
+                    static = None if why is not None else statically_unsupported(backend, mask)
+                    if why is not None or static is not None or too_slow is not None or over:
+                        if why is not None:
+                            status, err = "X", why
+                        elif static is not None:           # it cannot run this mask: not tried
+                            status, err = "X", f"unsupported ({static}; decided without running)"
+                        else:
+                            status, err = "-", too_slow or "time budget"
+                        recs = [{**base, "direction": d, "status": status, "error": err} for d in ("fwd", "bwd")]
+                    elif args.draws > 1 and name in DRAWN_MASKS:
+                        recs = run_draws(backend, name, T, heads, dtype, device, timer, args,
+                                         check=bool(args.check) and i == 0)
                     else:
-                        status, err = "-", too_slow or "time budget"
-                    recs = [{**base, "direction": d, "status": status, "error": err} for d in ("fwd", "bwd")]
-                else:
-                    recs = run_cell(backend, mask, heads, args.head_dim, dtype, device, timer, args,
-                                    check=bool(args.check) and i == 0)
-                    slow = [r["median_ms"] for r in recs
-                            if r["status"] == "ok" and r["median_ms"] > args.slow_ms]
+                        recs = run_cell(backend, mask, heads, args.head_dim, dtype, device, timer, args,
+                                        check=bool(args.check) and i == 0)
+                    slow = [r["median_ms"] for r in recs if r["status"] == "ok" and r["median_ms"] > args.slow_ms]
                     if slow:
                         too_slow = f"a smaller size took {max(slow):.0f} ms > --slow-ms {args.slow_ms:.0f}"
-                rows = [r for r in rows if (r["backend"], r["mask"], r["seqlen"]) != key] + recs
-                fr = {r["direction"]: r for r in recs}
-                print(f"{backend:>15} {name:>24} {T:>6}: " + "  ".join(f"{d} " + _brief(fr[d])
-                                                                       for d in ("fwd", "bwd")), flush=True)
-                save_result(out, config, rows)
+                    rows = [r for r in rows if _key(r) != key] + recs
+                    fr = {r["direction"]: r for r in recs}
+                    print(f"{backend:>15} {name:>24} {T:>6} {heads_str(heads):>6}: "
+                          + "  ".join(f"{d} " + _brief(fr[d]) for d in ("fwd", "bwd")), flush=True)
+                    save_result(out, config, rows)
     for direction in ("fwd", "bwd"):
-        if rows:
-            print(table(rows, max(r["seqlen"] for r in rows), direction))
+        for h in heads_list:
+            if rows:
+                print(table(rows, max(r["seqlen"] for r in rows), direction, heads_str(h)))
     print(f"wrote {out}")
     return 0
 

@@ -264,6 +264,51 @@ CLAIMS_LIST: tuple[Claim, ...] = (
           "04_benchmarks/02_kernels_masks.ipynb", "measured", text="no figures published in text"),
 )
 
+# ---------------------------------------------------------------------------------------------------
+# LongCA-bench's findings that the sparse-kernel study and the CP tables check (issue 34)
+# ---------------------------------------------------------------------------------------------------
+
+LONGCA_ARXIV = "LongCA-bench, arXiv 2510.17896"
+LONGCA_SPARSITIES = (0.1, 0.9)
+"""Sparsity ratios (the kept fraction of key blocks) of the benchmark's block-sparse masks, lowest and
+highest (its scripts: ``run_block_sparse_benchmark.py``, ``run_var_block_sparse_benchmark.py``)."""
+LONGCA_UNIFORM_BLOCKS = (64, 128)
+"""Block sizes of its uniform block-sparse masks (``block_sizes`` in ``run_block_sparse_benchmark.py``)."""
+LONGCA_VARIABLE_MIN_BLOCK = 128
+"""Smallest block of its variable block-sparse masks (``min_q_block_size = min_kv_block_size = 128``)."""
+LONGCA_DRAWS = 30
+"""Independent draws of each document-type mask, reported as median with 20/80% quantiles."""
+_LONGCA_QUOTED = ("as stated in issue 34 from the paper; the paper's text (arXiv 2510.17896) could not be read "
+                  "from a source available here")
+_GAP_MULTI_GPU = "CP timings need several GPUs; one GPU is lent now, so the CP table's new rows are not run yet"
+
+CLAIMS_LIST = CLAIMS_LIST + (
+    Claim("longca.sparse_bwd_bottleneck", "In block-sparse attention the backward pass is the bottleneck of "
+          "every kernel: its TF/s stay well below the forward's.", None, "x fwd TF/s", LONGCA_ARXIV +
+          ", sparse kernels", "uniform (blocks 64, 128) and variable (average 128-1024) block-sparse masks, "
+          "sparsity 0.1-0.9, 16K-128K tokens, GQA and MHA (scripts/bench_sparse.py: bwd / fwd TF/s per cell)",
+          _LONGCA_QUOTED, "04_benchmarks/02_kernels_masks.ipynb", "measured",
+          text="backward the universal bottleneck of sparse kernels"),
+    Claim("longca.hybrid_cp_best", "Hybrid context parallelism (head parallelism with a ring: USP, LoongTrain) "
+          "is the best mechanism overall.", None, "", LONGCA_ARXIV + ", context parallelism",
+          "the five CP mechanisms on full, causal and document masks (scripts/bench_cp.py, fastest fwd+bwd per "
+          "case)", _LONGCA_QUOTED, "04_benchmarks/03_context_parallel.ipynb", "measured",
+          text="USP/LoongTrain best overall", gap=_GAP_MULTI_GPU),
+    Claim("longca.ring_fluctuates_docs", "Ring P2P's throughput fluctuates on document masks (it depends on "
+          "how the documents fall on the zigzag), unlike on the full and causal masks.", None, "",
+          LONGCA_ARXIV + ", context parallelism", "ring on causal_document and full_document over "
+          f"{LONGCA_DRAWS} draws (scripts/bench_cp.py --draws {LONGCA_DRAWS}: the q20-q80 spread); its "
+          "dispatch's max/mean area across the draws (results/cp_balance.json) is the computed cause",
+          _LONGCA_QUOTED, "04_benchmarks/03_context_parallel.ipynb", "measured",
+          text="ring P2P fluctuates on document masks", gap=_GAP_MULTI_GPU),
+    Claim("longca.heads_first", "Partition heads first: head parallelism balances any mask (every rank computes "
+          "the whole sequence for its heads), so a hybrid should use as much of it as the heads allow before "
+          "cutting the sequence.", None, "x max/mean area", LONGCA_ARXIV + ", context parallelism",
+          "max/mean attention area per rank of Ulysses against ring and all-gather on the document masks, "
+          "8 and 16 ranks (results/cp_balance.json: Ulysses 1.0)", _LONGCA_QUOTED,
+          "04_benchmarks/03_context_parallel.ipynb", "computed", text="partition heads first"),
+)
+
 CLAIMS: dict[str, Claim] = {c.id: c for c in CLAIMS_LIST}
 """The registry, by id. ``cadlib.analysis.report.claims`` turns ours into a verdict against each."""
 if len(CLAIMS) != len(CLAIMS_LIST):

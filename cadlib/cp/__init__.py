@@ -23,6 +23,9 @@ Mechanisms (``MECHANISMS``):
   partial results merged by log-sum-exp in fp32 (:mod:`cadlib.cp.ring`).
 * ``ulysses``: contiguous layout, all-to-all from sequence- to head-sharding (:mod:`cadlib.cp.ulysses`).
 * ``usp``: Ulysses inside groups of ``ulysses_size`` ranks, ring across them (:mod:`cadlib.cp.usp`).
+* ``loongtrain``: USP's grid with LoongTrain's double ring across the groups: windows of ``window_size``
+  ring positions, an inner ring inside each window and an outer ring between them
+  (:mod:`cadlib.cp.loongtrain`).
 * ``cad``: contiguous layout, the CAD scheduler's plan run on cadlib's attention servers
   (:mod:`cadlib.cp.cad`).
 """
@@ -32,14 +35,15 @@ from typing import Sequence
 
 from .allgather import AllGatherCP
 from .cad import CADCP
+from .loongtrain import LoongTrainCP
 from .protocol import CPMechanism
 from .ring import RingCP
 from .ulysses import UlyssesCP
 from .usp import USPCP
 
-MECHANISMS = ("allgather", "ring", "ulysses", "usp", "cad")
+MECHANISMS = ("allgather", "ring", "ulysses", "usp", "loongtrain", "cad")
 CLASSES: dict[str, type[CPMechanism]] = {"allgather": AllGatherCP, "ring": RingCP, "ulysses": UlyssesCP,
-                                         "usp": USPCP, "cad": CADCP}
+                                         "usp": USPCP, "loongtrain": LoongTrainCP, "cad": CADCP}
 
 
 def make(name: str, group, doc_lens: Sequence[int], causal: bool = True, attn_backend: str | None = None,

@@ -14,6 +14,12 @@ from ..scheduling.scheduler import schedule
 from .protocol import CPMechanism, contiguous_layout
 
 
+def cad_plan(doc_lens, world: int, model=None, tolerance: float = 0.1, min_shard: int = MIN_SHARD_TOKENS):
+    """CAD's plan for the contiguous layout of ``doc_lens`` over ``world`` ranks (what :class:`CADCP` runs)."""
+    return schedule(contiguous_layout(doc_lens, world), model=as_model(model), tolerance=tolerance,
+                    min_shard=min_shard)
+
+
 class CADCP(CPMechanism):
     name = "cad"
 
@@ -24,8 +30,8 @@ class CADCP(CPMechanism):
                              "causal_document")
         super().__init__(group, doc_lens, causal, attn_backend)
 
-        self.set_layout(contiguous_layout(self.doc_lens, self.world))
-        self.plan = schedule(self.layout, model=as_model(model), tolerance=tolerance, min_shard=min_shard)
+        self.plan = cad_plan(self.doc_lens, self.world, model, tolerance, min_shard)
+        self.set_layout(self.plan.layout)
 
     def apply_attn(self, q, k, v):
         self.check_qkv(q, k, v)

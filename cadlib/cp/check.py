@@ -14,7 +14,14 @@ math with autograd). Suites:
 * ``protocol``: every mechanism of ``--mechanisms`` on every mask of ``--masks`` through
   ``dispatch -> apply_attn -> backward``, at ``--tokens`` tokens (documents shorter than the group
   among them) and at ``world - 1`` tokens (some ranks hold nothing, every document is shorter than
-  the group); checks no NaN and that ``undispatch(dispatch(x)) == x``. CAD skips the full masks.
+  the group); checks no NaN and that ``undispatch(dispatch(x)) == x``. CAD skips the full masks: its
+  CA-tasks are causal by construction (a task's KV is the prefix ``[0, q_end)`` of its document), and
+  serving a full mask would need tasks whose KV is the whole document, through the plan, the scheduler's
+  costs, the dispatch and the server, none of which exists.
+* ``volume``: every mechanism on every mask of ``--masks`` at ``8 * world`` tokens in bf16: the bytes
+  each rank hands to ``torch.distributed`` for other ranks, forward and backward
+  (:func:`cadlib.cp.traffic.count_sent`), must equal :func:`cadlib.cp.volume.per_rank` exactly, and on
+  the one-document masks (equal shards) also :func:`cadlib.cp.volume.equal_shard`'s closed form.
 
 Each rank writes its cases with :func:`cadlib.infra.progress.write_result`; exit code 1 if any failed.
 """
@@ -35,8 +42,10 @@ from ..infra.results import save_result
 from ..testing import random_cp_layout, random_inputs, rank_inputs, reference_f64
 from . import MECHANISMS, make
 from .allgather import gathered_tokens, layout_attention, shared_docs
+from .traffic import count_sent
+from .volume import equal_shard, per_rank
 
-SUITES = ("layout", "protocol")
+SUITES = ("layout", "protocol", "volume")
 PROTOCOL_MASKS = ("full", "causal", "full_document", "causal_document")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 RTOL = {"fp32": 1e-5, "bf16": 2e-2, "fp16": 5e-3}
@@ -124,7 +133,38 @@ def check_protocol(mech_name, mask, world, rank, group, device, dtype, seed, hea
     res = _run(lambda q, k, v: mech.apply_attn(q, k, v)[0], full, rows, doc_lens, causal, group, device)
     back = mech.undispatch(mech.dispatch(full[0]))
     res["undispatch_ok"] = bool(torch.equal(back, full[0]))
-    return {**base, **res, "tokens_per_rank": mech.tokens_per_rank().tolist()}
+    shape = {k: int(getattr(mech, a)) for k, a in (("ulysses_size", "u"), ("window", "window")) if hasattr(mech, a)}
+    return {**base, **res, **shape, "tokens_per_rank": mech.tokens_per_rank().tolist()}
+
+
+def check_volume(mech_name, mask, world, rank, group, device, seed, heads, total) -> dict:
+    """Bytes one mechanism sends per rank, counted, against the closed forms (the ``volume`` suite)."""
+    causal = mask in ("causal", "causal_document")
+    doc_lens = protocol_docs(mask, world, seed, total)
+    base = {"suite": "volume", "mechanism": mech_name, "mask": mask, "n_docs": len(doc_lens), "total": total}
+    if mech_name == "cad" and not causal:
+        return {**base, "skipped": "CAD serves causal masks only"}
+    mech = make(mech_name, group, doc_lens, causal, **({"min_shard": 4} if mech_name == "cad" else {}))
+    full = random_inputs(total, heads, seed, torch.bfloat16, device)
+    q, k, v, dout = rank_inputs(full, mech.local_rows())
+    with count_sent() as fwd:
+        o = mech.apply_attn(q, k, v)[0]
+    with count_sent() as bwd:
+        o.backward(dout)
+    grid = {"ulysses_size": getattr(mech, "u", None), "window_size": getattr(mech, "window", None)}
+    want = per_rank(mech_name, doc_lens, world, heads[:2], heads[2], 2, causal, plan=getattr(mech, "plan", None),
+                    **grid)
+    eq = (equal_shard(mech_name, total, world, heads[:2], heads[2], 2, **grid)
+          if len(doc_lens) == 1 and mech_name != "cad" and total % (2 * world) == 0 else None)
+    got = [fwd.total, bwd.total]
+    diff = [abs(got[0] - want["fwd"][rank]), abs(got[1] - want["bwd"][rank])]
+    if eq is not None:
+        diff += [abs(got[0] - eq["fwd"]), abs(got[1] - eq["bwd"])]
+    t = torch.tensor([float(max(diff)), float(got[0] + got[1])], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return {**base, "sent": {"fwd": got[0], "bwd": got[1], "by_kind": {**fwd.by_kind, **{
+        f"bwd_{k}": v for k, v in bwd.by_kind.items()}}}, "per_rank": want, "equal_shard": eq,
+        "max_diff": float(t[0]), "max_sent": float(t[1]), **{k: v for k, v in grid.items() if v is not None}}
 
 
 def parse_args(argv=None):
@@ -159,16 +199,30 @@ def main(argv=None) -> int:
         sizes = [args.tokens, max(1, env.world - 1)]        # the second leaves ranks without tokens
         jobs += [("protocol", m, mask, args.seed, n) for n in sizes for m in args.mechanisms.split(",")
                  for mask in args.masks.split(",")]
+    if "volume" in args.suite.split(","):
+        jobs += [("volume", m, mask, args.seed, 8 * env.world) for m in args.mechanisms.split(",")
+                 for mask in args.masks.split(",")]
     results, ok = [], True
     for step, (suite, mech, mask, seed, n_tok) in enumerate(jobs):
         if suite == "layout":
             res = check_layout(env.world, env.rank, env.group, env.device, dtype, seed, heads)
+        elif suite == "volume":
+            res = check_volume(mech, mask, env.world, env.rank, env.group, env.device, seed, heads, n_tok)
         else:
             res = check_protocol(mech, mask, env.world, env.rank, env.group, env.device, dtype, seed, heads,
                                  n_tok)
         res.update(world=env.world, seed=seed, dtype=args.dtype)
         if "skipped" in res:
             results.append(res)
+            report_progress(step + 1, len(jobs), suite)
+            continue
+        if suite == "volume":
+            res["passed"] = res["max_diff"] == 0
+            ok &= res["passed"]
+            results.append(res)
+            if env.rank == 0:
+                log(f"volume {mech}/{mask}: sent fwd {res['sent']['fwd']} bwd {res['sent']['bwd']} B, "
+                    f"closed form off by {res['max_diff']:.0f} B" + (" ok" if res["passed"] else " FAILED"))
             report_progress(step + 1, len(jobs), suite)
             continue
         res["passed"] = max(res["rel_err"].values()) <= rtol and not res["nan"] \

@@ -71,16 +71,16 @@ class RingMeta:
         return self.sizes[self.rank]
 
 
-def build_ring_meta(layout: Layout, rank: int, causal: bool, group=None) -> RingMeta:
-    """Per step, which local query rows see which rows of the source block (host numpy)."""
-    W = layout.n_ranks
+def ring_steps(layout: Layout, rank: int, causal: bool, sources: list[int]) -> list[RingStep]:
+    """One :class:`RingStep` per source rank in ``sources`` (the order the K, V blocks arrive in): which
+    local query rows see which rows of that block (host numpy). The step whose source is ``rank`` itself
+    holds the diagonal chunks, causally."""
     offs = layout.local_offsets()
     mine = list(zip(layout.ranks[rank], offs[rank]))
     steps = []
-    for s in range(W):
-        src = (rank - s) % W
+    for src in sources:
         theirs = sorted(zip(layout.ranks[src], offs[src]), key=lambda co: (co[0].doc, co[0].start))
-        step_causal = causal and s == 0
+        step_causal = causal and src == rank
         qr, kr, lq, lk = [], [], [], []
         for c, o in mine:
             full = [(c2, o2) for c2, o2 in theirs if c2.doc == c.doc
@@ -102,21 +102,29 @@ def build_ring_meta(layout: Layout, rank: int, causal: bool, group=None) -> Ring
             return np.concatenate(xs).astype(np.int64) if xs else np.zeros(0, dtype=np.int64)
         steps.append(RingStep(src, step_causal, cat(qr), cat(kr), cum(lq), cum(lk),
                               int(max(lq, default=0)), int(max(lk, default=0))))
+    return steps
+
+
+def build_ring_meta(layout: Layout, rank: int, causal: bool, group=None) -> RingMeta:
+    """Per step ``s``, the block of rank ``(rank - s) mod W``: which local query rows see which of its rows."""
+    W = layout.n_ranks
+    steps = ring_steps(layout, rank, causal, [(rank - s) % W for s in range(W)])
     sizes = [int(x) for x in layout.tokens_per_rank()]
     return RingMeta(rank, W, sizes, steps, global_rank(group, (rank + 1) % W),
                     global_rank(group, (rank - 1) % W))
 
 
-def _shift(send: torch.Tensor, recv_rows: int, m: RingMeta, group, tag: int = 0):
-    """Start sending ``send`` to ``r + 1`` and receiving ``recv_rows`` rows from ``r - 1``; returns a
-    waiter giving the received tensor (empty transfers are skipped on both sides). ``tag`` keeps the
-    K, V stream (0) and the dK, dV stream (1) apart where the backend matches messages by tag."""
+def p2p_shift(send: torch.Tensor, recv_rows: int, next_peer: int, prev_peer: int, group, tag: int = 0):
+    """Start sending ``send`` to ``next_peer`` and receiving ``recv_rows`` rows from ``prev_peer``
+    (default-group ranks); returns a waiter giving the received tensor. Empty transfers are skipped on
+    both sides (both know the sizes from the layout). ``tag`` keeps concurrent streams apart where the
+    backend matches messages by tag."""
     recv = send.new_empty((recv_rows, *send.shape[1:]))
     ops = []
     if send.shape[0]:
-        ops.append(dist.P2POp(dist.isend, send.contiguous(), m.next_peer, group, tag))
+        ops.append(dist.P2POp(dist.isend, send.contiguous(), next_peer, group, tag))
     if recv_rows:
-        ops.append(dist.P2POp(dist.irecv, recv, m.prev_peer, group, tag))
+        ops.append(dist.P2POp(dist.irecv, recv, prev_peer, group, tag))
     works = dist.batch_isend_irecv(ops) if ops else []
 
     def wait():
@@ -126,7 +134,12 @@ def _shift(send: torch.Tensor, recv_rows: int, m: RingMeta, group, tag: int = 0)
     return wait
 
 
-def _merge(acc_o, acc_l, rows, o, lse):
+def _shift(send: torch.Tensor, recv_rows: int, m: RingMeta, group, tag: int = 0):
+    """:func:`p2p_shift` to ``r + 1`` from ``r - 1``: the K, V stream (tag 0) and the dK, dV stream (1)."""
+    return p2p_shift(send, recv_rows, m.next_peer, m.prev_peer, group, tag)
+
+
+def merge_partial(acc_o, acc_l, rows, o, lse):
     """Log-sum-exp merge of a partial result into the fp32 accumulators at ``rows``."""
     old_l = acc_l.index_select(0, rows)
     new_l = torch.logaddexp(old_l, lse)
@@ -151,7 +164,7 @@ class RingAttention(torch.autograd.Function):
                 o, lse = attend(q.index_select(0, qr), cur[:, 0].index_select(0, kr),
                                 cur[:, 1].index_select(0, kr), cq, ck, st.max_q, st.max_k, causal=st.causal,
                                 backend=attn_backend)
-                _merge(acc_o, acc_l, qr, o, lse)
+                merge_partial(acc_o, acc_l, qr, o, lse)
             if wait is not None:
                 cur = wait()
         out = acc_o.to(q.dtype)

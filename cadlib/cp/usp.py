@@ -50,11 +50,13 @@ def default_ulysses_size(world: int) -> int:
 
 class USPCP(CPMechanism):
     name = "usp"
+    default_ulysses = staticmethod(default_ulysses_size)
+    """The Ulysses size when none is given (a subclass may choose another)."""
 
     def __init__(self, group, doc_lens, causal: bool = True, attn_backend: str | None = None,
                  ulysses_size: int | None = None):
         super().__init__(group, doc_lens, causal, attn_backend)
-        u = default_ulysses_size(self.world) if ulysses_size is None else int(ulysses_size)
+        u = self.default_ulysses(self.world) if ulysses_size is None else int(ulysses_size)
         if u < 1 or self.world % u:
             raise ValueError(f"ulysses_size must divide the group size {self.world}, got {u}")
         self.u, self.R = u, self.world // u
@@ -73,11 +75,18 @@ class USPCP(CPMechanism):
         ring_group = self.ring_groups[self.i] if self.R > 1 else None
         self.ring_group = ring_group
         self.uly_group = self.uly_groups[self.g] if u > 1 else None
-        self.ring_meta = build_ring_meta(ring_layout, self.g if self.R > 1 else 0, self.causal, ring_group)
+        self.build_ring()
+
+    def build_ring(self) -> None:
+        """The across-groups ring's metadata (a subclass may build another ring)."""
+        self.ring_meta = build_ring_meta(self.ring_layout, self.g if self.R > 1 else 0, self.causal,
+                                         self.ring_group)
+
+    def ring_attention(self, q, k, v):
+        """Attention of the gathered sequence's heads against the whole sequence, around the ring."""
+        return ring_attention(q, k, v, self.ring_meta, self.ring_group, self.attn_backend)
 
     def apply_attn(self, q, k, v):
         self.check_qkv(q, k, v)
         kv_head_map(q.shape[1], k.shape[1], self.u)               # ValueError before any collective
-        return ulysses_attention(q, k, v, self.parts_of[self.g], self.i, self.uly_group,
-                                 lambda a, b, c: ring_attention(a, b, c, self.ring_meta, self.ring_group,
-                                                                self.attn_backend))
+        return ulysses_attention(q, k, v, self.parts_of[self.g], self.i, self.uly_group, self.ring_attention)

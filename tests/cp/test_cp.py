@@ -14,6 +14,7 @@ from cadlib.core.layout import Layout, global_rows
 from cadlib.cp import MECHANISMS, make
 from cadlib.cp.allgather import build_meta, gathered_tokens, layout_attention, prepare, shared_docs
 from cadlib.cp.check import PROTOCOL_MASKS
+from cadlib.cp.loongtrain import build_double_ring_meta, default_window, window_sources
 from cadlib.cp.protocol import contiguous_layout, zigzag_layout
 from cadlib.cp.ring import build_ring_meta
 from cadlib.cp.ulysses import kv_head_map
@@ -115,6 +116,26 @@ def test_ring_steps_see_earlier_chunks_in_full_and_their_own_causally():
     assert m1.steps[1].cu_k.tolist() == [0, 4, 8]   # both of rank 1's chunks see rank 0's head only
 
 
+def test_double_ring_steps_visit_every_block_once_own_first():
+    """12 = 3 windows x 4: position (a, j) holds ((a - t) mod 3, (j - i) mod 4) at window step t, inner i."""
+    for p in range(12):
+        src = window_sources(p, 12, 4)
+        assert src[0] == p and sorted(src) == list(range(12))
+        a, j = divmod(p, 4)
+        assert src[4 * 1 + 2] == ((a - 1) % 3) * 4 + (j - 2) % 4
+        assert {s // 4 for s in src[4:8]} == {(a - 1) % 3}        # a window step stays in one window
+    assert window_sources(3, 4, 4) == [3, 2, 1, 0] and window_sources(2, 4, 1) == [2, 1, 0, 3]   # rings
+    assert default_window(12) == 2 and default_window(4) == 2 and default_window(3) == 3
+    lay = zigzag_layout([40], 4)
+    m = build_double_ring_meta(lay, 3, True, 2)
+    assert [s.src for s in m.steps] == [3, 2, 1, 0] and m.steps[0].causal and not m.steps[1].causal
+    assert (m.inner_next, m.inner_prev, m.outer_next, m.outer_prev) == (2, 2, 1, 1)
+    with pytest.raises(ValueError, match="window_size must divide the 4 ring positions"):
+        build_double_ring_meta(lay, 0, True, 3)
+    with pytest.raises(ValueError, match="window_size must divide"):
+        make("loongtrain", None, [4], window_size=2)
+
+
 def test_ulysses_head_map_replicates_kv_heads():
     assert kv_head_map(8, 8, 4) is None
     assert kv_head_map(8, 2, 4) == [0, 0, 1, 1]
@@ -161,7 +182,10 @@ def launch(world, args):
     assert len(df) == world
     cases = df.attrs["results"][0]["cases"]
     for c in (c for c in cases if "skipped" not in c):
-        assert max(c["rel_err"].values()) <= FP32_RTOL and not c["nan"], c
+        if c["suite"] == "volume":
+            assert c["max_diff"] == 0, c
+        else:
+            assert max(c["rel_err"].values()) <= FP32_RTOL and not c["nan"], c
     assert df["passed"].all()
     return cases
 
@@ -169,8 +193,9 @@ def launch(world, args):
 @pytest.mark.multiproc
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_cp_mechanisms_match_reference(world):
-    """One launch per world size: random layouts for layout_attention, then every mechanism x mask."""
-    cases = launch(world, ["--suite", "layout,protocol", "--seeds", "4"])
+    """One launch per world size: random layouts for layout_attention, then every mechanism x mask, then
+    the bytes every mechanism sends per rank against its closed form (cadlib.cp.volume)."""
+    cases = launch(world, ["--suite", "layout,protocol,volume", "--seeds", "4"])
     layout = [c for c in cases if c["suite"] == "layout"]
     assert len(layout) == 4 and all(c["shared_docs"] >= 1 for c in layout)
     proto = [c for c in cases if c["suite"] == "protocol"]
@@ -180,6 +205,15 @@ def test_cp_mechanisms_match_reference(world):
     assert all(c["undispatch_ok"] for c in proto if "skipped" not in c)
     assert any(0 in c["tokens_per_rank"] for c in proto if "skipped" not in c) or world == 2
     assert any(c["min_doc"] < world for c in proto)
+    vol = [c for c in cases if c["suite"] == "volume" and "skipped" not in c]
+    assert {(c["mechanism"], c["mask"]) for c in vol} == want - {("cad", "full"), ("cad", "full_document")}
+    for c in vol:                      # counted == per-rank closed form (and the equal-shard one) on every rank
+        assert c["max_diff"] == 0 and (c["max_sent"] > 0 or c["mask"].endswith("document") or c["mechanism"] == "cad")
+        assert (c["equal_shard"] is not None) == (c["mask"] in ("full", "causal") and c["mechanism"] != "cad")
+    loong = next(c for c in proto if c["mechanism"] == "loongtrain")
+    if world >= 4:                     # inner and outer rings both carry blocks (world 8: Ulysses too)
+        positions = world // loong["ulysses_size"]
+        assert 1 < loong["window"] < positions and loong["ulysses_size"] == (2 if world == 8 else 1)
 
 
 def test_errors_of_an_exactly_zero_reference_stay_finite(tmp_path):

@@ -45,3 +45,28 @@ def test_combine_keeps_measured_cells_and_marks_unreachable_ones(bk, tmp_path):
     assert rows["causal"]["status"] == "ok" and rows["causal"]["tflops"] == 1.0
     assert rows["share_question"]["status"] == "X" and "without running" in rows["share_question"]["error"]
     assert rows["causal_document"]["status"] == "-"
+
+
+def test_heads_pairs_and_the_older_form(bk):
+    assert bk.parse_heads("64:8,64:64") == [(64, 8), (64, 64)]
+    assert bk.parse_heads("64,8") == [(64, 8)]
+    with pytest.raises(SystemExit):
+        bk.parse_args(["--heads", "64:7"])
+    rows = bk._with_heads([{"backend": "fa4", "mask": "causal", "seqlen": 8}], {"heads": "64,8"})
+    assert rows[0]["heads"] == "64:8"                       # files written before records carried heads
+
+
+def test_mha_rows_and_draws_of_the_document_masks(bk, tmp_path):
+    """GQA and MHA rows side by side; a document mask over 3 draws gives the median and 20/80% quantiles
+    across the draws (each draw's own median), a mask without drawn documents one draw."""
+    out = tmp_path / "k.json"
+    bk.main(["--smoke", "--backends", "sdpa_math", "--masks", "causal,causal_document", "--heads", "4:2,4:4",
+             "--draws", "3", "--draw-reps", "2", "--out", str(out)])
+    rows = {(r["mask"], r["heads"], r["direction"]): r for r in json.loads(out.read_text())["results"]}
+    assert len(rows) == 2 * 2 * 2 and all(r["status"] == "ok" for r in rows.values())
+    doc = rows[("causal_document", "4:4", "bwd")]
+    assert doc["draws"] == 3 and [d["seed"] for d in doc["per_draw"]] == [0, 1, 2]
+    ms = sorted(d["median_ms"] for d in doc["per_draw"])
+    assert doc["median_ms"] == ms[1] and ms[0] <= doc["q20_ms"] <= doc["median_ms"] <= doc["q80_ms"] <= ms[2]
+    assert len({d["area"] for d in doc["per_draw"]}) > 1        # independent draws of the documents
+    assert "draws" not in rows[("causal", "4:2", "fwd")]
