@@ -43,6 +43,9 @@ import torch.distributed as dist
 
 from .core.cost import MODELS, as_model
 from .core.defaults import DEFAULT_NANO_SPLIT, DEFAULT_TOLERANCE
+from .core.methods import METHODS as ALL_METHODS
+from .core.methods import names
+from .core.precision import TRAIN_DTYPES
 from .core.spans import overlap
 from .cp.allgather import layout_attention
 from .data.packing import pack
@@ -51,6 +54,7 @@ from .infra.groups import allreduce_grads, comm_group, destroy, init_from_env, m
 from .infra.progress import log, report_progress, write_result
 from .runtime.batches import positions, synthetic_tokens
 from .runtime.comm import AllToAll, SignalOnly
+from .runtime.kernels import TORCH_DTYPES
 from .runtime.model import ChunkedCrossEntropy, Decoder
 from .runtime.pingpong import pingpong_layers
 from .runtime.stages import cad_attention, prepare
@@ -59,8 +63,8 @@ from .scheduling import scheduler
 from .scheduling.recipes import batch_docs, cad_plan, nano_plans
 from .train_pp import PipelineRunner, PipelineStep, check_config, pp_metrics, total_loss
 
-METHODS = ("colocated", "wlb", "cad", "cad-pingpong", "signal-only")
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+METHODS = names(trainable=True)
+"""What ``--methods`` takes (:mod:`cadlib.core.methods`)."""
 
 
 # ----------------------------------------------------------------------------------------- batches
@@ -183,7 +187,7 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=5, help="recorded steps (batches) per method")
     p.add_argument("--warmup", type=int, default=1, help="unrecorded steps before them")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="fp32", choices=tuple(DTYPES))
+    p.add_argument("--dtype", default="fp32", choices=TRAIN_DTYPES)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE,
                    help="scheduler imbalance tolerance epsilon")
@@ -304,7 +308,7 @@ def main(argv=None) -> int:
     env = init_from_env(args.pg_backend)
     cad_group = comm_group(env.group, args.comm_ctas)   # CAD's all-to-alls; per-document CP keeps env.group
     torch.manual_seed(args.seed)
-    model = Decoder(args.spec, dtype=DTYPES[args.dtype], device=env.device,
+    model = Decoder(args.spec, dtype=TORCH_DTYPES[args.dtype], device=env.device,
                     mlp_recompute=args.mlp_recompute, seed=args.seed)
     init = {k: v.detach().clone() for k, v in model.state_dict().items()}
     streams = Streams(env.device)
@@ -370,7 +374,7 @@ def main_pipeline(args) -> int:
     grid = make_grid(env, args.pp, dp)
     cad_group = comm_group(env.group, args.comm_ctas)
     torch.manual_seed(args.seed)
-    model = Decoder(args.spec, dtype=DTYPES[args.dtype], device=env.device, mlp_recompute=args.mlp_recompute,
+    model = Decoder(args.spec, dtype=TORCH_DTYPES[args.dtype], device=env.device, mlp_recompute=args.mlp_recompute,
                     seed=args.seed, stage=(grid.stage, args.pp))
     init = {k: v.detach().clone() for k, v in model.state_dict().items()}
     runner = PipelineRunner(model, args, grid, cad_group, env.device)

@@ -36,11 +36,13 @@ import torch.distributed as dist
 from .core.cost import MODELS, ModelSpec
 from .core.layout import Layout, global_rows
 from .core.plan import Plan, layout_to_tasks
+from .core.precision import DTYPES, RTOL
 from .data.packing import pack
 from .data.workload import DISTRIBUTIONS, sample_docs
 from .dispatch.build import build_dispatch
 from .infra.groups import destroy, init_from_env
 from .infra.progress import log, report_progress, write_result
+from .runtime.kernels import TORCH_DTYPES
 from .runtime.stages import cad_attention
 from .scheduling.scheduler import schedule
 from .scheduling.sentlast import sent_last
@@ -48,9 +50,6 @@ from .testing import random_inputs, random_plan, rank_inputs, reference
 
 CASES = ("random", "one-token", "empty-rank", "spanning")
 PLANS = ("scheduler", "random", "colocated")
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-RTOL = {"fp32": 1e-5, "bf16": 2e-2, "fp16": 5e-3}
-"""Default max relative error (``max |diff| / max |ref|``) against the fp32 reference."""
 
 
 def _docs(dist_name: str, total: int, seed: int, args) -> list[int]:
@@ -162,7 +161,7 @@ def parse_args(argv=None):
     p.add_argument("--plan", default="scheduler", choices=PLANS)
     p.add_argument("--pack", default="sequential", choices=("sequential", "balanced"))
     p.add_argument("--tokens-per-rank", type=int, default=2048)
-    p.add_argument("--dtype", default="fp32", choices=tuple(DTYPES))
+    p.add_argument("--dtype", default="fp32", choices=DTYPES)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=1, help="seeds seed, seed+1, ... per combination")
     p.add_argument("--model", default="tiny", help="ModelSpec name for head counts and head_dim")
@@ -205,7 +204,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     env = init_from_env(args.pg_backend)
     model = ModelSpec.from_name(args.model)
-    dtype = DTYPES[args.dtype]
+    dtype = TORCH_DTYPES[args.dtype]
     rtol = args.rtol if args.rtol is not None else RTOL[args.dtype]
     combos = [(d, c, args.seed + i) for d in args.dist.split(",") for c in args.case.split(",")
               for i in range(args.repeats)]

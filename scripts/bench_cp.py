@@ -45,8 +45,9 @@ from cadlib.data.masks import make_mask  # noqa: E402
 from cadlib.infra.groups import destroy, init_from_env  # noqa: E402
 from cadlib.infra.progress import log, report_progress, write_result  # noqa: E402
 from cadlib.infra.results import save_result  # noqa: E402
+from cadlib.runtime.kernels import TORCH_DTYPES  # noqa: E402
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPES = TORCH_DTYPES
 MASKS = ("causal", "causal_document", "full", "full_document")
 
 

@@ -27,7 +27,8 @@ from cadlib.infra import launch  # noqa: E402
 from cadlib.infra.results import save_result  # noqa: E402
 
 LINKS = {"nvlink": {}, "inter-node-like": {"NCCL_P2P_DISABLE": "1"}}
-METHODS = "colocated,wlb,cad,cad-pingpong,signal-only"
+from cadlib.core.methods import names  # noqa: E402
+METHODS = ",".join(names(trainable=True))
 
 
 def run_setting(args, tokens: int, dist: str, link: str) -> dict:

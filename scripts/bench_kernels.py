@@ -62,7 +62,7 @@ GPU_DEFAULT = ("sdpa_math", "sdpa_efficient", "sdpa_flash", "sdpa_cudnn", "torch
                "flex")
 SMOKE_BACKENDS = ("sdpa_math", "flex_eager", "sdpa_ref")
 SEQLENS = (1024, 2048, 4096, 8192, 16384, 24576, 32768, 40960, 49152)
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPES = kernels.TORCH_DTYPES
 SYMBOL = {"X": "unsupported", "E": "out of memory", "!": "failed", "-": "skipped"}
 DRAWN_MASKS = ("full_document", "causal_document", "share_question", "causal_blockwise", "prefix_lm_document",
                "block_causal_document", "full_document_long", "causal_document_long")

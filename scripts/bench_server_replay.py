@@ -43,7 +43,9 @@ from cadlib.scheduling import (
     scheduler,  # noqa: E402
 )
 
-METHODS = ("colocated", "cad", "cad-pingpong", "cad+sl", "cad-pingpong+sl")
+from cadlib.core.methods import names  # noqa: E402
+METHODS = (*names(packing="sequential", signal_only=False),
+           *(m + "+sl" for m in names(cad=True, signal_only=False)))          # +sl: sent-last
 
 
 def plans_of(method: str, layout, args) -> list:

@@ -37,7 +37,7 @@ FULL = {"q": [128, 256, 512, 1024, 2048, 8192], "kv": [128, 512, 2048, 8192, 327
         "warmup": 2, "iters": 5}
 QUICK = {"q": [16, 32, 64], "kv": [16, 64, 256], "fused": (32, 64), "heads": (4, 2, 16),
          "target_pairs": 1 << 14, "max_seg": 8, "warmup": 1, "iters": 2}
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPES = kernels.TORCH_DTYPES
 
 
 def grid(g: dict) -> list[tuple[str, int, int, int]]:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from .paper import DISTCA_IB_GBPS
+from .precision import DTYPE_BYTES
 
 # ---------------------------------------------------------------------------------------------------
 # Constants
@@ -25,8 +26,6 @@ ATTN_BWD_MULT = 2.5
 """Backward/forward FLOP ratio of flash attention (recomputes QK^T: 5 matmuls vs 2)."""
 LINEAR_BWD_MULT = 2.0
 """Backward/forward FLOP ratio of a linear layer (dX and dW)."""
-
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
 
 MIN_SHARD_TOKENS = 512
 """Default minimum query-shard size. Below it the fused fwd+bwd kernel loses efficiency (see below)."""

@@ -36,9 +36,11 @@ import torch
 import torch.distributed as dist
 
 from ..core.layout import global_rows
+from ..core.precision import DTYPES, RTOL
 from ..infra.groups import destroy, init_from_env
 from ..infra.progress import log, report_progress, write_result
 from ..infra.results import save_result
+from ..runtime.kernels import TORCH_DTYPES
 from ..testing import random_cp_layout, random_inputs, rank_inputs, reference_f64
 from . import MECHANISMS, make
 from .allgather import gathered_tokens, layout_attention, shared_docs
@@ -47,8 +49,6 @@ from .volume import equal_shard, per_rank
 
 SUITES = ("layout", "protocol", "volume")
 PROTOCOL_MASKS = ("full", "causal", "full_document", "causal_document")
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-RTOL = {"fp32": 1e-5, "bf16": 2e-2, "fp16": 5e-3}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -176,7 +176,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tokens", type=int, default=61, help="global tokens of a protocol case")
     p.add_argument("--heads", default="8,2,8", help="Hq,Hkv,head_dim (Hq a multiple of the world size)")
-    p.add_argument("--dtype", default="fp32", choices=tuple(DTYPES))
+    p.add_argument("--dtype", default="fp32", choices=DTYPES)
     p.add_argument("--rtol", type=float, default=None)
     p.add_argument("--pg-backend", default=None)
     p.add_argument("--out", default=None, help="also save rank 0's cases here (cadlib.infra.results.save_result)")
@@ -190,7 +190,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     env = init_from_env(args.pg_backend)
-    dtype, heads = DTYPES[args.dtype], tuple(int(x) for x in args.heads.split(","))
+    dtype, heads = TORCH_DTYPES[args.dtype], tuple(int(x) for x in args.heads.split(","))
     rtol = args.rtol if args.rtol is not None else RTOL[args.dtype]
     jobs = []
     if "layout" in args.suite.split(","):

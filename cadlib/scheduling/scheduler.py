@@ -35,7 +35,9 @@ from .engine import Greedy
 from .greedy import check_args
 from .water_fill import WaterFill
 
-METHODS = ("cad", "equal_flops", "colocated", "distca")
+PLANNERS = ("cad", "equal_flops", "colocated", "distca")
+"""How :func:`place` places a plan's CA-tasks (its ``method``): not the methods a training step runs
+(:mod:`cadlib.core.methods`), though ``cad`` and ``colocated`` name both."""
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -63,8 +65,8 @@ def place(layout: Layout, method: str = "cad", n_servers: int | None = None, mod
     :class:`cadlib.core.measured.MeasuredCost`) its :meth:`~cadlib.core.measured.MeasuredCost.min_shard`; the
     plan then records ``meta['measured_imbalance']``, the max/mean of its servers' modelled times (the
     greedy itself still balances pairs)."""
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; choose one of: {', '.join(METHODS)}")
+    if method not in PLANNERS:
+        raise ValueError(f"unknown method {method!r}; choose one of: {', '.join(PLANNERS)}")
     if cost_model is not None and not hasattr(cost_model, "min_shard"):
         raise ValueError(f"cost_model must be a cadlib.core.measured.MeasuredCost (or None), got "
                          f"{type(cost_model).__name__}")

@@ -11,6 +11,7 @@ import ranks
 import torch
 
 from cadlib.core.layout import Layout, global_rows
+from cadlib.core.precision import RTOL
 from cadlib.cp import MECHANISMS, make
 from cadlib.cp.allgather import build_meta, gathered_tokens, layout_attention, prepare, shared_docs
 from cadlib.cp.check import PROTOCOL_MASKS
@@ -20,7 +21,7 @@ from cadlib.cp.ring import build_ring_meta
 from cadlib.cp.ulysses import kv_head_map
 from cadlib.testing import random_cp_layout, reference_f64
 
-FP32_RTOL = 1e-5
+FP32_RTOL = RTOL["fp32"]
 
 
 def run_one_rank(layout, causal=True, seed=0, heads=(4, 2, 8)):

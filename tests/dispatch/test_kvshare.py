@@ -13,6 +13,7 @@ from cadlib.analysis.runs.server_bench import sharing_stats
 from cadlib.core.cost import ModelSpec
 from cadlib.core.layout import Layout, global_rows
 from cadlib.core.plan import CATask, Plan, merge_groups
+from cadlib.core.precision import RTOL as TOLERANCES
 from cadlib.dispatch.build import build_all, build_dispatch, simulate_exchange
 from cadlib.dispatch.kvshare import build_shared, check_mode, kv_accounting
 from cadlib.runtime.device import to_device
@@ -21,7 +22,7 @@ from cadlib.runtime.stages import cad_attention
 from cadlib.testing import reference
 
 TINY = ModelSpec.from_name("tiny")
-RTOL = 1e-5
+RTOL = TOLERANCES["fp32"]
 
 
 def run_servers(plan, full, kv_share, backend="sdpa_ref"):

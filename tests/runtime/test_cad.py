@@ -13,6 +13,7 @@ from cadlib import testing
 from cadlib.core.cost import ModelSpec
 from cadlib.core.layout import Layout, global_rows
 from cadlib.core.plan import CATask, Plan
+from cadlib.core.precision import RTOL
 from cadlib.data.workload import DISTRIBUTIONS
 from cadlib.dispatch.build import build_dispatch
 from cadlib.infra.launch import TorchrunError
@@ -22,7 +23,7 @@ from cadlib.testing import random_inputs, random_plan, rank_inputs, reference, r
 
 TINY = ModelSpec.from_name("tiny")
 TINY_HEADS = (TINY.n_heads, TINY.n_kv_heads, TINY.head_dim)
-FP32_RTOL = 1e-5
+FP32_RTOL = RTOL["fp32"]
 
 
 def one_rank_problem(seed=0):

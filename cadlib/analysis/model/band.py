@@ -39,12 +39,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ...core.methods import names
 from ...infra.results import RESULTS_DIR, load_result
 
 MEASURED_GLOB = "replay/replay_e2e_*_validation.json"
 REPLAYED_GLOB = "replay/replay_3d_*_3d.json"
-METHODS = ("colocated", "wlb", "cad", "cad-pingpong")
-BASES = ("colocated", "wlb")
+METHODS = names(trainable=True, signal_only=False)
+"""The methods whose steps are measured and replayed (the signal-only control is no method to predict)."""
+BASES = names(trainable=True, baseline=True)
 MIN_GAIN = 0.05
 """Simulated savings at least this large (either sign) give the gain factor ``g``; smaller ones the floor."""
 MAX_SAVING = 0.99

@@ -38,9 +38,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ...core import pipeline
-
-METHODS = ("colocated", "wlb", "varlen", "cad", "cad-pingpong", "signal-only")
-ONE_STREAM = ("colocated", "wlb", "varlen", "cad")
+from ...core.methods import method as find_method
 
 
 @dataclass(frozen=True)
@@ -169,11 +167,9 @@ def _ticks(ph: Phases, L: int, pingpong: bool) -> list[tuple]:
 def compose(method: str, ph: Phases, n_layers: int) -> Composed:
     """The step time of ``method`` from one layer's per-rank :class:`Phases` over ``n_layers`` layers:
     the forward ticks, the LM head, the backward ticks in mirror order, the all-reduce, the optimizer."""
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; choose one of: {', '.join(METHODS)}")
+    pingpong = find_method(method).pingpong            # ValueError naming the methods
     if isinstance(n_layers, bool) or int(n_layers) != n_layers or n_layers < 1:
         raise ValueError(f"n_layers must be an integer >= 1, got {n_layers!r}")
-    pingpong = method not in ONE_STREAM
     if pingpong != (ph.attn.ndim == 2):
         raise ValueError(f"method {method!r} needs {'[2, R] (two nano-batches)' if pingpong else '[R]'} "
                          f"phases, got attention of shape {ph.attn.shape}")
@@ -200,8 +196,7 @@ def compose_pass(method: str, ph: Phases, n_layers: int, backward: bool = False)
     """One pass (forward or backward) of ``n_layers`` layers from a common start: each rank's end time,
     its busy time and the exposed communication (the ticks of :func:`compose`, without the head,
     the all-reduce and the optimizer)."""
-    pingpong = method not in ONE_STREAM
-    ticks = _ticks(ph, int(n_layers), pingpong)
+    ticks = _ticks(ph, int(n_layers), find_method(method).pingpong)
     clk = _Clock(ph.n_ranks)
     for c, d, cb, db in (reversed(ticks) if backward else ticks):
         clk.tick(cb, db) if backward else clk.tick(c, d)
@@ -257,7 +252,7 @@ def compose_lockstep(method: str, ticks, n_layers: int, allreduce, optimizer, p2
         if clk is None:
             clk = _Clock(ph.n_ranks)
         clk.tick(p2p)
-        ts = _ticks(ph, int(n_layers), method not in ONE_STREAM)
+        ts = _ticks(ph, int(n_layers), find_method(method).pingpong)
         if phase == "F":
             for c, d, _, _ in ts:
                 clk.tick(c, d)

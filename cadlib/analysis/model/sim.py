@@ -43,7 +43,6 @@ import numpy as np
 
 from ...core.cost import (
     ATTN_BWD_MULT,
-    DTYPE_BYTES,
     H200_MATMUL_TFLOPS,
     H200_NVLINK_ALL_TO_ALL_GBPS,
     IB_GBPS_PER_GPU,
@@ -55,6 +54,7 @@ from ...core.cost import (
 )
 from ...core.layout import Layout
 from ...core.plan import Plan
+from ...core.precision import DTYPE_BYTES
 from ...data.packing import per_doc_zigzag_layout
 from ...scheduling.scheduler import schedule
 from .compose import Phases, compose, one_f_one_b

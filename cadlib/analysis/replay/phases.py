@@ -10,8 +10,9 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from ...core.cost import DTYPE_BYTES, ModelSpec
+from ...core.cost import ModelSpec
 from ...core.measured import MeasuredCost
+from ...core.precision import DTYPE_BYTES
 from ..model.compose import Composed, Link, Phases, compose
 from ..model.sim import Hardware, attention_seconds, linear_seconds
 from .settings import Setting, Work, batch_lengths, method_work

@@ -39,11 +39,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ...core.cost import DTYPE_BYTES, ModelSpec, as_model
+from ...core.cost import ModelSpec, as_model
 from ...core.defaults import DEFAULT_NANO_SPLIT, DEFAULT_TOLERANCE
 from ...core.layout import Layout
+from ...core.methods import METHODS, names
 from ...core.paper import DISTCA_TABLE4_8B, DISTCA_TP
 from ...core.pipeline import lockstep
+from ...core.precision import DTYPE_BYTES
 from ...data.packing import pack, wlb_layout
 from ...scheduling import scheduler
 from ...scheduling.pipeline import micro_nanos, tick_plans
@@ -60,7 +62,9 @@ MEMORY_SLACK = 0.01
 """How far over the microbatch's tokens per rank a configuration may go in the ``budget`` view (ceil
 rounding of WLB's bins)."""
 PP_DEGREES = (1, 2, 4, 8)
-METHODS_4D = ("colocated", "wlb", "cad-pingpong", "signal-only")
+METHODS_4D = names(lambda m: m.headline or m.signal_only)
+"""The methods of Table 4: the headline's (colocated, WLB-ideal, CAD with ping-pong) and the signal-only
+control (:mod:`cadlib.core.methods`)."""
 
 
 @dataclass(frozen=True)
@@ -362,10 +366,10 @@ def replay_setting_4d(s: Setting4D, times: dict, rates: dict, backend: str, pric
                 top = int(max(lay.tokens_per_rank().max() for lay in lays))
                 rows.append({**common, "method": "wlb", "cp": c, "max_tokens_per_rank": top,
                              **pipeline_1f1b(s, lays, pp, dp, times, links, price, backend, "wlb")})
-            for m in ("cad-pingpong", "signal-only"):
+            for m in names(pingpong=True):
                 rows.append({**common, "method": m, "cp": 1, "max_tokens_per_rank": s.micro_tokens,
                              **pipeline_lockstep(s, base, pp, dp, times, links, price, backend,
-                                                 signal_only=m == "signal-only")})
+                                                 signal_only=METHODS[m].signal_only)})
             if progress is not None:
                 progress(f"{s.name} batch {b} pp={pp}")
     return {"per_config": rows, "summary": summarise_4d(s, rows),

@@ -13,9 +13,10 @@ from pathlib import Path
 
 import numpy as np
 
+from ...core.methods import METHODS
 from ...infra.results import find_results, load_result
 from .phases import NCCL_LATENCY_S, TP_COLLECTIVES, Links, batch_work, compose_work, model_compose, phases
-from .settings import METHODS, Setting, Work
+from .settings import Setting, Work
 from .times import LINEAR_GRID, attention_jobs, grid_points, head_key, linear_key, optimizer_key, scaled
 
 
@@ -117,7 +118,7 @@ def summarise(s: Setting, rows: list[dict]) -> list[dict]:
     """Per method: mean (and per-batch) speedup over colocated and over WLB-ideal, the simulator's,
     the replay's error against a measured run, the batch count."""
     by = {(r["method"], r["batch"]): r for r in rows}
-    methods = sorted({r["method"] for r in rows if "/" not in r["method"]}, key=METHODS.index)
+    methods = sorted({r["method"] for r in rows if "/" not in r["method"]}, key=list(METHODS).index)
     batches = sorted({r["batch"] for r in rows})
     out = []
     for m in methods:

@@ -40,6 +40,7 @@ import numpy as np
 from ...core.cost import ModelSpec, as_model
 from ...core.defaults import DEFAULT_NANO_SPLIT, DEFAULT_TOLERANCE
 from ...core.layout import Layout
+from ...core.methods import METHODS, names
 from ...core.paper import DISTCA_TABLE3_8B, DISTCA_TP
 from ...data.packing import pack, per_doc_gather_tokens, wlb_layout
 from ...data.workload import sample_docs, sample_kwargs, sample_lengths
@@ -55,8 +56,6 @@ TOKENS_PER_GROUP = 131072
 """Tokens per data-parallel group in the paper's 3D settings: a batch size of ``B`` MaxDocLen-long
 sequences over ``N`` GPUs of TP=8 is ``B x MaxDocLen / (N / 8)`` = 128K tokens in every row of Table 3."""
 
-
-METHODS = ("colocated", "wlb", "varlen", "cad", "cad-pingpong", "signal-only")
 
 
 @dataclass(frozen=True)
@@ -79,7 +78,7 @@ class Setting:
     n_layers: int | None = None
     batches: int = 5
     seed: int = 0
-    methods: tuple[str, ...] = ("colocated", "wlb", "cad", "cad-pingpong", "signal-only")
+    methods: tuple[str, ...] = names(trainable=True)
     wlb_cp: tuple[int, ...] = (1, 2, 4, 8)
     wlb_top: int = 2
     link: str = "ib"

@@ -35,17 +35,17 @@ import numpy as np
 
 from ...core.cost import as_model
 from ...core.measured import MeasuredCost
+from ...core.methods import METHODS as ALL_METHODS
 from ...data.packing import pack
 from ...scheduling import scheduler
 from ..model.band import error_bands
 from ..model.compose import Composed, compose, one_f_one_b
 from ..replay import phases as replay_phases
 from ..replay import settings as replay
-from .setup import Cluster, Documents, Training, setting
+from .setup import METHODS, Cluster, Documents, Training, setting
 
-METHODS = ("colocated", "wlb", "cad-pingpong")
-BASELINES = ("colocated", "wlb")
-LABELS = {"colocated": "colocated", "wlb": "WLB-ideal", "cad-pingpong": "CAD (ping-pong)"}
+BASELINES = tuple(m for m in METHODS if ALL_METHODS[m].baseline)
+LABELS = {m: ALL_METHODS[m].label for m in METHODS}
 SWEEP_DP = (0.25, 0.5, 1, 2)
 SWEEP_CONTEXT = (0.5, 1, 2)
 GB = 1e9

@@ -20,11 +20,15 @@ import numpy as np
 
 from ...core.cost import H200_NVLINK_ALL_TO_ALL_GBPS, IB_GBPS_PER_GPU, ModelSpec, as_model
 from ...core.defaults import DEFAULT_TOLERANCE
+from ...core.methods import names
 from ...core.paper import DISTCA_GPU_MEMORY_GB, DISTCA_GPUS_PER_NODE
 from ...data.workload import sample_kwargs
 from ..model.compose import Link
 from ..replay import phases as replay_phases
 from ..replay import settings as replay
+
+METHODS = names(headline=True)
+"""What the what-if compares: colocated, WLB-ideal and CAD with ping-pong (:mod:`cadlib.core.methods`)."""
 
 
 @dataclass(frozen=True)
@@ -138,5 +142,5 @@ def setting(model: ModelSpec, cluster: Cluster, training: Training, docs: Docume
         "whatif", docs.dist or "lengths", cluster.dp, tokens=training.tokens_per_group,
         max_doc_len=training.context, elongate=training.elongate, tp=cluster.tp, model=model,
         n_layers=model.n_layers // cluster.pp, batches=training.steps * training.micro_batches,
-        seed=training.seed, methods=("colocated", "wlb", "cad-pingpong"), link="ib",
+        seed=training.seed, methods=METHODS, link="ib",
         tolerance=training.tolerance, min_shard=training.min_shard, lengths=docs.lengths)

@@ -36,10 +36,14 @@ from typing import Callable
 
 import torch
 
+from ...core.precision import TORCH_NAMES
 from . import flash, reference
 
 BACKENDS = ("fa4", "flash_attn", "torch_flash", "sdpa_ref")
 """All known backends, fastest first."""
+
+TORCH_DTYPES = {name: getattr(torch, t) for name, t in TORCH_NAMES.items()}
+"""The formats of :mod:`cadlib.core.precision` by name (``fp32``, ``bf16``, ``fp16``), as torch dtypes."""
 
 _NEEDS = {
     "fa4": "CUDA with compute capability >= 9.0 (Hopper/Blackwell) and the flash-attn-4 package",
