@@ -60,7 +60,7 @@ from .runtime.pingpong import pingpong_layers
 from .runtime.stages import cad_attention, prepare
 from .runtime.streams import Streams, Timeline, spanned
 from .scheduling import scheduler
-from .scheduling.recipes import batch_docs, cad_plan, nano_plans
+from .scheduling.recipes import Recipe, batch_docs, cad_plan, nano_plans
 from .train_pp import PipelineRunner, PipelineStep, check_config, pp_metrics, total_loss
 
 METHODS = names(trainable=True)
@@ -88,9 +88,9 @@ class Step:
         self.context = None
         pingpong = method in ("cad-pingpong", "signal-only")
         if pingpong:
-            self.nanos, self.plans = nano_plans(self.layout, args, spec)
+            self.nanos, self.plans = nano_plans(self.layout, args.recipe, spec)
         else:
-            self.plans = [cad_plan(self.layout, args, spec)] if method == "cad" else []
+            self.plans = [cad_plan(self.layout, args.recipe, spec)] if method == "cad" else []
         # the tokens in the layout's order (cad with --sent-last: its plan's re-ordered layout)
         tokens_layout = self.plans[0].layout if method == "cad" else self.layout
         tok, tgt = synthetic_tokens(tokens_layout, rank, spec.vocab, args.seed)
@@ -253,6 +253,10 @@ def parse_args(argv=None):
     tb = args.timeline_batches
     if tb not in ("none", "auto") and not all(x.strip().isdigit() for x in tb.split(",")):
         p.error(f"--timeline-batches must be 'none', 'auto' or comma-separated batch indices, got {tb!r}")
+    try:
+        args.recipe = Recipe.from_config(vars(args))        # how batches are sampled and planned
+    except ValueError as e:
+        p.error(str(e))
     return args
 
 
@@ -264,7 +268,7 @@ def timeline_batches(args, world: int) -> set[int]:
         return set()
     if tb != "auto":
         return {int(x) for x in tb.split(",")}
-    imb = {b: scheduler.colocated(pack(batch_docs(args, b, world), world, args.tokens_per_rank,
+    imb = {b: scheduler.colocated(pack(batch_docs(args.recipe, b, world), world, args.tokens_per_rank,
                                        method="sequential", model=args.model)).imbalance()
            for b in range(args.steps)}
     return set(sorted(imb, key=lambda b: -imb[b])[:2])
@@ -284,7 +288,7 @@ def write_run(env, args, model, records, timelines, **extra) -> None:
     write_result({"rank": env.rank, "world": env.world, "device": str(env.device),
                   "device_name": torch.cuda.get_device_name(env.device) if cuda else "cpu",
                   "torch": torch.__version__, "records": records, "timelines": timelines, **extra,
-                  "config": {k: v for k, v in vars(args).items() if k != "spec"},
+                  "config": {k: v for k, v in vars(args).items() if k not in ("spec", "recipe")},
                   "model": {"name": args.spec.name, "layers": args.spec.n_layers,
                             "stage_layers": list(model.layer_ids),
                             "params": sum(p.numel() for p in model.parameters())}})
@@ -323,7 +327,7 @@ def main(argv=None) -> int:
         tl = Timeline(env.device)
         for i in range(args.warmup + args.steps):
             b = i - args.warmup if i >= args.warmup else i      # warm-up reuses the first batches
-            step = Step(method, batch_docs(args, b, env.world), args, model, env.rank, env.world,
+            step = Step(method, batch_docs(args.recipe, b, env.world), args, model, env.rank, env.world,
                         cad_group, env.device)
             start_step(tl, env)
             with tl.span("step", "forward"):

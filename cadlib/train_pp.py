@@ -72,7 +72,7 @@ def check_config(n_layers: int, world: int, pp: int, n_micro: int, dp: int | Non
 def micro_layouts(args, method: str, b: int, n_micro: int, dp: int) -> list[Layout]:
     """The microbatches of batch ``b``, each packed over ``dp`` ranks (``wlb``: balanced packing)."""
     packing = "balanced" if method == "wlb" else "sequential"
-    return [pack(micro_docs(args, b, m, n_micro, dp), dp, args.tokens_per_rank, method=packing,
+    return [pack(micro_docs(args.recipe, b, m, n_micro, dp), dp, args.tokens_per_rank, method=packing,
                  model=args.model, cap=args.wlb_cap) for m in range(n_micro)]
 
 
@@ -86,10 +86,10 @@ class PipelineStep:
         self.n_valid = sum(n - 1 for lay in self.layouts for n in lay.doc_lens)
         self.lockstep = method in LOCKSTEP
         d, spec = grid.dp_rank, args.spec
-        self.nanos = micro_nanos(self.layouts, args) if method in ("cad-pingpong", "signal-only") else None
+        self.nanos = micro_nanos(self.layouts, args.recipe) if method in ("cad-pingpong", "signal-only") else None
         self.inputs, self.context = [], []
         for m, lay in enumerate(self.layouts):
-            tok, tgt = synthetic_tokens(lay, d, spec.vocab, micro_seed(args, b, m))
+            tok, tgt = synthetic_tokens(lay, d, spec.vocab, micro_seed(args.recipe, b, m))
             pos = positions(lay, d)
             if self.nanos is None:
                 self.inputs.append([tuple(t.to(device) for t in (tok, tgt, pos))])
@@ -102,7 +102,7 @@ class PipelineStep:
         if self.lockstep:
             self.ticks = lockstep(grid.pp, self.n_micro)
             self.batches = p2p_lockstep(self.ticks)[grid.stage]
-            self.plans = tick_plans(self.ticks, self.layouts, args, spec, self.nanos)
+            self.plans = tick_plans(self.ticks, self.layouts, args.recipe, spec, self.nanos)
             self.dds = [[prepare(p, world_group, device) for p in ps] for ps in self.plans]
             rank = grid.rank_of(grid.stage)
             self.imbalance = [[p.imbalance() for p in ps] for ps in self.plans]

@@ -12,7 +12,6 @@ import hashlib
 import json
 import pathlib
 import sys
-from types import SimpleNamespace
 
 import numpy as np
 
@@ -23,9 +22,9 @@ from cadlib.analysis.runs.e2e import load_committed  # noqa: E402
 from cadlib.core.cost import as_model  # noqa: E402
 from cadlib.data.packing import pack  # noqa: E402
 from cadlib.data.workload import sample_docs, sample_kwargs  # noqa: E402
-from cadlib.dispatch.build import build_dispatch  # noqa: E402
+from cadlib.dispatch.build import build_all  # noqa: E402
 from cadlib.scheduling import scheduler  # noqa: E402
-from cadlib.scheduling.recipes import batch_docs, cad_plan, nano_plans  # noqa: E402
+from cadlib.scheduling.recipes import Recipe, batch_docs, cad_plan, nano_plans  # noqa: E402
 from cadlib.scheduling.scheduler import place  # noqa: E402
 
 GOLDEN = ROOT / "tests" / "golden" / "plans.json"
@@ -58,8 +57,7 @@ def plan_print(plan, spec, dispatch: bool) -> dict:
             out[k] = plan.meta[k]
     if dispatch:
         rows = []
-        for r in range(plan.layout.n_ranks):
-            d = build_dispatch(plan, r)
+        for d in build_all(plan):
             rows.append([d.q_send_splits, d.q_recv_splits, d.kv_send_splits, d.kv_recv_splits, d.n_tasks,
                          list(d.gathered_rows()), bool(d.q_identity), int(d.q_keep),
                          digest(d.cu_q, d.cu_k, d.tasks)])
@@ -71,21 +69,21 @@ def e2e_prints() -> dict:
     out = {}
     for item in load_committed():
         cfg = item["config"]
-        args = SimpleNamespace(**{"nano_balance": "tokens", "nano_split": "whole", "sent_last": False, **cfg})
+        recipe = Recipe.from_config(cfg)
         world = int(cfg.get("nproc") or 2)
         spec = as_model(cfg["model"], **({"n_layers": cfg["layers"]} if cfg.get("layers") else {}))
         batches = sorted({int(r["batch"]) for r in item["results"]["per_batch"]})
         rows = {}
         for b in batches:
-            docs = batch_docs(args, b, world)
-            layout = pack(docs, world, args.tokens_per_rank, method="sequential")
-            wlb = pack(docs, world, args.tokens_per_rank, method="balanced", model=cfg["model"],
+            docs = batch_docs(recipe, b, world)
+            layout = pack(docs, world, recipe.tokens_per_rank, method="sequential")
+            wlb = pack(docs, world, recipe.tokens_per_rank, method="balanced", model=cfg["model"],
                        cap=cfg.get("wlb_cap"))
-            nanos, plans = nano_plans(layout, args, spec)
+            nanos, plans = nano_plans(layout, recipe, spec)
             rows[str(b)] = {
                 "docs": digest(docs), "wlb_layout": digest(wlb.chunk_array()),
                 "colocated": plan_print(scheduler.colocated(layout), spec, True),
-                "cad": plan_print(cad_plan(layout, args, spec), spec, True),
+                "cad": plan_print(cad_plan(layout, recipe, spec), spec, True),
                 "nano_rows": [digest(np.concatenate([np.asarray(r, dtype=np.int64) for r in nb.rows]))
                               for nb in nanos],
                 "nano_plans": [plan_print(p, spec, True) for p in plans]}

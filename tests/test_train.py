@@ -80,7 +80,7 @@ def test_timeline_batches_auto_picks_the_two_worst_stragglers():
     from cadlib import train
     args = train.parse_args(["--tokens-per-rank", "4096", "--steps", "6", "--timeline-batches", "auto"])
     picked = train.timeline_batches(args, 2)
-    imb = {b: scheduler.colocated(pack(recipes.batch_docs(args, b, 2), 2, 4096, method="sequential",
+    imb = {b: scheduler.colocated(pack(recipes.batch_docs(args.recipe, b, 2), 2, 4096, method="sequential",
                                              model=args.model)).imbalance() for b in range(6)}
     assert len(picked) == 2 and min(imb[b] for b in picked) >= max(imb[b] for b in set(imb) - picked)
     assert train.timeline_batches(train.parse_args(["--timeline-batches", "3,1"]), 2) == {1, 3}

@@ -27,7 +27,7 @@ def test_tick_plans_schedule_every_stage_and_let_dummies_serve():
                              "400", "--min-shard", "16", "--tolerance", "0.0"])
     lays = micro_layouts(args, "cad", 0, 3, 2)
     ticks = lockstep(2, 3)
-    plans = tick_plans(ticks, lays, args, args.spec)
+    plans = tick_plans(ticks, lays, args.recipe, args.spec)
     for t, (tick, (plan,)) in enumerate(zip(ticks, plans)):
         parts = tick_micro(tick, lays)
         tok = plan.layout.tokens_per_rank()
@@ -38,8 +38,8 @@ def test_tick_plans_schedule_every_stage_and_let_dummies_serve():
         if None in parts:                         # warm-up/drain: the idle stage's GPUs serve attention
             idle = 2 * parts.index(None)
             assert q[:, idle:idle + 2].sum() > 0, t
-    nanos = micro_nanos(lays, args)
-    pp_plans = tick_plans(ticks, lays, args, args.spec, nanos)
+    nanos = micro_nanos(lays, args.recipe)
+    pp_plans = tick_plans(ticks, lays, args.recipe, args.spec, nanos)
     assert all(len(ps) == 2 for ps in pp_plans)
     stacked = stack_nanos([nanos[0][1], None], 2)
     assert stacked.layout.n_ranks == 4 and [len(r) for r in stacked.rows[2:]] == [0, 0]
@@ -80,7 +80,7 @@ def reference_run(args, method: str, dp: int):
     for b in range(args.steps):
         total, n_valid = 0.0, 0
         for m, lay in enumerate(micro_layouts(args, method, b, args.microbatches, dp)):
-            seed = micro_seed(args, b, m)
+            seed = micro_seed(args.recipe, b, m)
             toks = [document_tokens(d, n, args.spec.vocab, seed) for d, n in enumerate(lay.doc_lens)]
             tok = torch.from_numpy(np.concatenate(toks))
             tgt = torch.from_numpy(np.concatenate([np.append(t[1:], IGNORE_INDEX) for t in toks]))

@@ -16,8 +16,8 @@ import numpy as np
 
 from ..core.layout import Layout, stack_layouts
 from ..core.pipeline import Tick
-from .nanosplit import NanoBatch, schedule_nano, split_nano_batches
-from .recipes import cad_plan
+from .nanosplit import NanoBatch, schedule_nano
+from .recipes import Recipe, cad_plan, nano_batches
 
 
 def tick_micro(tick: Tick, parts: list) -> list:
@@ -40,18 +40,18 @@ def stack_nanos(parts: list[NanoBatch | None], n_ranks_each: int) -> NanoBatch:
     return NanoBatch(layout, np.arange(layout.n_docs), rows, context if has else [], n_ctx if has else [])
 
 
-def micro_nanos(micro_layouts: list[Layout], args) -> list[tuple[NanoBatch, NanoBatch]]:
-    """Each microbatch's two nano-batches (``cad-pingpong``'s split of :func:`cadlib.scheduling.recipes.nano_plans`)."""
-    return [split_nano_batches(lay, args.nano_balance, split_docs=args.nano_split == "docs",
-                               min_piece=args.min_shard) for lay in micro_layouts]
+def micro_nanos(micro_layouts: list[Layout], recipe: Recipe) -> list[tuple[NanoBatch, NanoBatch]]:
+    """Each microbatch's two nano-batches (:func:`cadlib.scheduling.recipes.nano_batches`)."""
+    return [nano_batches(lay, recipe) for lay in micro_layouts]
 
 
-def tick_plans(ticks: list[Tick], micro_layouts: list[Layout], args, spec, nanos=None) -> list[list]:
+def tick_plans(ticks: list[Tick], micro_layouts: list[Layout], recipe: Recipe, spec,
+               nanos=None) -> list[list]:
     """Per tick, its plans over every GPU: one (``cad``) or, given the microbatches' ``nanos``
-    (:func:`micro_nanos`), one per nano-batch (``cad-pingpong``). ``args``: the train namespace."""
+    (:func:`micro_nanos`), one per nano-batch (``cad-pingpong``)."""
     dp = micro_layouts[0].n_ranks
     if nanos is None:
-        return [[cad_plan(stack_layouts(tick_micro(t, micro_layouts), dp), args, spec)] for t in ticks]
+        return [[cad_plan(stack_layouts(tick_micro(t, micro_layouts), dp), recipe, spec)] for t in ticks]
     return [[schedule_nano(stack_nanos(tick_micro(t, [n[j] for n in nanos]), dp), model=spec,
-                           tolerance=args.tolerance, min_shard=args.min_shard) for j in range(2)]
+                           tolerance=recipe.tolerance, min_shard=recipe.min_shard) for j in range(2)]
             for t in ticks]

@@ -1,51 +1,115 @@
 """How an end-to-end run builds the documents and plans of one step: the same on every rank, in
 ``python -m cadlib.train``, and wherever a committed run's batches are rebuilt (the scale replay, the
-cost-model checks, the benchmarks). ``args`` is ``python -m cadlib.train``'s namespace (or anything
-with its fields: ``dist``, ``tokens_per_rank``, ``seed``, ``doc_len``, ``max_doc_len``, ``tolerance``,
-``min_shard``, ``nano_balance``, ``nano_split``, ``sent_last``)."""
+what-if, the cost-model checks, the benchmarks). What they read is a :class:`Recipe`: train builds it
+from its flags, the replay (and so the what-if) from its setting, a committed run's analysis from the
+run's configuration (:meth:`Recipe.from_config`). The functions read only its fields, so anything
+that has them (``python -m cadlib.train``'s namespace) works too."""
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
+from typing import Mapping
+
+from ..core.defaults import DEFAULT_NANO_SPLIT, DEFAULT_SENT_LAST, DEFAULT_TOLERANCE
 from ..data.workload import sample_docs, sample_kwargs
 from . import scheduler
 from .nanosplit import schedule_nano, split_nano_batches
 from .sentlast import sent_last, sent_last_nanos
 
+NANO_BALANCES = ("tokens", "attention")
+NANO_SPLITS = ("whole", "docs")
 
-def batch_docs(args, b: int, world: int) -> list[int]:
-    """Document lengths of batch ``b`` (the same on every rank and for every method)."""
-    kw = sample_kwargs(args.dist)
+
+@dataclass(frozen=True)
+class Recipe:
+    """How a run samples its batches and plans each one.
+
+    ``dist``: a :mod:`cadlib.data.workload` distribution or preset (``uniform``: documents of
+    ``doc_len`` tokens, default an eighth of a rank's); ``tokens_per_rank`` tokens per rank;
+    ``seed``: batch ``b`` is sampled with seed ``seed * 100003 + b``; ``max_doc_len`` clips the
+    documents. The scheduler's ``tolerance`` and ``min_shard``; ping-pong's nano-batches balance
+    ``nano_balance`` (tokens or attention) and may cut documents (``nano_split="docs"``) or not
+    (``"whole"``); ``sent_last``: CAD's plans re-ordered so that rows sent away come last."""
+
+    dist: str
+    tokens_per_rank: int
+    seed: int = 0
+    doc_len: int | None = None
+    max_doc_len: int | None = None
+    tolerance: float = DEFAULT_TOLERANCE
+    min_shard: int = 512
+    nano_balance: str = "tokens"
+    nano_split: str = DEFAULT_NANO_SPLIT
+    sent_last: bool = DEFAULT_SENT_LAST
+
+    def __post_init__(self):
+        for f, lo in (("tokens_per_rank", 1), ("min_shard", 1), ("seed", 0)):
+            v = getattr(self, f)
+            if isinstance(v, bool) or int(v) != v or v < lo:
+                raise ValueError(f"Recipe.{f} must be an integer >= {lo}, got {v!r}")
+        if not self.tolerance >= 0:
+            raise ValueError(f"Recipe.tolerance must be >= 0, got {self.tolerance!r}")
+        if self.nano_balance not in NANO_BALANCES:
+            raise ValueError(f"Recipe.nano_balance must be one of {', '.join(NANO_BALANCES)}, "
+                             f"got {self.nano_balance!r}")
+        if self.nano_split not in NANO_SPLITS:
+            raise ValueError(f"Recipe.nano_split must be one of {', '.join(NANO_SPLITS)}, "
+                             f"got {self.nano_split!r}")
+        object.__setattr__(self, "sent_last", bool(self.sent_last))
+
+    @classmethod
+    def from_config(cls, config: Mapping, **base) -> "Recipe":
+        """The recipe of a run's configuration (a committed result's ``config``, or ``vars()`` of
+        ``python -m cadlib.train``'s flags): its fields where it has them, else ``base``'s, else those
+        of a file written before the field existed (such runs kept ping-pong's documents whole:
+        ``nano_split="whole"``; and did not lay out sent-last)."""
+        known = {f.name for f in fields(cls)}
+        kw = {"nano_split": "whole", "sent_last": False, **base,
+              **{k: v for k, v in config.items() if k in known}}
+        return cls(**kw)
+
+
+def batch_docs(recipe: Recipe, b: int, world: int) -> list[int]:
+    """Document lengths of batch ``b`` over ``world`` ranks (the same on every rank and for every
+    method)."""
+    kw = sample_kwargs(recipe.dist)
     dist_name = kw.pop("dist")
     if dist_name == "uniform":
-        kw["length"] = args.doc_len or max(1, args.tokens_per_rank // 8)
-    return sample_docs(dist_name, world * args.tokens_per_rank, seed=args.seed * 100_003 + b,
-                       max_doc_len=args.max_doc_len, **kw)
+        kw["length"] = recipe.doc_len or max(1, recipe.tokens_per_rank // 8)
+    return sample_docs(dist_name, world * recipe.tokens_per_rank, seed=recipe.seed * 100_003 + b,
+                       max_doc_len=recipe.max_doc_len, **kw)
 
 
-def micro_docs(args, b: int, m: int, n_micro: int, dp: int) -> list[int]:
+def micro_docs(recipe: Recipe, b: int, m: int, n_micro: int, dp: int) -> list[int]:
     """Document lengths of microbatch ``m`` of batch ``b`` under pipeline parallelism: ``dp`` ranks'
     tokens, sampled like a batch of its own (documents never cross microbatches)."""
-    return batch_docs(args, b * n_micro + m, dp)
+    return batch_docs(recipe, b * n_micro + m, dp)
 
 
-def micro_seed(args, b: int, m: int) -> int:
+def micro_seed(recipe: Recipe, b: int, m: int) -> int:
     """The synthetic-token seed of microbatch ``m`` of batch ``b`` (its document ids restart at 0,
     so each microbatch needs its own)."""
-    return int(args.seed) * 1_000_003 + b * 1_009 + m
+    return int(recipe.seed) * 1_000_003 + b * 1_009 + m
 
 
-def cad_plan(layout, args, spec):
-    """``cad``'s plan of a batch: the scheduler at the run's tolerance and minimum shard. With
-    ``args.sent_last`` the same tasks on a re-ordered layout (``plan.layout``, which the step's tokens
-    then follow; :mod:`cadlib.scheduling.sentlast`)."""
-    plan = scheduler.schedule(layout, model=spec, tolerance=args.tolerance, min_shard=args.min_shard)
-    return sent_last(plan).plan if getattr(args, "sent_last", False) else plan
+def cad_plan(layout, recipe: Recipe, spec):
+    """``cad``'s plan of a batch: the scheduler at the recipe's tolerance and minimum shard. With
+    ``recipe.sent_last`` the same tasks on a re-ordered layout (``plan.layout``, which the step's
+    tokens then follow; :mod:`cadlib.scheduling.sentlast`)."""
+    plan = scheduler.schedule(layout, model=spec, tolerance=recipe.tolerance, min_shard=recipe.min_shard)
+    return sent_last(plan).plan if recipe.sent_last else plan
 
 
-def nano_plans(layout, args, spec):
+def nano_batches(layout, recipe: Recipe):
+    """``cad-pingpong``'s two nano-batches of a layout
+    (:func:`cadlib.scheduling.nanosplit.split_nano_batches`)."""
+    return split_nano_batches(layout, recipe.nano_balance, split_docs=recipe.nano_split == "docs",
+                              min_piece=recipe.min_shard)
+
+
+def nano_plans(layout, recipe: Recipe, spec):
     """``cad-pingpong``'s two nano-batches of a batch and their plans (each scheduled on its own;
-    with ``args.sent_last`` each re-ordered, :func:`cadlib.scheduling.sentlast.sent_last_nanos`)."""
-    nanos = split_nano_batches(layout, args.nano_balance, split_docs=args.nano_split == "docs",
-                               min_piece=args.min_shard)
-    plans = [schedule_nano(nb, model=spec, tolerance=args.tolerance, min_shard=args.min_shard)
+    with ``recipe.sent_last`` each re-ordered, :func:`cadlib.scheduling.sentlast.sent_last_nanos`)."""
+    nanos = nano_batches(layout, recipe)
+    plans = [schedule_nano(nb, model=spec, tolerance=recipe.tolerance, min_shard=recipe.min_shard)
              for nb in nanos]
-    return sent_last_nanos(nanos, plans) if getattr(args, "sent_last", False) else (nanos, plans)
+    return sent_last_nanos(nanos, plans) if recipe.sent_last else (nanos, plans)

@@ -177,12 +177,10 @@ def fake_e2e_item(cost, batches=(0, 1), skew=1.1):
 
 
 def test_rebuild_plans_follow_train():
-    from types import SimpleNamespace
-
     from cadlib.scheduling.nanosplit import split_nano_batches
-    from cadlib.scheduling.recipes import batch_docs
+    from cadlib.scheduling.recipes import Recipe, batch_docs
     spec, layout, plan, nanos, coloc = rebuild_plans(E2E_CFG, 1, 2)
-    docs = batch_docs(SimpleNamespace(**E2E_CFG), 1, 2)
+    docs = batch_docs(Recipe.from_config(E2E_CFG), 1, 2)
     assert layout.doc_lens == list(docs) and layout.n_ranks == 2 and spec.n_layers == 2
     assert plan.meta["min_shard"] == 512 and plan.imbalance() <= coloc.imbalance() + 1e-12
     assert len(nanos) == 2 and all(p.layout.n_ranks == 2 for p in nanos)

@@ -152,7 +152,7 @@ def test_pingpong_with_cut_documents_matches_colocated(world, tmp_path):
     args = train.parse_args(argv)
     spans = short = empty_b = False
     for i in range(3):
-        docs = recipes.batch_docs(args, i, world)
+        docs = recipes.batch_docs(args.recipe, i, world)
         layout = pack(docs, world, 256)
         a, b = split_nano_batches(layout, split_docs=True, min_piece=16)
         own = layout.owner_map()

@@ -307,10 +307,10 @@ def pipeline_lockstep(s: Setting4D, lays: list[Layout], pp: int, dp: int, times,
     base, spec, R = s.base(dp), s.spec, pp * dp
     L = spec.n_layers // pp
     opt, head = _ends(s, pp, times, backend)
-    args = base.recipe_args()
+    recipe = base.recipe()
     ticks = lockstep(pp, len(lays))
-    nanos = micro_nanos(lays, args)
-    plans = tick_plans(ticks, lays, args, spec, nanos)
+    nanos = micro_nanos(lays, recipe)
+    plans = tick_plans(ticks, lays, recipe, spec, nanos)
     composed, imb = [], []
     for tick, ps in zip(ticks, plans):
         bwd = tick.phase == "B"

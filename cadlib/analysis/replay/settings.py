@@ -33,7 +33,6 @@ all-gather of the whole group.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 
 import numpy as np
 
@@ -44,10 +43,10 @@ from ...core.methods import METHODS, names
 from ...core.paper import DISTCA_TABLE3_8B, DISTCA_TP
 from ...data.packing import pack, per_doc_gather_tokens, wlb_layout
 from ...data.workload import sample_docs, sample_kwargs, sample_lengths
-from ...dispatch.build import build_dispatch
+from ...dispatch.build import build_all
 from ...dispatch.meta import Dispatch
 from ...scheduling import scheduler
-from ...scheduling.recipes import batch_docs, cad_plan, nano_plans
+from ...scheduling.recipes import Recipe, batch_docs, cad_plan, nano_plans
 from ..model.idle import varlen_chunking
 from ..model.sim import Hardware
 from .times import DTYPE
@@ -109,12 +108,12 @@ class Setting:
     def cp_degrees(self) -> tuple[int, ...]:
         return tuple(c for c in self.wlb_cp if self.dp % c == 0)
 
-    def recipe_args(self) -> SimpleNamespace:
-        """The fields :mod:`cadlib.scheduling.recipes` reads, as ``python -m cadlib.train`` has them."""
-        base = {"dist": self.dist, "tokens_per_rank": self.tokens, "seed": self.seed, "doc_len": None,
-                "max_doc_len": self.max_doc_len, "tolerance": self.tolerance, "min_shard": self.min_shard,
-                "nano_balance": "tokens", "nano_split": self.nano_split, "sent_last": False}
-        return SimpleNamespace(**{**base, **(self.config or {})})
+    def recipe(self) -> Recipe:
+        """How its batches are sampled and planned (:mod:`cadlib.scheduling.recipes`): a committed
+        run's ``config`` where it says, else this setting's fields."""
+        return Recipe.from_config(self.config or {}, dist=self.dist, tokens_per_rank=self.tokens,
+                                  seed=self.seed, max_doc_len=self.max_doc_len, tolerance=self.tolerance,
+                                  min_shard=self.min_shard, nano_split=self.nano_split)
 
 
 LINK_NAMES = ("ib", "ib-low", "nvlink", "inter-node-like")
@@ -179,7 +178,7 @@ def allgather_settings(nodes=(2, 4, 8, 16, 32), tokens_per_node: int = TOKENS_PE
 def batch_lengths(s: Setting, b: int) -> list[int]:
     """Document lengths of batch ``b``: the committed run's (its seeds) or sampled for the setting."""
     if s.config is not None:
-        return batch_docs(s.recipe_args(), b, s.dp)
+        return batch_docs(s.recipe(), b, s.dp)
     if s.lengths is not None:
         return sample_lengths(s.lengths, s.dp * s.tokens, seed=s.seed * 100_003 + b, elongate=s.elongate,
                               max_doc_len=s.max_doc_len)
@@ -235,15 +234,14 @@ def gather_bytes(layout: Layout, spec: ModelSpec) -> dict:
 
 def _colocated_work(method: str, layout: Layout, spec: ModelSpec, meta: dict) -> Work:
     plan = scheduler.colocated(layout)
-    R = layout.n_ranks
-    ds = [build_dispatch(plan, r) for r in range(R)]
+    ds = build_all(plan)
     return Work(method, layout.tokens_per_rank().astype(np.int64), [ds], gather_bytes(layout, spec),
-                [[_served(plan, r) for r in range(R)]], {**meta, "imbalance": plan.imbalance()})
+                [[_served(plan, r) for r in range(layout.n_ranks)]], {**meta, "imbalance": plan.imbalance()})
 
 
 def method_work(s: Setting, docs: list[int], method: str, cp: int = 1) -> Work:
     """``method``'s work for a batch of documents ``docs`` (``cp``: WLB's context-parallel degree)."""
-    spec, R, args = s.spec, s.dp, s.recipe_args()
+    spec, R, recipe = s.spec, s.dp, s.recipe()
     if method == "colocated":
         return _colocated_work(method, pack(docs, R, s.tokens), spec, {})
     if method == "wlb":
@@ -253,12 +251,12 @@ def method_work(s: Setting, docs: list[int], method: str, cp: int = 1) -> Work:
         return _colocated_work(method, lay, spec, {})
     layout = pack(docs, R, s.tokens)
     if method == "cad":
-        plan = cad_plan(layout, args, spec)
-        ds = [build_dispatch(plan, r) for r in range(R)]
+        plan = cad_plan(layout, recipe, spec)
+        ds = build_all(plan)
         return Work(method, layout.tokens_per_rank().astype(np.int64), [ds], _cad_bytes(ds, spec),
                     [[_served(plan, r) for r in range(R)]], {"imbalance": plan.imbalance()})
-    nanos, plans = nano_plans(layout, args, spec)
-    ds = [[build_dispatch(p, r) for r in range(R)] for p in plans]
+    nanos, plans = nano_plans(layout, recipe, spec)
+    ds = [build_all(p) for p in plans]
     per = [_cad_bytes(d, spec) for d in ds]
     byts = {k: tuple(np.stack([p[k][i] for p in per]) for i in range(2)) for k in per[0]}
     tokens = np.array([[len(nb.rows[r]) for r in range(R)] for nb in nanos], dtype=np.int64)

@@ -3,8 +3,6 @@
 batches, and against the committed end-to-end runs (``scripts/analyses/cost_model_check.py``)."""
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import numpy as np
 import pandas as pd
 
@@ -14,7 +12,7 @@ from ...data.packing import pack, rank_costs
 from ...data.workload import sample_docs
 from ...dispatch.build import build_dispatch
 from ...scheduling import scheduler
-from ...scheduling.recipes import batch_docs, cad_plan, nano_plans
+from ...scheduling.recipes import Recipe, batch_docs, cad_plan, nano_plans
 from ..model.sim import Hardware, attention_seconds, calibrated_cad_step
 
 # ---------------------------------------------------------------------------------------------------
@@ -62,10 +60,10 @@ def rebuild_plans(config: dict, batch: int, world: int):
     :mod:`cadlib.train` builds it: ``(spec, layout, plan, nano_plans, colocated_plan)``; ``plan`` is
     the ``cad`` method's, ``nano_plans`` ``cad-pingpong``'s two (its nano-batches cut documents when
     the file's ``nano_split`` is ``docs``; files without the key kept them whole)."""
-    args = SimpleNamespace(**{"nano_balance": "tokens", "nano_split": "whole", "sent_last": False, **config})
+    recipe = Recipe.from_config(config)
     spec = as_model(config["model"], **({"n_layers": config["layers"]} if config.get("layers") else {}))
-    layout = pack(batch_docs(args, int(batch), world), world, args.tokens_per_rank, method="sequential")
-    return (spec, layout, cad_plan(layout, args, spec), nano_plans(layout, args, spec)[1],
+    layout = pack(batch_docs(recipe, int(batch), world), world, recipe.tokens_per_rank, method="sequential")
+    return (spec, layout, cad_plan(layout, recipe, spec), nano_plans(layout, recipe, spec)[1],
             scheduler.colocated(layout))
 
 

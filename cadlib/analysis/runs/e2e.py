@@ -31,7 +31,7 @@ from ...core.spans import last_step
 from ...data.packing import pack, rank_costs
 from ...infra.results import find_results, load_result
 from ...scheduling import scheduler
-from ...scheduling.recipes import batch_docs
+from ...scheduling.recipes import Recipe, batch_docs
 from ..model.sim import calibrated_cad_step
 
 SAVING_THRESHOLD = 0.05
@@ -65,18 +65,15 @@ def saving(df: pd.DataFrame) -> pd.DataFrame:
 
 def predicted_speedup(df: pd.DataFrame, config: dict, world: int) -> pd.DataFrame:
     """The calibrated straggler model's CAD speedup per batch (see the module docstring)."""
-    from types import SimpleNamespace
-
-
-    args = SimpleNamespace(**config)
+    recipe = Recipe.from_config(config)
     spec = as_model(config["model"], **({"n_layers": config["layers"]} if config.get("layers") else {}))
     c = df[df.method == "colocated"]
     rows = []
     for b, grp in c.groupby("batch"):
         grp = grp.sort_values("rank")
-        layout = pack(batch_docs(args, int(b), world), world, args.tokens_per_rank)
+        layout = pack(batch_docs(recipe, int(b), world), world, recipe.tokens_per_rank)
         flops = rank_costs(layout, spec, backward=True)["attention_flops"]
-        plan = scheduler.schedule(layout, model=spec, tolerance=args.tolerance, min_shard=args.min_shard)
+        plan = scheduler.schedule(layout, model=spec, tolerance=recipe.tolerance, min_shard=recipe.min_shard)
         plan_flops = plan.server_flops(spec, backward=True, layers=None)
         step = float(grp.step_ms.max())
         pred = calibrated_cad_step(step, grp.attention_ms.to_numpy(), flops, plan_flops)
