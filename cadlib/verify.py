@@ -39,7 +39,7 @@ from .core.plan import Plan, layout_to_tasks
 from .core.precision import DTYPES, RTOL
 from .data.packing import pack
 from .data.workload import DISTRIBUTIONS, sample_docs
-from .dispatch.build import build_dispatch
+from .dispatch.build import build_all
 from .infra.groups import destroy, init_from_env
 from .infra.progress import log, report_progress, write_result
 from .runtime.kernels import TORCH_DTYPES
@@ -139,7 +139,7 @@ def check_case(layout: Layout, plan: Plan, model: ModelSpec, dtype: torch.dtype,
     dist.all_reduce(scale, op=dist.ReduceOp.MAX, group=group)
     rel = (errs / scale.clamp_min(1e-30)).tolist()
     q_mat, kv_mat = plan.token_matrices()
-    ds = [build_dispatch(plan, r) for r in range(layout.n_ranks)]
+    ds = build_all(plan)
     return {"identity_servers": sum(d.q_identity for d in ds),           # no gather/scatter (dispatch)
             "identity_receiving": sum(d.q_identity and d.n_recv_q > 0 for d in ds),
             "identity_donors": sum(d.q_identity and d.n_send_q > 0 for d in ds),     # sent-last plans

@@ -249,7 +249,8 @@ def _call_order(served: np.ndarray, doc, a, b, big: int) -> np.ndarray:
 
 
 def build_all(plan: Plan) -> list[Dispatch]:
-    """Every rank's :class:`Dispatch` (single-process use: tests, notebooks, simulated exchange)."""
+    """Every rank's :class:`Dispatch`, where one process needs them all (the replay, ``cadlib.verify``'s
+    summary, :func:`simulate_exchange`, tests and notebooks); a rank running the plan builds its own."""
     return [build_dispatch(plan, r) for r in range(plan.layout.n_ranks)]
 
 
