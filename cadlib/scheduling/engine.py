@@ -24,7 +24,7 @@ import numpy as np
 from ..core.cost import imbalance
 from .index import ChunkIndex
 from .shards import cut_near, end_cut
-from .views import DonorView, Views
+from .views import Candidates, DonorView, Views
 
 
 @dataclass
@@ -169,23 +169,23 @@ class Greedy(Views):
         if not v.tasks.size:
             return None
         n, nr = v.tasks.size, v.rep.size
-        if v.rows is None:
-            v.rows = self.candidate_rows(s, v)
-        F = v.rows                                                # rows: chunk servers, the rest, g
-        recv = F[1]
+        if v.candidates is None:
+            v.candidates = self.candidate_rows(s, v)
+        C = v.candidates                                          # receivers: chunk servers, the rest, g
+        recv = C.receiver
         recv[:nr] = self.server[v.chunk]                          # (chunks move)
         recv[-n:] = g
         srv = recv[:nr]
         room = U - load[recv]
         yf = np.floor(room)
-        keep = (recv != s) & (F[6] <= yf)                         # room for the smallest valid move
+        keep = (recv != s) & (C.min_pairs <= yf)                  # room for the smallest valid move
         excess = load[s] - U
         if excess > yf[-1]:                                       # no move clears: a bound prunes rows
-            self.prune(v, F, keep, excess, room[-1])
-        F = F[:, keep]                                            # (a pair twice scores twice: same move)
-        if not F.shape[1]:
+            self.prune(v, C, keep, excess, room[-1])
+        C = C.where(keep)                                         # (a pair twice scores twice: same move)
+        if not len(C):
             return None
-        col, recv, d, a, b, h, _, _, other, kv_now, _ = F
+        col, recv, d, a, b, h, other, kv_now = C.task, C.receiver, C.doc, C.a, C.b, C.home, C.other, C.kv_now
         # pairs of each task's document that donors could shed: sum over its chunks on donors of
         # min(pairs, the donor's excess)
         avail = np.bincount(v.rep, weights=np.minimum(np.maximum(load[srv] - U, 0), self.pairs[v.chunk]),
@@ -224,7 +224,7 @@ class Greedy(Views):
         return Move(task=int(v.tasks[col[c]]), receiver=int(recv[c]), k=int(k[sd, c]),
                     pairs=int(p[sd, c]), from_end=sd == 0, bytes=int(byt[sd, c]), at=int(col[c]))
 
-    def prune(self, v: DonorView, F: np.ndarray, keep: np.ndarray, excess: float, room: float) -> None:
+    def prune(self, v: DonorView, C: Candidates, keep: np.ndarray, excess: float, room: float) -> None:
         """Drop from ``keep`` the rows that cannot be the best move, when no move can clear the
         ``excess`` (a move carries at most the floor of its receiver's room, and the emptiest
         receiver's, ``room``, is the largest), so that every priority is ``cost / P``. A move of ``k``
@@ -236,12 +236,12 @@ class Greedy(Views):
         ``q_bytes / b`` above that per pair are worse than it (that move's own row is never one: its
         ``p0 <= k0 b0``)."""
         n = v.tasks.size
-        i = int(F[7, -n:].argmax())                               # the task with the most pairs
+        i = int(C.pairs[-n:].argmax())                            # the task with the most pairs
         x, y = max(math.ceil(min(excess, room)), 1), math.floor(room)    # as best_move's
         k0, p0 = end_cut(v.a.item(i), v.b.item(i), x, y, self.m)
         if p0 > 0:
             bmax = (self.qb * p0 - 1) // (self.qb * k0 + self.kvb * v.b.item(i))   # q_bytes / b > bound
-            keep &= F[10] > bmax
+            keep &= C.cheap > bmax
 
     def apply(self, s: int, mv: Move) -> None:
         t, r, k, i = mv.task, mv.receiver, mv.k, mv.at
@@ -259,7 +259,7 @@ class Greedy(Views):
                 ix = self.ix
                 for g in self.server[ix.by_doc[ix.doc_ptr[d]:ix.doc_ptr[d + 1]]].tolist():
                     if g in self.views:
-                        self.views[g].rows = None
+                        self.views[g].candidates = None
             self.has_shard[d] = True
             self.pairs[t] -= mv.pairs
             if mv.from_end:

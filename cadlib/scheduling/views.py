@@ -6,8 +6,8 @@ the other tasks' prefix end per task, the KV it fetches now, and the chunks of e
 with their holders) is built for every donor at once when the greedy starts
 (:meth:`Views.build_views`, one numpy pass) and updated in place after the donor moves
 (:meth:`Views.shrink_view`). Its candidate (task, receiver) rows, with the task fields they need packed
-beside them (:meth:`Views.candidate_rows`), are kept until the donor moves or one of its documents gets
-a new shard server.
+beside them (:class:`Candidates`, :meth:`Views.candidate_rows`), are kept until the donor moves or one
+of its documents gets a new shard server.
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import numpy as np
 from .index import other_ends
 
 FIELDS = ("doc", "a", "b", "home", "min_pairs", "pairs", "other", "kv_now", "cheap")
+ROWS = ("task", "receiver", *FIELDS)
 _NONE = np.iinfo(np.int64).max
 
 
@@ -26,16 +27,34 @@ class DonorView:
     the task's document without the task (``other``), the KV tokens the donor fetches for that
     document now (``kv_now``), the task's end where each of its moves costs at least
     ``q_bytes / end`` per pair (``cheap``: it is served at home and its donor fetches no KV for it;
-    else a bound above any end; set with the rows), and the chunks of the task's document (``rep``:
-    which task, ``chunk``, its ``holder`` rank or -1 when that rank is not a server); ``rows``:
-    :meth:`Views.candidate_rows`, ``None`` until computed and again when the donor moves or a document
-    of the view gets a new shard server."""
+    else a bound above any end; set with the candidates), and the chunks of the task's document (``rep``:
+    which task, ``chunk``, its ``holder`` rank or -1 when that rank is not a server);
+    ``candidates``: its :class:`Candidates` (:meth:`Views.candidate_rows`), ``None`` until computed and
+    again when the donor moves or a document of the view gets a new shard server."""
 
     def __init__(self, tasks: np.ndarray, cols: np.ndarray):
         self.tasks, self.cols = tasks, cols
         for f, row in zip(FIELDS, cols):
             setattr(self, f, row)
-        self.rep = self.chunk = self.holder = self.rows = None
+        self.rep = self.chunk = self.holder = self.candidates = None
+
+
+class Candidates:
+    """A donor's candidate moves, one per (task, receiver): the rows of one int64 array ``rows``
+    (:data:`ROWS`, each also an attribute viewing its row): ``task`` (the task's place in the donor's
+    view), ``receiver``, then the task's :data:`FIELDS` beside them."""
+
+    def __init__(self, rows: np.ndarray):
+        self.rows = rows
+        for f, row in zip(ROWS, rows):
+            setattr(self, f, row)
+
+    def __len__(self) -> int:
+        return self.rows.shape[1]
+
+    def where(self, keep: np.ndarray) -> "Candidates":
+        """The candidates where ``keep`` is true (a copy)."""
+        return Candidates(self.rows[:, keep])
 
 
 class Views:
@@ -98,12 +117,12 @@ class Views:
             v.other[j] = second if bj == top else top
         if sel:
             v.kv_now[sel] = top - self.ix.owned1(s, d, top)
-        v.rows = None
+        v.candidates = None
         return v
 
-    def candidate_rows(self, s: int, v: DonorView) -> np.ndarray:
-        """Donor ``s``'s candidate (task, receiver) rows with the task's fields beside them, one array
-        ``[task, receiver, *FIELDS] x rows``: first the rows of the tasks' documents' chunks' servers,
+    def candidate_rows(self, s: int, v: DonorView) -> Candidates:
+        """Donor ``s``'s candidate (task, receiver) rows with the task's fields beside them (:data:`ROWS`
+        x candidates): first the rows of the tasks' documents' chunks' servers,
         then of the holders that are other servers and of the servers given shards of the document,
         then one per task for the emptiest receiver; the receivers of the first and last part are
         filled in per move (chunks move, and so does the emptiest receiver)."""
@@ -118,8 +137,8 @@ class Views:
                 recv.append(er)
         task = np.concatenate((*task, np.arange(v.tasks.size)))
         v.cheap[:] = np.where((v.home == s) & (v.kv_now == 0), v.b, _NONE)
-        F = np.empty((2 + v.cols.shape[0], task.size), dtype=np.int64)
-        F[0] = task
-        np.concatenate(recv, out=F[1, :task.size - v.tasks.size])
-        np.take(v.cols, task, axis=1, out=F[2:])
-        return F
+        rows = np.empty((len(ROWS), task.size), dtype=np.int64)
+        rows[0] = task
+        np.concatenate(recv, out=rows[1, :task.size - v.tasks.size])
+        np.take(v.cols, task, axis=1, out=rows[2:])
+        return Candidates(rows)
