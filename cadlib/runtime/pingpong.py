@@ -51,6 +51,33 @@ class _Barrier(torch.autograd.Function):
         return (None, *grads)
 
 
+class _NanoBatch:
+    """One nano-batch on this rank: its ``name`` (A or B), ``rope`` (cos, sin) and device dispatch
+    ``dd``, and its live tensors between ticks (None where nothing is live): the residual stream
+    ``x``; ``q``, ``k``, ``v`` before the send; ``qb``, ``kb``, ``vb`` on its servers; ``out`` their
+    output; ``o`` back home; and on A, ``kc``, ``vc``: B's KV-only context rows of A's ``k``, ``v``."""
+
+    TENSORS = ("x", "q", "k", "v", "qb", "kb", "vb", "out", "o", "kc", "vc")
+    __slots__ = ("name", "rope", "dd", *TENSORS)
+
+    def __init__(self, name: str, x: torch.Tensor, rope, dd):
+        self.name, self.rope, self.dd = name, rope, dd
+        for f in self.TENSORS:
+            setattr(self, f, None)
+        self.x = x
+
+    def take(self, *fields: str) -> tuple:
+        """The tensors of ``fields``, which stop being live here."""
+        out = tuple(getattr(self, f) for f in fields)
+        for f in fields:
+            setattr(self, f, None)
+        return out
+
+    def live(self) -> list[str]:
+        """The fields whose tensors autograd tracks (the ones a barrier must join)."""
+        return [f for f in self.TENSORS if getattr(self, f) is not None and getattr(self, f).requires_grad]
+
+
 def pingpong_layers(model, xs, ropes, dds, comm, streams: Streams, attn_backend=None,
                     tl: Timeline = OFF, context=None):
     """Run every decoder layer of ``model`` over nano-batches A and B in DistCA's tick order.
@@ -62,47 +89,46 @@ def pingpong_layers(model, xs, ropes, dds, comm, streams: Streams, attn_backend=
     ``n_B + len(context)`` local rows: q is padded with zeros, k and v take A's rows.
     Returns the two residual streams after the last layer (before the final norm)."""
     layers = list(model.layers)
-    st: dict[str, torch.Tensor] = {"xA": xs[0], "xB": xs[1]}
+    A, B = nanos = [_NanoBatch(name, x, rope, dd) for name, x, rope, dd in zip("AB", xs, ropes, dds)]
     ctx = context if context is not None and context.numel() else None
     n_ctx, n_b = (0 if ctx is None else ctx.numel()), xs[1].shape[0]
 
     def barrier():
-        keys = [k for k, v in st.items() if v.requires_grad]
-        if keys:
-            st.update(zip(keys, as_tuple(_Barrier.apply(streams, *[st[k] for k in keys]))))
+        live = [(nb, f) for nb in nanos for f in nb.live()]
+        if live:
+            joined = as_tuple(_Barrier.apply(streams, *[getattr(nb, f) for nb, f in live]))
+            for (nb, f), t in zip(live, joined):
+                setattr(nb, f, t)
         else:
             streams.barrier()
 
-    def pre(i, s):
-        q, k, v = spanned(tl, f"linear {s}", lambda x: layers[i].pre_attention(x, *ropes["AB".index(s)]),
-                           st["x" + s])
-        if ctx is not None and s == "A":           # B's context rows, before A's send takes k, v
-            st["kcA"], st["vcA"] = k.index_select(0, ctx), v.index_select(0, ctx)
+    def pre(i, nb):
+        q, k, v = spanned(tl, f"linear {nb.name}", lambda x: layers[i].pre_attention(x, *nb.rope), nb.x)
+        if ctx is not None and nb is A:            # B's context rows, before A's send takes k, v
+            A.kc, A.vc = k.index_select(0, ctx), v.index_select(0, ctx)
         elif ctx is not None:
+            kc, vc = A.take("kc", "vc")
             q = torch.cat([q, q.new_zeros((n_ctx, *q.shape[1:]))])
-            k, v = torch.cat([k, st.pop("kcA")]), torch.cat([v, st.pop("vcA")])
-        st["q" + s], st["k" + s], st["v" + s] = q, k, v
+            k, v = torch.cat([k, kc]), torch.cat([v, vc])
+        nb.q, nb.k, nb.v = q, k, v
 
-    def post(i, s):
-        st["x" + s] = spanned(tl, f"linear {s}", layers[i].post_attention, st["x" + s], st.pop("o" + s))
+    def post(i, nb):
+        nb.x = spanned(tl, f"linear {nb.name}", layers[i].post_attention, nb.x, *nb.take("o"))
 
-    def send_(s):
-        d = dds["AB".index(s)]
-        bufs = send(st.pop("q" + s), st.pop("k" + s), st.pop("v" + s), d, comm, streams, tl, s)
-        st["qb" + s], st["kb" + s], st["vb" + s] = bufs
+    def send_(nb):
+        nb.qb, nb.kb, nb.vb = send(*nb.take("q", "k", "v"), nb.dd, comm, streams, tl, nb.name)
 
-    def serve_(s):
-        d = dds["AB".index(s)]
-        st["out" + s] = serve(st.pop("qb" + s), st.pop("kb" + s), st.pop("vb" + s), d, attn_backend, tl, s)
+    def serve_(nb):
+        nb.out = serve(*nb.take("qb", "kb", "vb"), nb.dd, attn_backend, tl, nb.name)
 
-    def ret_(s):
-        o = ret(st.pop("out" + s), dds["AB".index(s)], comm, streams, tl, s)
-        st["o" + s] = o[:n_b] if s == "B" and ctx is not None else o
+    def ret_(nb):
+        o = ret(*nb.take("out"), nb.dd, comm, streams, tl, nb.name)
+        nb.o = o[:n_b] if nb is B and ctx is not None else o
 
-    pre(0, "A")                                        # tick 0
+    pre(0, A)                                          # tick 0
     # every rank checks, before the first all-to-all: A's tensors fully, B's row count (B's q, k, v
     # come from the same layer, so they share A's dtype, heads and head_dim)
-    attn_backend = check_inputs(st["qA"], st["kA"], st["vA"], dds[0].meta.n_local, attn_backend, comm.group)
+    attn_backend = check_inputs(A.q, A.k, A.v, dds[0].meta.n_local, attn_backend, comm.group)
     for s, n, d in zip("AB", (xs[0].shape[0], n_b + n_ctx), dds):
         if n != d.meta.n_local:
             extra = f" ({n_b} tokens + {n_ctx} context rows)" if s == "B" and n_ctx else " tokens"
@@ -110,21 +136,21 @@ def pingpong_layers(model, xs, ropes, dds, comm, streams: Streams, attn_backend=
                              f"n_local={d.meta.n_local}")
     for i in range(len(layers)):
         barrier()                                      # tick 1: send A | linear B
-        send_("A")
+        send_(A)
         if i > 0:
-            post(i - 1, "B")
-        pre(i, "B")
+            post(i - 1, B)
+        pre(i, B)
         barrier()                                      # tick 2: send B | attention A
-        send_("B")
-        serve_("A")
+        send_(B)
+        serve_(A)
         barrier()                                      # tick 3: return A | attention B
-        ret_("A")
-        serve_("B")
+        ret_(A)
+        serve_(B)
         barrier()                                      # tick 4: return B | linear A
-        ret_("B")
-        post(i, "A")
+        ret_(B)
+        post(i, A)
         if i + 1 < len(layers):
-            pre(i + 1, "A")
+            pre(i + 1, A)
     barrier()
-    post(len(layers) - 1, "B")
-    return st["xA"], st["xB"]
+    post(len(layers) - 1, B)
+    return A.x, B.x
