@@ -18,7 +18,9 @@ Methods (every one sees the same sampled batches, from the same initial weights)
   that shows what communication still costs).
 
 ``--pp N`` (and ``--microbatches``): the same methods under pipeline parallelism over a DP x PP grid,
-colocated and wlb in 1F1B, the CAD methods in DistCA's lock-step ticks (:mod:`cadlib.train_pp`).
+colocated and wlb in 1F1B, the CAD methods in DistCA's lock-step ticks (:mod:`cadlib.train_pp`). One
+loop (:func:`main`) runs both: only the step's schedule differs (:class:`Runner` without stages,
+:class:`cadlib.train_pp.PipelineRunner` with them).
 
 ``--sent-last`` (off by default): ``cad``, ``cad-pingpong`` and ``signal-only`` lay each rank's tokens
 (of each nano-batch) out with the rows its plan sends to other servers last, so that the servers
@@ -43,8 +45,7 @@ import torch.distributed as dist
 
 from .core.cost import MODELS, as_model
 from .core.defaults import DEFAULT_NANO_SPLIT, DEFAULT_TOLERANCE
-from .core.methods import METHODS as ALL_METHODS
-from .core.methods import names
+from .core.methods import METHODS as ALL_METHODS, names
 from .core.precision import TRAIN_DTYPES
 from .core.spans import overlap
 from .cp.allgather import layout_attention
@@ -61,13 +62,13 @@ from .runtime.stages import cad_attention, prepare
 from .runtime.streams import Streams, Timeline, spanned
 from .scheduling import scheduler
 from .scheduling.recipes import Recipe, batch_docs, cad_plan, nano_plans
-from .train_pp import PipelineRunner, PipelineStep, check_config, pp_metrics, total_loss
+from .train_pp import PipelineRunner, check_config
 
 METHODS = names(trainable=True)
 """What ``--methods`` takes (:mod:`cadlib.core.methods`)."""
 
 
-# ----------------------------------------------------------------------------------------- batches
+# ------------------------------------------------------------------- a step without pipeline stages
 def _colocated_attention(layout, group, attn_backend, tl):
     """Per-document CP on ``layout``: the all-gather mechanism of :mod:`cadlib.cp` (the kernel calls
     alone are the timeline's attention spans; the whole call, all-gathers and waits included, is a
@@ -78,24 +79,24 @@ def _colocated_attention(layout, group, attn_backend, tl):
 class Step:
     """Everything one (method, batch) needs on this rank, built on the host before the step."""
 
-    def __init__(self, method, docs, args, model, rank, world, group, device):
+    def __init__(self, method, docs, args, rank, world, group, device):
         self.method = method
-        packing = "balanced" if method == "wlb" else "sequential"
-        self.layout = pack(docs, world, args.tokens_per_rank, method=packing, model=args.model,
+        m = ALL_METHODS[method]
+        self.layout = pack(docs, world, args.tokens_per_rank, method=m.packing, model=args.model,
                            cap=args.wlb_cap)
-        spec = args.spec
+        spec, recipe = args.spec, args.recipe
         self.n_valid = sum(n - 1 for n in docs)
         self.context = None
-        pingpong = method in ("cad-pingpong", "signal-only")
-        if pingpong:
-            self.nanos, self.plans = nano_plans(self.layout, args.recipe, spec)
+        one_plan = m.cad and not m.pingpong
+        if m.pingpong:
+            self.nanos, self.plans = nano_plans(self.layout, recipe, spec)
         else:
-            self.plans = [cad_plan(self.layout, args.recipe, spec)] if method == "cad" else []
+            self.plans = [cad_plan(self.layout, recipe, spec)] if one_plan else []
         # the tokens in the layout's order (cad with --sent-last: its plan's re-ordered layout)
-        tokens_layout = self.plans[0].layout if method == "cad" else self.layout
+        tokens_layout = self.plans[0].layout if one_plan else self.layout
         tok, tgt = synthetic_tokens(tokens_layout, rank, spec.vocab, args.seed)
         pos = positions(tokens_layout, rank)
-        if pingpong:
+        if m.pingpong:
             self.inputs = [tuple(t[torch.as_tensor(nb.rows[rank])].to(device) for t in (tok, tgt, pos))
                            for nb in self.nanos]
             ctx = self.nanos[1].context
@@ -110,44 +111,76 @@ class Step:
             [scheduler.colocated(self.layout).imbalance()]
 
 
-
-def forward(step: Step, model, group, streams, tl, args, signal_only: bool):
+def forward(step: Step, model, group, streams, tl, args):
     """Forward of this rank's tokens; returns the local sum of token cross-entropies."""
-    comm = SignalOnly(group) if signal_only else AllToAll(group)
+    m = ALL_METHODS[step.method]
+    comm = SignalOnly(group) if m.signal_only else AllToAll(group)
 
     def head(h, tgt):
         # the chunked LM-head loss, called directly: Decoder.loss also counts targets on the host
         return spanned(tl, "head", lambda x: ChunkedCrossEntropy.apply(x, model.lm_head.weight, tgt,
                                                                         args.ce_chunk), h)
 
-    if step.method in ("cad-pingpong", "signal-only"):
+    if m.pingpong:
         (ta, ya, pa), (tb, yb, pb) = step.inputs
         xs = [model.embed(ta), model.embed(tb)]
         ropes = [model.rope(pa), model.rope(pb)]
         xa, xb = pingpong_layers(model, xs, ropes, step.dds, comm, streams, args.attn_backend, tl,
                                  context=step.context)
-        loss = head(model.norm(xa), ya) + head(model.norm(xb), yb)
+        return head(model.norm(xa), ya) + head(model.norm(xb), yb)
+    tok, tgt, pos = step.inputs[0]
+    if m.cad:
+        plan = step.plans[0]
+
+        def attn(q, k, v, i):
+            return cad_attention(q, k, v, plan, group, args.attn_backend, comm, streams, tl)
+    elif args.colocated_impl == "allgather":
+        fn = _colocated_attention(step.layout, group, args.attn_backend, tl)
+
+        def attn(q, k, v, i):
+            return spanned(tl, "cp", fn, q, k, v)
     else:
-        tok, tgt, pos = step.inputs[0]
-        if step.method == "cad":
-            plan = step.plans[0]
+        plan = scheduler.colocated(step.layout)
 
-            def attn(q, k, v, i):
-                return cad_attention(q, k, v, plan, group, args.attn_backend, comm, streams, tl)
-        elif args.colocated_impl == "allgather":
-            fn = _colocated_attention(step.layout, group, args.attn_backend, tl)
+        def attn(q, k, v, i):
+            return spanned(tl, "attn", lambda a, b, c: cad_attention(a, b, c, plan, group,
+                                                                      args.attn_backend), q, k, v)
+    return head(model(tok, pos, attn), tgt)
 
-            def attn(q, k, v, i):
-                return spanned(tl, "cp", fn, q, k, v)
-        else:
-            plan = scheduler.colocated(step.layout)
 
-            def attn(q, k, v, i):
-                return spanned(tl, "attn", lambda a, b, c: cad_attention(a, b, c, plan, group,
-                                                                          args.attn_backend), q, k, v)
-        hidden = model(tok, pos, attn)
-        loss = head(hidden, tgt)
-    return loss
+class Runner:
+    """The step's schedule without pipeline stages: every rank runs the whole model over its tokens,
+    forward, then backward (:class:`cadlib.train_pp.PipelineRunner` is the schedule with stages; the
+    loop of :func:`main` runs either)."""
+
+    def __init__(self, model, args, env, grid, cad_group):
+        self.model, self.args, self.env, self.cad_group = model, args, env, cad_group
+        self.streams = Streams(env.device)
+
+    def step(self, method: str, b: int) -> Step:
+        e = self.env
+        return Step(method, batch_docs(self.args.recipe, b, e.world), self.args, e.rank, e.world,
+                    self.cad_group, e.device)
+
+    def run(self, step: Step, tl: Timeline) -> torch.Tensor:
+        """Forward and backward of this rank's tokens; returns its summed cross-entropy."""
+        # CAD's all-to-alls on their group; per-document CP over the world's
+        group = self.cad_group if ALL_METHODS[step.method].cad else self.env.group
+        with tl.span("step", "forward"):
+            loss = forward(step, self.model, group, self.streams, tl, self.args)
+        with tl.span("step", "backward"):
+            (loss / step.n_valid).backward()
+        return loss
+
+    def record(self, step: Step, loss: float, rows: list[dict]) -> dict:
+        return {"loss": loss, "tokens": sum(int(t[0].numel()) for t in step.inputs),
+                "plan_imbalance": step.imbalance, "n_docs": step.layout.n_docs,
+                "sent_gathered_rows": step.server_rows, **step_metrics(rows)}
+
+    @staticmethod
+    def detail(rec: dict) -> str:
+        return (f"attn {rec['attention_ms']:.1f}, comm {rec['comm_ms']:.1f} exposed "
+                f"{rec['comm_exposed_ms']:.1f}, all-reduce {rec['allreduce_ms']:.1f}")
 
 
 # --------------------------------------------------------------------------------------- metrics
@@ -305,129 +338,78 @@ def start_step(tl: Timeline, env) -> None:
     tl.origin()
 
 
+def total_loss(loss_sum: torch.Tensor, group) -> torch.Tensor:
+    """The batch's summed cross-entropy on every rank (under pipeline stages the last stage holds it;
+    the others add zero)."""
+    out = loss_sum.detach().clone()
+    dist.all_reduce(out, group=group)
+    return out
+
+
+def dump_grads(args, model, method: str, grid) -> None:
+    """``--dump-grads``: the first step's gradients by their name in the whole model, saved by the
+    first data-parallel rank (of each stage: ``<method>.stage<s>.pt`` under pipeline stages)."""
+    os.makedirs(args.dump_grads, exist_ok=True)
+    name = f"{method}.stage{grid.stage}.pt" if args.pipeline else f"{method}.pt"
+    torch.save({model.global_name(n): p.grad.detach().float().cpu() for n, p in model.named_parameters()},
+               os.path.join(args.dump_grads, name))
+
+
 def main(argv=None) -> int:
+    """Every method's steps: the same batches from the same weights. A step is the schedule's forward
+    and backward (:class:`Runner`, or :class:`cadlib.train_pp.PipelineRunner` with ``--pp`` /
+    ``--microbatches``), the data-parallel gradient all-reduce and AdamW."""
     args = parse_args(argv)
-    if args.pipeline:
-        return main_pipeline(args)
+    dp = None
+    if args.pipeline:                   # checked on every rank before the first collective
+        dp = check_config(args.spec.n_layers, int(os.environ.get("WORLD_SIZE", "1")), args.pp,
+                          args.microbatches, args.dp, args.sent_last)
     env = init_from_env(args.pg_backend)
+    grid = make_grid(env, args.pp, dp)                   # one stage: the world is the data-parallel group
     cad_group = comm_group(env.group, args.comm_ctas)   # CAD's all-to-alls; per-document CP keeps env.group
     torch.manual_seed(args.seed)
     model = Decoder(args.spec, dtype=TORCH_DTYPES[args.dtype], device=env.device,
-                    mlp_recompute=args.mlp_recompute, seed=args.seed)
+                    mlp_recompute=args.mlp_recompute, seed=args.seed, stage=(grid.stage, grid.pp))
     init = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    streams = Streams(env.device)
+    runner = (PipelineRunner if args.pipeline else Runner)(model, args, env, grid, cad_group)
     cuda = env.device.type == "cuda"
     records, timelines, by_batch = [], {}, {}
-    keep = timeline_batches(args, env.world)
-    n_total = len(args.methods) * (args.warmup + args.steps)
-    done = 0
-    for method in args.methods:
-        model.load_state_dict(init)
-        opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-        tl = Timeline(env.device)
-        for i in range(args.warmup + args.steps):
-            b = i - args.warmup if i >= args.warmup else i      # warm-up reuses the first batches
-            step = Step(method, batch_docs(args.recipe, b, env.world), args, model, env.rank, env.world,
-                        cad_group, env.device)
-            start_step(tl, env)
-            with tl.span("step", "forward"):
-                loss = forward(step, model, env.group if method in ("colocated", "wlb") else cad_group,
-                               streams, tl, args, method == "signal-only")
-            with tl.span("step", "backward"):
-                (loss / step.n_valid).backward()
-            with tl.span("step", "allreduce"):
-                allreduce_grads(model.parameters(), env.group)
-            if args.dump_grads and i == 0 and env.rank == 0:
-                os.makedirs(args.dump_grads, exist_ok=True)
-                torch.save({n: p.grad.detach().float().cpu() for n, p in model.named_parameters()},
-                           f"{args.dump_grads}/{method}.pt")
-            with tl.span("step", "optimizer"):
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-            rows = tl.rows()                               # one device sync, after the step
-            total_loss = loss.detach().clone()
-            dist.all_reduce(total_loss, group=env.group)
-            done += 1
-            report_progress(done, n_total, f"{method} step {i + 1}")
-            if i < args.warmup:
-                continue
-            rec = {"method": method, "batch": b, "rank": env.rank, "loss": float(total_loss) / step.n_valid,
-                   "tokens": int(step.inputs[0][0].numel() + (step.inputs[1][0].numel()
-                                                             if len(step.inputs) > 1 else 0)),
-                   "plan_imbalance": step.imbalance, "n_docs": step.layout.n_docs,
-                   "sent_gathered_rows": step.server_rows, **step_metrics(rows),
-                   "peak_mem_gib": torch.cuda.max_memory_allocated(env.device) / 2**30 if cuda else None}
-            records.append(rec)
-            keep_timeline(timelines, method, rows, args, i)
-            if b in keep:
-                by_batch.setdefault(method, {})[str(b)] = rows
-            if env.rank == 0:
-                log(f"{method:>12} batch {b}: loss {rec['loss']:.5f} step {rec['step_ms']:.1f} ms "
-                    f"(attn {rec['attention_ms']:.1f}, comm {rec['comm_ms']:.1f} exposed "
-                    f"{rec['comm_exposed_ms']:.1f}, all-reduce {rec['allreduce_ms']:.1f})")
-    write_run(env, args, model, records, timelines, timelines_batches=by_batch)
-    return 0
-
-
-def main_pipeline(args) -> int:
-    """``--pp`` / ``--microbatches``: the steps of :mod:`cadlib.train_pp` (same records, plus the
-    pipeline's; ``--timeline-batches`` is not kept)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    dp = check_config(args.spec.n_layers, world, args.pp, args.microbatches, args.dp, args.sent_last)
-    env = init_from_env(args.pg_backend)
-    grid = make_grid(env, args.pp, dp)
-    cad_group = comm_group(env.group, args.comm_ctas)
-    torch.manual_seed(args.seed)
-    model = Decoder(args.spec, dtype=TORCH_DTYPES[args.dtype], device=env.device, mlp_recompute=args.mlp_recompute,
-                    seed=args.seed, stage=(grid.stage, args.pp))
-    init = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    runner = PipelineRunner(model, args, grid, cad_group, env.device)
-    cuda = env.device.type == "cuda"
-    records, timelines = [], {}
+    keep = set() if args.pipeline else timeline_batches(args, env.world)
     n_total, done = len(args.methods) * (args.warmup + args.steps), 0
     for method in args.methods:
         model.load_state_dict(init)
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
         tl = Timeline(env.device)
         for i in range(args.warmup + args.steps):
-            b = i - args.warmup if i >= args.warmup else i
-            step = PipelineStep(method, args, b, grid, cad_group, env.device, args.spec.hidden)
+            b = i - args.warmup if i >= args.warmup else i      # warm-up reuses the first batches
+            step = runner.step(method, b)                      # host work: documents, plans, inputs
             start_step(tl, env)
-            with tl.span("step", "pipeline"):
-                loss_sum = runner.run(step, tl)
+            loss_sum = runner.run(step, tl)
             with tl.span("step", "allreduce"):
                 allreduce_grads(model.parameters(), grid.dp_group)
             if args.dump_grads and i == 0 and grid.dp_rank == 0:
-                os.makedirs(args.dump_grads, exist_ok=True)
-                torch.save({model.global_name(n): p.grad.detach().float().cpu()
-                            for n, p in model.named_parameters()},
-                           f"{args.dump_grads}/{method}.stage{grid.stage}.pt")
+                dump_grads(args, model, method, grid)
             with tl.span("step", "optimizer"):
                 opt.step()
                 opt.zero_grad(set_to_none=True)
-            rows = tl.rows()
+            rows = tl.rows()                               # one device sync, after the step
             loss = float(total_loss(loss_sum, env.group)) / step.n_valid
             done += 1
             report_progress(done, n_total, f"{method} step {i + 1}")
             if i < args.warmup:
                 continue
-            rec = {"method": method, "batch": b, "rank": env.rank, "stage": grid.stage,
-                   "dp_rank": grid.dp_rank,
-                   "loss": loss, "tokens": sum(sum(step.rows(m)) for m in range(step.n_micro)),
-                   "plan_imbalance": step.imbalance, "n_docs": sum(lay.n_docs for lay in step.layouts),
-                   "served_rows_by_stage": step.served,
-                   "schedule": ([[t.phase, t.micro[grid.stage]] for t in step.ticks] if step.lockstep
-                                else [[o.kind, o.micro] for o in step.ops]),
-                   **pp_metrics(rows),
+            rec = {"method": method, "batch": b, "rank": env.rank, **runner.record(step, loss, rows),
                    "peak_mem_gib": torch.cuda.max_memory_allocated(env.device) / 2**30 if cuda else None}
             records.append(rec)
             keep_timeline(timelines, method, rows, args, i)
+            if b in keep:
+                by_batch.setdefault(method, {})[str(b)] = rows
             if env.rank == 0:
                 log(f"{method:>12} batch {b}: loss {loss:.5f} step {rec['step_ms']:.1f} ms "
-                    f"(pipeline {rec['pipeline_ms']:.1f}, attn {rec['attention_ms']:.1f}, busy "
-                    f"{rec['busy_fraction']:.0%})")
-    write_run(env, args, model, records, timelines, timelines_batches={},
-              grid={"dp": grid.dp, "pp": grid.pp, "stage": grid.stage, "dp_rank": grid.dp_rank})
+                    f"({runner.detail(rec)})")
+    grid_fields = {"grid": {"dp": grid.dp, "pp": grid.pp, "stage": grid.stage, "dp_rank": grid.dp_rank}}
+    write_run(env, args, model, records, timelines, timelines_batches=by_batch,
+              **(grid_fields if args.pipeline else {}))
     return 0
 
 

@@ -25,9 +25,9 @@ boundaries. A step's spans add a ``tick`` lane (one span per tick: its phase and
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from .core.layout import Layout
+from .core.methods import METHODS
 from .core.pipeline import lockstep, one_f_one_b, p2p_1f1b, p2p_lockstep
 from .core.spans import overlap, union
 from .cp.allgather import layout_attention
@@ -44,7 +44,6 @@ from .scheduling import scheduler
 from .scheduling.pipeline import micro_nanos, tick_plans
 from .scheduling.recipes import micro_docs, micro_seed
 
-LOCKSTEP = ("cad", "cad-pingpong", "signal-only")
 
 
 def check_config(n_layers: int, world: int, pp: int, n_micro: int, dp: int | None = None,
@@ -71,7 +70,7 @@ def check_config(n_layers: int, world: int, pp: int, n_micro: int, dp: int | Non
 
 def micro_layouts(args, method: str, b: int, n_micro: int, dp: int) -> list[Layout]:
     """The microbatches of batch ``b``, each packed over ``dp`` ranks (``wlb``: balanced packing)."""
-    packing = "balanced" if method == "wlb" else "sequential"
+    packing = METHODS[method].packing
     return [pack(micro_docs(args.recipe, b, m, n_micro, dp), dp, args.tokens_per_rank, method=packing,
                  model=args.model, cap=args.wlb_cap) for m in range(n_micro)]
 
@@ -84,9 +83,9 @@ class PipelineStep:
         self.method, self.grid, self.n_micro, self.hidden = method, grid, args.microbatches, hidden
         self.layouts = micro_layouts(args, method, b, self.n_micro, grid.dp)
         self.n_valid = sum(n - 1 for lay in self.layouts for n in lay.doc_lens)
-        self.lockstep = method in LOCKSTEP
+        self.lockstep = METHODS[method].cad             # CAD's methods: lock-step ticks
         d, spec = grid.dp_rank, args.spec
-        self.nanos = micro_nanos(self.layouts, args.recipe) if method in ("cad-pingpong", "signal-only") else None
+        self.nanos = micro_nanos(self.layouts, args.recipe) if METHODS[method].pingpong else None
         self.inputs, self.context = [], []
         for m, lay in enumerate(self.layouts):
             tok, tgt = synthetic_tokens(lay, d, spec.vocab, micro_seed(args.recipe, b, m))
@@ -125,16 +124,36 @@ def _served_by_stage(plan, rank: int, grid: Grid) -> list[int]:
 
 
 class PipelineRunner:
-    """Runs :class:`PipelineStep` s on this rank's stage (``model``: its
-    :class:`~cadlib.runtime.model.Decoder` stage)."""
+    """The step's schedule with pipeline stages: runs :class:`PipelineStep` s on this rank's stage
+    (``model``: its :class:`~cadlib.runtime.model.Decoder` stage) inside the training loop of
+    :func:`cadlib.train.main`, as :class:`cadlib.train.Runner` does without stages."""
 
-    def __init__(self, model, args, grid: Grid, cad_group, device):
-        self.model, self.args, self.grid, self.device = model, args, grid, device
+    def __init__(self, model, args, env, grid: Grid, cad_group):
+        self.model, self.args, self.grid, self.device = model, args, grid, env.device
         self.cad_group = cad_group
-        self.streams = Streams(device)
+        self.streams = Streams(env.device)
         spec = args.spec
         self.heads = (spec.n_heads, spec.n_kv_heads, spec.head_dim)
-        self.backend = resolve_backend(args.attn_backend, device, model.dtype, spec.head_dim)
+        self.backend = resolve_backend(args.attn_backend, env.device, model.dtype, spec.head_dim)
+
+    def step(self, method: str, b: int) -> PipelineStep:
+        return PipelineStep(method, self.args, b, self.grid, self.cad_group, self.device,
+                            self.args.spec.hidden)
+
+    def record(self, step: PipelineStep, loss: float, rows: list[dict]) -> dict:
+        g = self.grid
+        return {"stage": g.stage, "dp_rank": g.dp_rank, "loss": loss,
+                "tokens": sum(sum(step.rows(m)) for m in range(step.n_micro)),
+                "plan_imbalance": step.imbalance, "n_docs": sum(lay.n_docs for lay in step.layouts),
+                "served_rows_by_stage": step.served,
+                "schedule": ([[t.phase, t.micro[g.stage]] for t in step.ticks] if step.lockstep
+                             else [[o.kind, o.micro] for o in step.ops]),
+                **pp_metrics(rows)}
+
+    @staticmethod
+    def detail(rec: dict) -> str:
+        return (f"pipeline {rec['pipeline_ms']:.1f}, attn {rec['attention_ms']:.1f}, busy "
+                f"{rec['busy_fraction']:.0%}")
 
     # -- the exchanges between stages ---------------------------------------------------------------
     def _exchange(self, step: PipelineStep, batch, tl: Timeline) -> None:
@@ -169,13 +188,18 @@ class PipelineRunner:
 
     # -- a step -------------------------------------------------------------------------------------
     def run(self, step: PipelineStep, tl: Timeline) -> torch.Tensor:
-        """Forward and backward of every microbatch; returns this rank's summed cross-entropy (the
-        last stage's; zero elsewhere). Parameter gradients accumulate in ``.grad``."""
+        """Forward and backward of every microbatch (one ``pipeline`` span); returns this rank's summed
+        cross-entropy (the last stage's; zero elsewhere). Parameter gradients accumulate in ``.grad``."""
+        with tl.span("step", "pipeline"):
+            return self._schedule(step, tl)
+
+    def _schedule(self, step: PipelineStep, tl: Timeline) -> torch.Tensor:
         self.tl, self.hidden = tl, step.hidden
         self.inbox, self.outbox, self.keep = {}, {}, {}
         self.loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         if step.lockstep:
-            comm = SignalOnly(self.cad_group) if step.method == "signal-only" else AllToAll(self.cad_group)
+            signal_only = METHODS[step.method].signal_only
+            comm = (SignalOnly if signal_only else AllToAll)(self.cad_group)
             self.stage = CadStage(self.model.layers, comm, self.streams, self.backend, self.heads,
                                   self.model.dtype, self.device, tl)
             for t, tick in enumerate(step.ticks):
@@ -284,9 +308,3 @@ def pp_metrics(rows: list[dict]) -> dict:
             "busy_fraction": min(1.0, (compute + exposed) / sched) if sched > 0 else float("nan"),
             "n_ticks": sum(1 for r in rows if r["lane"] == "tick")}
 
-
-def total_loss(loss_sum: torch.Tensor, group) -> torch.Tensor:
-    """The batch's summed cross-entropy on every rank (the last stage holds it; others add zero)."""
-    out = loss_sum.detach().clone()
-    dist.all_reduce(out, group=group)
-    return out
