@@ -12,6 +12,7 @@ import numpy as np
 
 from ...core.cost import ModelSpec
 from ...core.measured import MeasuredCost
+from ...core.methods import METHODS
 from ...core.precision import DTYPE_BYTES
 from ..model.compose import Composed, Link, Phases, compose
 from ..model.sim import Hardware, attention_seconds, linear_seconds
@@ -69,7 +70,7 @@ def collective_seconds(w: Work, links: Links, signal_only: bool = False) -> dict
     """Per collective of ``w`` (``in``, ``out``, ``in_bwd``, ``out_bwd``) its seconds per rank (per
     nano-batch and rank for ping-pong) over CAD's link or the data-parallel one; ``signal_only``: every
     collective that moves bytes cut to its latency."""
-    link = links.cad if w.method in ("cad", "cad-pingpong", "signal-only") else links.dp
+    link = links.cad if METHODS[w.method].cad else links.dp
     out = {}
     for name, (sent, recv) in w.bytes.items():
         t = link.seconds(sent, recv) if not w.pingpong else \

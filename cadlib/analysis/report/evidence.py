@@ -16,6 +16,7 @@ import pathlib
 
 import pandas as pd
 
+from ...core.methods import names
 from ...infra.results import RESULTS_DIR, load_result
 from ..runs import e2e, server_bench, timelines
 from ..runs.server_bench import COMPOSABILITY_TARGET, composability_before_after, composability_targets
@@ -228,7 +229,7 @@ def overlap_section(results_dir=None) -> Section | None:
     frames, stages = [], []
     for x in loaded:
         tf = timelines.timeline_frame(x["results"]["timelines"])
-        ov = timelines.overlap_table(tf, ["cad", "cad-pingpong", "signal-only"])
+        ov = timelines.overlap_table(tf, names(cad=True))
         frames.append(ov.assign(setting=x["setting"]))
         for r, rows in tf[tf.method == "cad-pingpong"].groupby("rank"):
             stages.append(timelines.exposed_by_stage(rows).head(3).assign(setting=x["setting"], rank=r))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from ...core.methods import names
 from ...core.paper import CLAIMS, DISTCA_FIG3_ALLGATHER, DISTCA_FIG4B_IDLE
 from ...infra.results import RESULTS_DIR, load_result
 from . import claims
@@ -125,7 +126,7 @@ def sample_check_4d(tag: str = "_4d_timed", views=("any", "budget"), results_dir
 
 
 def ranks(setting: str = "3d_pretrain_512k_dp8", batch: int = 0, tag: str = "_3d",
-          methods=("colocated", "wlb", "cad-pingpong"), results_dir=None) -> pd.DataFrame:
+          methods=names(headline=True), results_dir=None) -> pd.DataFrame:
     """One batch's per-rank attention (forward + backward, ms per layer) for ``methods``."""
     d = _load(f"replay_{setting}{tag}.json", results_dir)["results"]["ranks"]
     rows = [{"method": r["method"], "rank": i, "attention_ms": a}
