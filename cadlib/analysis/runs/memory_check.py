@@ -10,21 +10,21 @@ the model's peak (profile :data:`cadlib.core.memory.OURS`) is compared with the 
 from __future__ import annotations
 
 import statistics
-from types import SimpleNamespace
 
 import numpy as np
 
 from ...core.cost import as_model
 from ...core.layout import Layout
 from ...core.memory import GIB, MEGATRON, OURS, Rows, configs, estimate, fits, max_tokens
+from ...core.methods import METHODS as ALL_METHODS, names
 from ...core.paper import (DISTCA_GPUS_PER_NODE, DISTCA_TABLE3_8B, DISTCA_TABLE3_34B, DISTCA_TABLE4_8B,
                            DISTCA_TABLE4_34B, DISTCA_TP)
 from ...data.packing import pack
 from ...data.workload import sample_docs
 from ...dispatch.build import build_dispatch
-from ...scheduling.recipes import batch_docs, cad_plan, nano_plans
+from ...scheduling.recipes import Recipe, batch_docs, cad_plan, nano_plans
 
-METHODS = ("colocated", "wlb", "cad", "cad-pingpong", "signal-only")
+METHODS = names(trainable=True)
 TARGET = 0.10
 """The largest relative error allowed against a measured peak."""
 
@@ -67,13 +67,13 @@ def rebuild(config: dict, batch: int, world: int) -> dict:
     """Batch ``batch`` of a run with ``config`` (a committed file's), as :mod:`cadlib.train` builds it:
     ``spec``, the sequential ``layout``, ``cad``'s ``plan``, ping-pong's ``nanos`` and ``nano_plans``
     (files without ``nano_split`` kept documents whole) and WLB's balanced ``wlb_layout``."""
-    args = SimpleNamespace(**{"nano_balance": "tokens", "nano_split": "whole", "sent_last": False, **config})
+    recipe = Recipe.from_config(config)
     spec = as_model(config["model"], **({"n_layers": config["layers"]} if config.get("layers") else {}))
-    docs = batch_docs(args, int(batch), world)
-    layout = pack(docs, world, args.tokens_per_rank, method="sequential")
-    nanos, nplans = nano_plans(layout, args, spec)
-    return {"spec": spec, "layout": layout, "plan": cad_plan(layout, args, spec), "nanos": nanos,
-            "nano_plans": nplans, "wlb_layout": pack(docs, world, args.tokens_per_rank, method="balanced",
+    docs = batch_docs(recipe, int(batch), world)
+    layout = pack(docs, world, recipe.tokens_per_rank, method="sequential")
+    nanos, nplans = nano_plans(layout, recipe, spec)
+    return {"spec": spec, "layout": layout, "plan": cad_plan(layout, recipe, spec), "nanos": nanos,
+            "nano_plans": nplans, "wlb_layout": pack(docs, world, recipe.tokens_per_rank, method="balanced",
                                                      model=spec, cap=config.get("wlb_cap"))}
 
 
@@ -81,9 +81,10 @@ def method_rows(built: dict, method: str, rank: int) -> list[Rows]:
     """The (nano-)batches of ``method`` on ``rank`` (:class:`Rows`), from :func:`rebuild`'s batch."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose one of: {', '.join(METHODS)}")
-    if method in ("colocated", "wlb"):
-        return [cp_rows(built["layout" if method == "colocated" else "wlb_layout"], rank)]
-    if method == "cad":
+    m = ALL_METHODS[method]
+    if m.baseline:                                   # per-document CP on its packing's layout
+        return [cp_rows(built["wlb_layout" if m.packing == "balanced" else "layout"], rank)]
+    if not m.pingpong:
         return [dispatch_rows(build_dispatch(built["plan"], rank))]
     return [dispatch_rows(build_dispatch(p, rank), len(nb.rows[rank]))     # ping-pong: A, then B
             for nb, p in zip(built["nanos"], built["nano_plans"])]
