@@ -297,6 +297,8 @@ def estimate(spec, nanos: Sequence[Rows], *, recompute: str = "mlp", profile=OUR
 # ---------------------------------------------------------------------------------------------------
 
 METHODS = ("wlb", "cad")
+"""What the fit studies compare, named as in :mod:`cadlib.core.methods`: WLB-ideal's per-document CP
+and CAD (with or without ping-pong, :func:`method_rows`' ``pingpong``)."""
 
 
 def method_rows(method: str, tokens: int, cp: int = 1, profile=MEGATRON, pingpong: bool = True,
