@@ -24,10 +24,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchutil import backend_versions, rand, time_fn  # noqa: E402
-
+from cadlib.bench.inputs import rand  # noqa: E402
+from cadlib.bench.meters import backend_versions  # noqa: E402
+from cadlib.bench.timer import time_fn  # noqa: E402
 from cadlib.core.measured import segment_pairs  # noqa: E402
 from cadlib.infra.results import RESULTS_DIR, save_result  # noqa: E402
 from cadlib.runtime import kernels  # noqa: E402
@@ -71,7 +71,7 @@ def measure(backend, q_len, kv_len, n_seg, heads, dtype, device, warmup, iters, 
 
     for name, fn in (("fwd", fwd), ("fwd_bwd", fwd_bwd)):
         try:
-            t = time_fn(fn, device, warmup, iters)
+            t = time_fn(fn, device, iters=iters, warmup=warmup)
             rec[f"{name}_ms"], rec[f"{name}_min_ms"] = t["median_ms"], t["min_ms"]
         except torch.cuda.OutOfMemoryError as e:
             rec[f"{name}_skipped"] = f"out of memory: {str(e).splitlines()[0]}"
