@@ -100,7 +100,6 @@ def time_phases(phases: Sequence[Callable], device, *, iters: int, warmup: int =
         _run(phases, (pre(),) if pre else ())
         if after:
             after()
-    clock.sync()
     runs = []
     for _ in range(iters):
         args = (pre(),) if pre else ()
