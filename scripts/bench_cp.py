@@ -34,12 +34,14 @@ from pathlib import Path
 
 _T0 = time.monotonic()          # --time-budget-s counts from here (torch import, NCCL start included)
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from cadlib.bench.inputs import rand  # noqa: E402
+from cadlib.bench.meters import reset_peak, tflops  # noqa: E402
+from cadlib.bench.timer import stats, time_samples  # noqa: E402
 from cadlib.cp import MECHANISMS, make  # noqa: E402
 from cadlib.data.masks import make_mask  # noqa: E402
 from cadlib.infra.groups import destroy, init_from_env  # noqa: E402
@@ -48,35 +50,6 @@ from cadlib.infra.results import save_result  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 MASKS = ("causal", "causal_document", "full", "full_document")
-
-
-def _barrier(group):
-    if dist.get_world_size(group) > 1:
-        dist.barrier(group=group)
-
-
-def time_reps(fn, pre, device, group, warmup: int, reps: int) -> list[float]:
-    """Per repetition, this rank's milliseconds of ``fn(pre())`` (``pre`` untimed), after a barrier."""
-    for _ in range(warmup):
-        fn(pre())
-    out = []
-    for _ in range(reps):
-        x = pre()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        _barrier(group)
-        if device.type == "cuda":
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn(x)
-            e.record()
-            e.synchronize()
-            out.append(s.elapsed_time(e))
-        else:
-            t0 = time.perf_counter()
-            fn(x)
-            out.append((time.perf_counter() - t0) * 1e3)
-    return out
 
 
 def _slowest(ms: list[float], group, device) -> list[float]:
@@ -116,22 +89,19 @@ def run_case(mech_name, mask_name, dist_name, tpg, args, env, heads, dtype, seed
            "world": world, "total_tokens": total, "n_docs": len(doc_lens), "area": mask.area(),
            "heads": list(heads), "head_dim": args.head_dim}
     causal = mask_name.startswith("causal")
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
+    reset_peak(device)
     base_mem = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     try:
         kw = {"min_shard": args.min_shard} if mech_name == "cad" else {}
         mech = make(mech_name, group, doc_lens, causal, attn_backend=args.attn_backend, **kw)
         gen = torch.Generator(device=device).manual_seed(seed + env.rank)
         n = mech.n_local
-        q = torch.randn(n, heads[0], args.head_dim, generator=gen, device=device).to(dtype)
-        k, v = (torch.randn(n, heads[1], args.head_dim, generator=gen, device=device).to(dtype)
-                for _ in range(2))
+        q = rand(gen, n, heads[0], args.head_dim, device, dtype)
+        k, v = (rand(gen, n, heads[1], args.head_dim, device, dtype) for _ in range(2))
         dout = torch.randn_like(q)
         q, k, v = (t.requires_grad_(True) for t in (q, k, v))
 
-        def fwd(_):
+        def fwd():
             with torch.no_grad():
                 mech.apply_attn(q, k, v)
 
@@ -140,20 +110,19 @@ def run_case(mech_name, mask_name, dist_name, tpg, args, env, heads, dtype, seed
 
         def bwd(out):
             out.backward(dout)
-        ms_f = _slowest(time_reps(fwd, lambda: None, device, group, args.warmup, args.reps), group, device)
-        ms_b = _slowest(time_reps(bwd, forward_graph, device, group, args.warmup, args.reps), group, device)
+        timing = {"iters": args.reps, "warmup": args.warmup, "group": group}
+        ms_f = _slowest(time_samples(fwd, device, **timing), group, device)
+        ms_b = _slowest(time_samples(bwd, device, pre=forward_graph, **timing), group, device)
         peak = (torch.cuda.max_memory_allocated(device) - base_mem) / 1e9 if device.type == "cuda" else 0.0
         pk = torch.tensor([peak], dtype=torch.float64, device=device)
         dist.all_reduce(pk, op=dist.ReduceOp.MAX, group=group)
         for name, ms, direction in (("fwd", ms_f, "fwd"), ("bwd", ms_b, "bwd")):
-            med = float(np.median(ms))
-            flops = mask.flops(heads[0], args.head_dim, direction)
-            rec[name] = {"median_ms": med, "q20_ms": float(np.quantile(ms, 0.2)),
-                         "q80_ms": float(np.quantile(ms, 0.8)), "flops": flops,
-                         "tflops_per_gpu": flops / world / (med * 1e-3) / 1e12}
+            st, flops = stats(ms), mask.flops(heads[0], args.head_dim, direction)
+            rec[name] = {**{k: st[k] for k in ("median_ms", "q20_ms", "q80_ms")}, "flops": flops,
+                         "tflops_per_gpu": tflops(flops / world, st["median_ms"])}
         tot_ms = rec["fwd"]["median_ms"] + rec["bwd"]["median_ms"]
         fb = mask.flops(heads[0], args.head_dim, "fwd_bwd")
-        rec["fwd_bwd_tflops_per_gpu"] = fb / world / (tot_ms * 1e-3) / 1e12
+        rec["fwd_bwd_tflops_per_gpu"] = tflops(fb / world, tot_ms)
         rec["peak_mem_gb"] = float(pk.item())
         rec["tokens_per_rank"] = mech.tokens_per_rank().tolist()
         if mech_name in ("usp", "loongtrain"):
