@@ -20,11 +20,11 @@ def rand(gen: torch.Generator, n: int, heads: int, head_dim: int, device, dtype)
 
 
 class ServeCall:
-    """One server's serve stage on random buffers of its dispatch's sizes: :meth:`forward` gives O,
-    :meth:`backward` runs its backward with a random dO, :meth:`zero_grad` drops the gradients, and
-    :meth:`run` does all three. ``dd`` is the server's dispatch on the device
-    (:func:`cadlib.runtime.device.to_device`); ``spec`` gives ``n_heads``, ``n_kv_heads`` and ``head_dim``
-    (:class:`cadlib.core.cost.ModelSpec`)."""
+    """One server's serve stage on random buffers of its dispatch's sizes: :meth:`ServeCall.forward`
+    gives O, :meth:`ServeCall.backward` runs its backward with a random dO, :meth:`ServeCall.zero_grad`
+    drops the gradients, and :meth:`ServeCall.run` does all three. ``dd`` is the server's dispatch on
+    the device (:func:`cadlib.runtime.device.to_device`); ``spec`` gives ``n_heads``, ``n_kv_heads`` and
+    ``head_dim`` (:class:`cadlib.core.cost.ModelSpec`)."""
 
     def __init__(self, dd, spec, device, dtype, backend: str | None, gen: torch.Generator):
         m = dd.meta

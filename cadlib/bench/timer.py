@@ -37,7 +37,7 @@ SLEEP_CYCLES = 20_000_000
 
 class Clock:
     """Marks on one device's timeline: CUDA events recorded on the current stream on a GPU,
-    ``time.perf_counter()`` on the CPU; :meth:`ms` is the time between two of them."""
+    ``time.perf_counter()`` on the CPU; :meth:`Clock.ms` is the time between two of them."""
 
     def __init__(self, device):
         self.device = torch.device(device)
