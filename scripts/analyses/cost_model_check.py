@@ -24,15 +24,12 @@ Host only (CPU, a few seconds).
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from cadlib.analysis.runs.cost_check import e2e_check, e2e_check_summary, server_overhead_fit  # noqa: E402
-from cadlib.analysis.runs.e2e import load_committed  # noqa: E402
-from cadlib.core.measured import MeasuredCost  # noqa: E402
-from cadlib.infra.results import REPO_ROOT, RESULTS_DIR, save_result  # noqa: E402
+from cadlib.analysis.runs.cost_check import e2e_check, e2e_check_summary, server_overhead_fit
+from cadlib.analysis.runs.e2e import load_committed
+from cadlib.core.measured import MeasuredCost
+from cadlib.infra.results import REPO_ROOT, RESULTS_DIR, save_result
 
 SPEEDUP_TARGET = 0.10
 """The target for the simulator's step-time error against the measured runs."""
@@ -47,7 +44,7 @@ def _repo_path(path) -> str:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--table", default=str(RESULTS_DIR / "kernel_profile_h200.json"),
-                    help="kernel latency table (scripts/profile_kernels.py)")
+                    help="kernel latency table (scripts/bench/profile_kernels.py)")
     ap.add_argument("--backend", default="fa4", help="backend of the table (the end-to-end runs' kernel)")
     ap.add_argument("--pattern", default="bench_e2e_*.json",
                     help="end-to-end result files under --results-dir")

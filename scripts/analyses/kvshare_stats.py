@@ -15,21 +15,18 @@ chunks r and 2R-1-r), colocated. Host only (CPU).
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from cadlib.analysis.runs.server_bench import sharing_stats  # noqa: E402
-from cadlib.core.plan import Plan, layout_to_tasks  # noqa: E402
+from cadlib.analysis.runs.server_bench import sharing_stats
+from cadlib.core.plan import Plan, layout_to_tasks
 from cadlib.data.packing import (
-    pack,  # noqa: E402
-    per_doc_zigzag_layout,  # noqa: E402
+    pack,
+    per_doc_zigzag_layout,
 )
-from cadlib.data.workload import sample_docs  # noqa: E402
-from cadlib.infra.results import RESULTS_DIR, save_result  # noqa: E402
-from cadlib.scheduling.scheduler import schedule  # noqa: E402
+from cadlib.data.workload import sample_docs
+from cadlib.infra.results import RESULTS_DIR, save_result
+from cadlib.scheduling.scheduler import schedule
 
 
 def main(argv=None):

@@ -33,11 +33,10 @@ import sys
 
 import numpy as np
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+from cadlib.analysis.runs.cost_check import rebuild_plans
+from cadlib.dispatch.build import build_dispatch
 
-from cadlib.analysis.runs.cost_check import rebuild_plans  # noqa: E402
-from cadlib.dispatch.build import build_dispatch  # noqa: E402
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 REASONS = ("sent_start", "context", "remote_prefix", "received", "split", "other")
 

@@ -25,13 +25,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from cadlib.bench.timer import time_fn  # noqa: E402
-from cadlib.infra.groups import comm_group, destroy, init_from_env  # noqa: E402
-from cadlib.infra.progress import log  # noqa: E402
-from cadlib.infra.results import save_result  # noqa: E402
-from cadlib.runtime import kernels  # noqa: E402
+from cadlib.bench.timer import time_fn
+from cadlib.infra.groups import comm_group, destroy, init_from_env
+from cadlib.infra.progress import log
+from cadlib.infra.results import save_result
+from cadlib.runtime import kernels
 
 
 def workloads(args, device, dtype):

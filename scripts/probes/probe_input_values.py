@@ -22,16 +22,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from cadlib.bench.timer import time_samples  # noqa: E402
-from cadlib.infra.results import save_result  # noqa: E402
-from cadlib.runtime import kernels  # noqa: E402
+from cadlib.bench.timer import time_samples
+from cadlib.infra.results import save_result
+from cadlib.runtime import kernels
 
 KINDS = ("random", "zeros", "half_zeros", "copied")
 

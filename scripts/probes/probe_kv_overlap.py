@@ -15,16 +15,12 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from cadlib.infra.results import save_result  # noqa: E402
-from cadlib.runtime import kernels  # noqa: E402
-from cadlib.runtime.kernels import flash  # noqa: E402
+from cadlib.infra.results import save_result
+from cadlib.runtime import kernels
+from cadlib.runtime.kernels import flash
 
 
 def _call(fn, **kw):

@@ -1,4 +1,4 @@
-"""Part (1) of ``scripts/bench_attention_server.py``: kernel composability on ONE attention server.
+"""Part (1) of ``scripts/bench/bench_attention_server.py``: kernel composability on ONE attention server.
 
 A causal document of L tokens is cut into query shards of s tokens and served by one server in one
 fused call, three ways (``--kv-share``):

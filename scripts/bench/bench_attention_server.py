@@ -1,6 +1,6 @@
 """Attention-server benchmark: (1) kernel composability and (2) the CAD server's overhead.
 
-(1) **composability** (``scripts/server_composability.py``): a causal document of L tokens is cut
+(1) **composability** (``scripts/bench/server_composability.py``): a causal document of L tokens is cut
     into query shards of s tokens served by ONE server in one fused call, ``--kv-share`` ``merged``
     (contiguous shards as one segment over one KV copy, :mod:`cadlib.dispatch.kvshare`), ``copy`` (the server's
     reference path: one KV prefix copy per shard) or ``kernel`` (the kernel alone on per-shard copies,
@@ -15,13 +15,13 @@
 
 Run::
 
-    python scripts/bench_attention_server.py --part composability          # 1 GPU
-    python scripts/bench_attention_server.py --part composability --doc-lens 16384,65536 \
+    python scripts/bench/bench_attention_server.py --part composability          # 1 GPU
+    python scripts/bench/bench_attention_server.py --part composability --doc-lens 16384,65536 \
         --shards 128,512,1024,2048 --kv-share merged,copy --backends fa4   # KV sharing against per-shard copies
-    python scripts/bench_attention_server.py --part overhead               # 1 GPU
-    torchrun --nproc-per-node=2 scripts/bench_attention_server.py --part overhead   # 2 GPUs
-    python scripts/bench_attention_server.py --smoke                        # CPU, sdpa_ref, tiny
-    torchrun --nproc-per-node=2 scripts/bench_attention_server.py --smoke --part overhead  # 2x gloo
+    python scripts/bench/bench_attention_server.py --part overhead               # 1 GPU
+    torchrun --nproc-per-node=2 scripts/bench/bench_attention_server.py --part overhead   # 2 GPUs
+    python scripts/bench/bench_attention_server.py --smoke                        # CPU, sdpa_ref, tiny
+    torchrun --nproc-per-node=2 scripts/bench/bench_attention_server.py --smoke --part overhead  # 2x gloo
 
 Writes ``results/bench_attention_server_<part>_<world>gpu[_smoke].json`` (atomically, with device,
 torch version, commit, date, backend versions and the full configuration) and prints a table.
@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -40,19 +39,18 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from server_composability import run_composability  # noqa: E402
+from server_composability import run_composability
 
-from cadlib.bench.inputs import rand  # noqa: E402
-from cadlib.bench.meters import backend_versions, peak_gb, reset_peak, tflops  # noqa: E402
-from cadlib.bench.timer import Clock, time_fn  # noqa: E402
-from cadlib.core.cost import H200_MATMUL_TFLOPS, MIN_SHARD_TOKENS, ModelSpec, causal_pairs  # noqa: E402
-from cadlib.data.packing import pack  # noqa: E402
-from cadlib.data.workload import sample_docs  # noqa: E402
-from cadlib.infra.groups import init_from_env  # noqa: E402
-from cadlib.infra.results import RESULTS_DIR, save_result  # noqa: E402
-from cadlib.runtime import kernels, stages  # noqa: E402
-from cadlib.scheduling.scheduler import schedule  # noqa: E402
+from cadlib.bench.inputs import rand
+from cadlib.bench.meters import backend_versions, peak_gb, reset_peak, tflops
+from cadlib.bench.timer import Clock, time_fn
+from cadlib.core.cost import H200_MATMUL_TFLOPS, MIN_SHARD_TOKENS, ModelSpec, causal_pairs
+from cadlib.data.packing import pack
+from cadlib.data.workload import sample_docs
+from cadlib.infra.groups import init_from_env
+from cadlib.infra.results import RESULTS_DIR, save_result
+from cadlib.runtime import kernels, stages
+from cadlib.scheduling.scheduler import schedule
 
 GPU_BACKENDS = ("fa4", "torch_flash", "flash_attn")
 

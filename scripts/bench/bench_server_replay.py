@@ -3,7 +3,7 @@
 ``cadlib.train`` times a rank's attention as its ``attn`` spans (the serve stage): the fused forward and backward over
 the rows the rank's dispatch gives its server (queries and KV, local and received). This script builds
 the same plans for the same batches (``cadlib.train``'s sampler, scheduler and nano-batch split, at the
-same flags as ``scripts/bench_e2e.py``), and for every rank of every plan runs exactly that work,
+same flags as ``scripts/bench/bench_e2e.py``), and for every rank of every plan runs exactly that work,
 the serve stage's forward + backward for one layer, on random bf16 buffers of the sizes the dispatch gives.
 No second GPU and no communication: the per-rank times say how well a method balances attention, and
 what the server's own overhead costs (the KV rows it gathers), apart from everything else in a step.
@@ -14,32 +14,29 @@ Methods (``--methods``): ``colocated`` (every rank serves its own chunks: ``sche
 slowest rank against colocated's slowest (the straggler) and mean (perfect balance):
 ``recovered = (colocated max - method max) / (colocated max - colocated mean)``.
 
-    python scripts/bench_server_replay.py --dist pretrain --tokens 65536 --out $OUT/replay.json   # 1 GPU
-    python scripts/bench_server_replay.py --smoke --out /tmp/replay.json                         # CPU
+    python scripts/bench/bench_server_replay.py --dist pretrain --tokens 65536 --out $OUT/replay.json   # 1 GPU
+    python scripts/bench/bench_server_replay.py --smoke --out /tmp/replay.json                         # CPU
 """
 from __future__ import annotations
 
 import argparse
 import statistics
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from cadlib import train  # noqa: E402
-from cadlib.bench.inputs import ServeCall  # noqa: E402
-from cadlib.bench.timer import time_fn  # noqa: E402
-from cadlib.core import defaults  # noqa: E402
-from cadlib.data.packing import pack  # noqa: E402
-from cadlib.dispatch.build import build_dispatch  # noqa: E402
-from cadlib.infra.results import save_result  # noqa: E402
-from cadlib.runtime import kernels  # noqa: E402
-from cadlib.runtime.device import to_device  # noqa: E402
+from cadlib import train
+from cadlib.bench.inputs import ServeCall
+from cadlib.bench.timer import time_fn
+from cadlib.core import defaults
+from cadlib.data.packing import pack
+from cadlib.dispatch.build import build_dispatch
+from cadlib.infra.results import save_result
+from cadlib.runtime import kernels
+from cadlib.runtime.device import to_device
 from cadlib.scheduling import (
-    recipes,  # noqa: E402
-    scheduler,  # noqa: E402
+    recipes,
+    scheduler,
 )
 
 METHODS = ("colocated", "cad", "cad-pingpong", "cad+sl", "cad-pingpong+sl")

@@ -2,9 +2,9 @@
 """End-to-end training steps: CAD (with and without ping-pong) against colocated, WLB-ideal and the
 signal-only control, on the same sampled batches; one JSON per setting under results/.
 
-    python scripts/bench_e2e.py --smoke                           # CPU/gloo, tiny model, seconds
-    python scripts/bench_e2e.py --nproc 2 --tokens 65536,131072 --dists pretrain,prolong,uniform
-    python scripts/bench_e2e.py --nproc 2 --link inter-node-like  # NCCL_P2P_DISABLE=1: via host memory
+    python scripts/bench/bench_e2e.py --smoke                           # CPU/gloo, tiny model, seconds
+    python scripts/bench/bench_e2e.py --nproc 2 --tokens 65536,131072 --dists pretrain,prolong,uniform
+    python scripts/bench/bench_e2e.py --nproc 2 --link inter-node-like  # NCCL_P2P_DISABLE=1: via host memory
 
 Each setting is one ``python -m cadlib.train`` launch (cadlib.infra.launch.run_torchrun) running every
 method over the same batches; :func:`cadlib.analysis.runs.e2e.summarise` turns the per-rank records into per-batch
@@ -18,13 +18,10 @@ import os
 import pathlib
 import sys
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from cadlib.analysis.runs import e2e  # noqa: E402
-from cadlib.core import defaults  # noqa: E402
-from cadlib.infra import launch  # noqa: E402
-from cadlib.infra.results import save_result  # noqa: E402
+from cadlib.analysis.runs import e2e
+from cadlib.core import defaults
+from cadlib.infra import launch
+from cadlib.infra.results import RESULTS_DIR, save_result
 
 LINKS = {"nvlink": {}, "inter-node-like": {"NCCL_P2P_DISABLE": "1"}}
 METHODS = "colocated,wlb,cad,cad-pingpong,signal-only"
@@ -101,7 +98,7 @@ def main(argv=None) -> int:
     ap.add_argument("--lr", type=float, default=1e-5,
                     help="AdamW learning rate (timing only needs sane values)")
     ap.add_argument("--timeout", type=float, default=900)
-    ap.add_argument("--out", default=str(ROOT / "results"), help="folder for bench_e2e_*.json")
+    ap.add_argument("--out", default=str(RESULTS_DIR), help="folder for bench_e2e_*.json")
     ap.add_argument("--tag", default="", help="appended to each file name (e.g. _eps0.02 for a tolerance "
                                               "other than the default); letters, digits, '.', '_', '-'")
     args = ap.parse_args(argv)

@@ -9,10 +9,10 @@ with CUDA events after a barrier. The time of a repetition is the SLOWEST rank's
 from what a mechanism computes (padding, duplicated KV, recomputation do not count). Peak memory is
 the largest rank's ``max_memory_allocated`` above what was allocated before the case.
 
-    torchrun --nproc-per-node=2 scripts/bench_cp.py --out results/bench_cp.json
-    torchrun --nproc-per-node=2 scripts/bench_cp.py --mechanisms ring,ulysses --merge ...
-    torchrun --nproc-per-node=2 scripts/bench_cp.py --smoke           # gloo on CPU, tiny, seconds
-    cadlib.infra.launch.run_torchrun("scripts/bench_cp.py", 2, ["--smoke"], pg_backend="gloo")   # notebook
+    torchrun --nproc-per-node=2 scripts/bench/bench_cp.py --out results/bench_cp.json
+    torchrun --nproc-per-node=2 scripts/bench/bench_cp.py --mechanisms ring,ulysses --merge ...
+    torchrun --nproc-per-node=2 scripts/bench/bench_cp.py --smoke           # gloo on CPU, tiny, seconds
+    cadlib.infra.launch.run_torchrun("scripts/bench/bench_cp.py", 2, ["--smoke"], pg_backend="gloo")   # notebook
 
 Masks: ``causal``, ``full`` (one document), ``causal_document``, ``full_document`` (every mechanism that
 serves them; CAD's CA-tasks are causal, so its full-mask cases are ``X``). Draws: ``--draws N`` times
@@ -36,8 +36,6 @@ _T0 = time.monotonic()          # --time-budget-s counts from here (torch import
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cadlib.bench.inputs import rand  # noqa: E402
 from cadlib.bench.meters import reset_peak, tflops  # noqa: E402

@@ -30,8 +30,8 @@ call and ``--draw-reps`` timed ones; the record gives the median over the draws 
 and the 20/80% quantiles across draws (``median_ms``, ``q20_ms``, ``q80_ms``; TF/s per draw from its own
 area: ``tflops``, ``tflops_q20``, ``tflops_q80``), and the draws themselves (``per_draw``).
 
-    python scripts/bench_kernels.py --backends fa4,torch_flash --out results/bench_kernels.json --merge
-    python scripts/bench_kernels.py --smoke        # CPU, tiny, seconds
+    python scripts/bench/bench_kernels.py --backends fa4,torch_flash --out results/bench_kernels.json --merge
+    python scripts/bench/bench_kernels.py --smoke        # CPU, tiny, seconds
 """
 from __future__ import annotations
 
@@ -47,8 +47,6 @@ _T0 = time.monotonic()          # --time-budget-s counts from here (torch import
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cadlib.bench.inputs import rand  # noqa: E402
 from cadlib.bench.meters import reset_peak, tflops  # noqa: E402

@@ -16,13 +16,13 @@ Two steps (:mod:`cadlib.analysis.replay.settings` says what a rank's work is):
 * ``compose`` (any machine): composes every batch's step from the cache and the link model
   (:mod:`cadlib.analysis.model.compose`) and writes a JSON per setting under ``--out`` and the summary.
 
-    python scripts/bench_replay.py time --suite validation,3d --cache $OUT/replay_times.json --budget-s 500
-    python scripts/bench_replay.py compose --suite validation,3d --cache results/replay/times_h200.json
-    python scripts/bench_replay.py shapes4d --sample 40               # Table 4: a sample of its server calls
-    python scripts/bench_replay.py time --suite 4d --cache $OUT/replay_times.json      # time the sample
-    python scripts/bench_replay.py compose --suite 4d --workers 2     # Table 4: PP, attention scaled to the sample
-    python scripts/bench_replay.py time --smoke --cache /tmp/t.json && \
-        python scripts/bench_replay.py compose --smoke --cache /tmp/t.json --out /tmp/replay     # CPU
+    python scripts/bench/bench_replay.py time --suite validation,3d --cache $OUT/replay_times.json --budget-s 500
+    python scripts/bench/bench_replay.py compose --suite validation,3d --cache results/replay/times_h200.json
+    python scripts/bench/bench_replay.py shapes4d --sample 40               # Table 4: a sample of its server calls
+    python scripts/bench/bench_replay.py time --suite 4d --cache $OUT/replay_times.json      # time the sample
+    python scripts/bench/bench_replay.py compose --suite 4d --workers 2     # Table 4: PP, attention scaled to the sample
+    python scripts/bench/bench_replay.py time --smoke --cache /tmp/t.json && \
+        python scripts/bench/bench_replay.py compose --smoke --cache /tmp/t.json --out /tmp/replay     # CPU
 """
 from __future__ import annotations
 
@@ -38,17 +38,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from cadlib.analysis.replay import phases as replay_phases, pipelined as replay4d, results as replay_results, settings as replay, times as replay_times  # noqa: E402
-from cadlib.analysis.runs.e2e import load_committed  # noqa: E402
-from cadlib.bench.inputs import ServeCall, rand  # noqa: E402
-from cadlib.bench.timer import WARMUP, time_phases, time_samples  # noqa: E402
-from cadlib.core.measured import MeasuredCost  # noqa: E402
-from cadlib.infra.results import RESULTS_DIR, atomic_write_json, environment_info, load_result, save_result  # noqa: E402
-from cadlib.runtime import kernels  # noqa: E402
-from cadlib.runtime.device import to_device  # noqa: E402
-from cadlib.runtime.model import ChunkedCrossEntropy, DecoderLayer, RMSNorm  # noqa: E402
+from cadlib.analysis.replay import phases as replay_phases, pipelined as replay4d, results as replay_results, settings as replay, times as replay_times
+from cadlib.analysis.runs.e2e import load_committed
+from cadlib.bench.inputs import ServeCall, rand
+from cadlib.bench.timer import WARMUP, time_phases, time_samples
+from cadlib.core.measured import MeasuredCost
+from cadlib.infra.results import RESULTS_DIR, atomic_write_json, environment_info, load_result, save_result
+from cadlib.runtime import kernels
+from cadlib.runtime.device import to_device
+from cadlib.runtime.model import ChunkedCrossEntropy, DecoderLayer, RMSNorm
 
 SUITES = ("validation", "3d", "idle", "allgather", "smoke", "4d")
 
