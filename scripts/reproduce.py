@@ -15,8 +15,8 @@ stops the run with a message naming the notebook, the parameter and what is vali
 Executed notebooks land in runs/<timestamp>-<profile>/ with their HTML (every plotly figure drawn;
 plotly.js loaded from plotly.min.js beside them; maths as MathML), report.md, a self-contained
 report.html and report.json. The report opens with its answer: a headline block and the table of every
-claim of the papers, one row each (``cadlib.analysis.report.claims``: a claim this profile did not run says so;
-end-to-end ones fall back to the committed results); then each notebook's summary and key figures, the
+claim of the papers, one row each (``cadlib.analysis.report.claims``: a claim this profile did not run says
+so; end-to-end ones fall back to the committed results); then each notebook's summary and key figures, the
 evidence appendix (``cadlib.analysis.report.evidence``) and every metric the cells recorded through
 ``cadlib.analysis.report.metrics.record``. Exit status 1 when any notebook failed.
 """
@@ -364,7 +364,7 @@ def run_notebook(nb: pathlib.Path, out: pathlib.Path, params: dict, run_dir: pat
     row = {"notebook": rel(nb), "parameters": params, "executed": str(out), "error": "", "links": {}}
     env = {"CADLIB_REPORT_DIR": str(run_dir), "CADLIB_NOTEBOOK": rel(nb)}
     saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)                    # the kernel inherits these: cadlib.analysis.report.metrics.record writes
+    os.environ.update(env)         # the kernel inherits these: cadlib.analysis.report.metrics.record writes
     t0 = time.perf_counter()
     try:
         pm.execute_notebook(str(nb), str(out), parameters=params, cwd=str(nb.parent),

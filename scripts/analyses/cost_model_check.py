@@ -1,8 +1,8 @@
 """What the measured kernel cost model buys, on the committed end-to-end runs.
 
 For every committed ``results/bench_e2e_*.json`` and every batch, the batch's layout and plans are
-rebuilt exactly as ``cadlib.train`` built them (:func:`cadlib.analysis.runs.cost_check.rebuild_plans`; the rebuilt
-plan's imbalance is checked against the one the run recorded) and compared
+rebuilt exactly as ``cadlib.train`` built them (:func:`cadlib.analysis.runs.cost_check.rebuild_plans`; the
+rebuilt plan's imbalance is checked against the one the run recorded) and compared
 (:func:`cadlib.analysis.runs.cost_check.e2e_check`):
 
 * method ``cad`` (one plan per batch): the imbalance (max / mean over ranks) of the measured
@@ -12,8 +12,8 @@ plan's imbalance is checked against the one the run recorded) and compared
 * CAD with ping-pong: the measured speedup over colocated against the committed prediction
   (``predicted_speedup``: pairs at colocated's measured seconds per FLOP) and the same prediction
   with the attention priced by the kernel table on ping-pong's two nano-batch plans;
-* the server's time outside its kernel (:func:`cadlib.analysis.runs.cost_check.server_overhead_fit`): the measured
-  attention of every (batch, rank) against the kernel model plus a cost per query and KV row the
+* the server's time outside its kernel (:func:`cadlib.analysis.runs.cost_check.server_overhead_fit`): the
+  measured attention of every (batch, rank) against the kernel model plus a cost per query and KV row the
   server gathers (a server that sent rows away gathers the rest; one that did not reads in place).
 
 Host only (CPU, a few seconds).

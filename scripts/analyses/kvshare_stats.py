@@ -55,7 +55,8 @@ def main(argv=None):
                         continue
                     t0 = time.perf_counter()
                     if lay == "zigzag":
-                        plan = Plan(per_doc_zigzag_layout(docs, S), layout_to_tasks(per_doc_zigzag_layout(docs, S)))
+                        zigzag = per_doc_zigzag_layout(docs, S)
+                        plan = Plan(zigzag, layout_to_tasks(zigzag))
                     else:
                         plan = schedule(pack(docs, S, args.tokens_per_rank, method=lay), S)
                     st = sharing_stats(plan)

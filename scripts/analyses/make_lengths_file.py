@@ -2,7 +2,8 @@
 """Write a lengths file drawn from one of cadlib's named document-length distributions (the files of
 data/lengths/ come from here):
 
-    python scripts/analyses/make_lengths_file.py prolong512k 30000 data/lengths/prolong512k_sample.txt --seed 0
+    python scripts/analyses/make_lengths_file.py prolong512k 30000 data/lengths/prolong512k_sample.txt \
+        --seed 0
 
 The ``n`` lengths are the first ``n`` documents :func:`cadlib.data.workload.sample_docs` draws for the
 seed (a budget large enough that none of them is the clipped last one): ``round(Q(u))`` of the table's

@@ -2,9 +2,9 @@
 
 (1) **composability** (``scripts/bench/server_composability.py``): a causal document of L tokens is cut
     into query shards of s tokens served by ONE server in one fused call, ``--kv-share`` ``merged``
-    (contiguous shards as one segment over one KV copy, :mod:`cadlib.dispatch.kvshare`), ``copy`` (the server's
-    reference path: one KV prefix copy per shard) or ``kernel`` (the kernel alone on per-shard copies,
-    as the committed ``..._lpt_*.json`` files); ``--patterns all`` (every shard on the server) or
+    (contiguous shards as one segment over one KV copy, :mod:`cadlib.dispatch.kvshare`), ``copy`` (the
+    server's reference path: one KV prefix copy per shard) or ``kernel`` (the kernel alone on per-shard
+    copies, as the committed ``..._lpt_*.json`` files); ``--patterns all`` (every shard on the server) or
     ``alternate`` (every other shard: they cannot merge). TF/s are compared with the unsplit document.
     A case whose estimated memory exceeds ``--mem-budget-gb`` is skipped, with the reason recorded.
 (2) **overhead**: the whole CAD attention step (``cadlib.runtime.stages.cad_attention``: plan -> metadata ->
@@ -17,7 +17,7 @@ Run::
 
     python scripts/bench/bench_attention_server.py --part composability          # 1 GPU
     python scripts/bench/bench_attention_server.py --part composability --doc-lens 16384,65536 \
-        --shards 128,512,1024,2048 --kv-share merged,copy --backends fa4   # KV sharing against per-shard copies
+        --shards 128,512,1024,2048 --kv-share merged,copy --backends fa4   # KV sharing vs per-shard copies
     python scripts/bench/bench_attention_server.py --part overhead               # 1 GPU
     torchrun --nproc-per-node=2 scripts/bench/bench_attention_server.py --part overhead   # 2 GPUs
     python scripts/bench/bench_attention_server.py --smoke                        # CPU, sdpa_ref, tiny

@@ -12,7 +12,7 @@ the largest rank's ``max_memory_allocated`` above what was allocated before the 
     torchrun --nproc-per-node=2 scripts/bench/bench_cp.py --out results/bench_cp.json
     torchrun --nproc-per-node=2 scripts/bench/bench_cp.py --mechanisms ring,ulysses --merge ...
     torchrun --nproc-per-node=2 scripts/bench/bench_cp.py --smoke           # gloo on CPU, tiny, seconds
-    cadlib.infra.launch.run_torchrun("scripts/bench/bench_cp.py", 2, ["--smoke"], pg_backend="gloo")   # notebook
+    cadlib.infra.launch.run_torchrun("scripts/bench/bench_cp.py", 2, ["--smoke"], pg_backend="gloo")  # a cell
 
 Masks: ``causal``, ``full`` (one document), ``causal_document``, ``full_document`` (every mechanism that
 serves them; CAD's CA-tasks are causal, so its full-mask cases are ``X``). Draws: ``--draws N`` times

@@ -7,8 +7,8 @@ signal-only control, on the same sampled batches; one JSON per setting under res
     python scripts/bench/bench_e2e.py --nproc 2 --link inter-node-like  # NCCL_P2P_DISABLE=1: via host memory
 
 Each setting is one ``python -m cadlib.train`` launch (cadlib.infra.launch.run_torchrun) running every
-method over the same batches; :func:`cadlib.analysis.runs.e2e.summarise` turns the per-rank records into per-batch
-speedups, the saving balancing could bring and how much CAD recovers, exposed communication, the
+method over the same batches; :func:`cadlib.analysis.runs.e2e.summarise` turns the per-rank records into
+per-batch speedups, the saving balancing could bring and how much CAD recovers, exposed communication, the
 ping-pong gain and the calibrated prediction. Results record device, torch, commit and configuration.
 """
 from __future__ import annotations
@@ -84,8 +84,8 @@ def main(argv=None) -> int:
     ap.add_argument("--mlp-recompute", action="store_true", default=True)
     ap.add_argument("--sent-last", action=argparse.BooleanOptionalAction, default=defaults.DEFAULT_SENT_LAST,
                     help="python -m cadlib.train --sent-last: CAD's rows sent to other servers last in each "
-                         "rank's token order (cadlib.scheduling.sentlast; a run other than defaults.DEFAULT_SENT_LAST "
-                         "appends _sentlast or _nosentlast to each file name)")
+                         "rank's token order (cadlib.scheduling.sentlast; a run other than "
+                         "defaults.DEFAULT_SENT_LAST appends _sentlast or _nosentlast to each file name)")
     ap.add_argument("--timeline-batches", default="auto",
                     help="batches whose spans are kept besides the last step's: 'auto' (the two most "
                          "imbalanced under colocated), indices, or 'none'")

@@ -16,11 +16,12 @@ Two steps (:mod:`cadlib.analysis.replay.settings` says what a rank's work is):
 * ``compose`` (any machine): composes every batch's step from the cache and the link model
   (:mod:`cadlib.analysis.model.compose`) and writes a JSON per setting under ``--out`` and the summary.
 
-    python scripts/bench/bench_replay.py time --suite validation,3d --cache $OUT/replay_times.json --budget-s 500
+    python scripts/bench/bench_replay.py time --suite validation,3d --cache $OUT/replay_times.json \
+        --budget-s 500
     python scripts/bench/bench_replay.py compose --suite validation,3d --cache results/replay/times_h200.json
-    python scripts/bench/bench_replay.py shapes4d --sample 40               # Table 4: a sample of its server calls
+    python scripts/bench/bench_replay.py shapes4d --sample 40        # Table 4: a sample of its server calls
     python scripts/bench/bench_replay.py time --suite 4d --cache $OUT/replay_times.json      # time the sample
-    python scripts/bench/bench_replay.py compose --suite 4d --workers 2     # Table 4: PP, attention scaled to the sample
+    python scripts/bench/bench_replay.py compose --suite 4d --workers 2   # Table 4: PP, attention scaled
     python scripts/bench/bench_replay.py time --smoke --cache /tmp/t.json && \
         python scripts/bench/bench_replay.py compose --smoke --cache /tmp/t.json --out /tmp/replay     # CPU
 """
@@ -38,7 +39,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from cadlib.analysis.replay import phases as replay_phases, pipelined as replay4d, results as replay_results, settings as replay, times as replay_times
+from cadlib.analysis.replay import phases as replay_phases
+from cadlib.analysis.replay import pipelined as replay4d
+from cadlib.analysis.replay import results as replay_results
+from cadlib.analysis.replay import settings as replay
+from cadlib.analysis.replay import times as replay_times
 from cadlib.analysis.runs.e2e import load_committed
 from cadlib.bench.inputs import ServeCall, rand
 from cadlib.bench.timer import WARMUP, time_phases, time_samples
@@ -316,8 +321,8 @@ def cmd_compose(a) -> int:
         if model_check is not None:
             for b in range(s.batches):
                 works = replay_phases.batch_work(s, b, rates).values()
-                times.update(replay_times.model_attention_times(works, s.spec, backend, cost, model_check["scale"],
-                                                                times))
+                times.update(replay_times.model_attention_times(works, s.spec, backend, cost,
+                                                                model_check["scale"], times))
         res = replay_results.replay_setting(s, times, rates, backend)
         if res is None:
             print(f"{s.name}: shapes missing from the cache; run `time` first")
@@ -365,9 +370,10 @@ def cmd_shapes4d(a) -> int:
                 rng.choice(len(keys), size=min(a.sample, len(keys)), replace=False, p=w / w.sum())
             for i in pick:
                 out[keys[i]] = {**shapes[keys[i]], "setting": s.name}
-            counts[s.name] = {"distinct": len(keys), "model_s": float(w.sum() / 1e3), "sampled": int(pick.size)}
-            print(f"{s.name}: {len(keys)} distinct calls, {w.sum() / 1e3:.0f} s modelled; sampled {pick.size}",
-                  flush=True)
+            counts[s.name] = {"distinct": len(keys), "model_s": float(w.sum() / 1e3),
+                              "sampled": int(pick.size)}
+            print(f"{s.name}: {len(keys)} distinct calls, {w.sum() / 1e3:.0f} s modelled; "
+                  f"sampled {pick.size}", flush=True)
     cfg = {"sample_per_setting": "all" if a.all else a.sample, "batches": batches, "seed": 0,
            "backend": backend, "weights": "modelled fwd+bwd time", "per_setting": counts}
     path = save_result(Path(a.shapes), cfg, {"shapes": out})
@@ -387,7 +393,8 @@ def cmd_compose_4d(a, times, meta, rates, backend) -> int:
     cost = MeasuredCost.load(RESULTS_DIR / "kernel_profile_h200.json", backend)
     shapes_path = Path(a.shapes)
     shapes = load_result(shapes_path)["results"]["shapes"] if shapes_path.exists() else {}
-    check = replay_times.segment_model_check(times, shapes, cost, replay4d.paper_4d_settings(1)[0].spec, backend)
+    spec = replay4d.paper_4d_settings(1)[0].spec
+    check = replay_times.segment_model_check(times, shapes, cost, spec, backend)
     if check is None:
         check = replay_results.kernel_model_check(replay.paper_3d_settings()[:3], times, cost, backend, rates)
     print(f"kernel table against the timed calls: {check}", flush=True)

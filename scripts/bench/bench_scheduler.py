@@ -39,7 +39,7 @@ water-filling, in four parts:
     python scripts/bench/bench_scheduler.py                 # scale
     python scripts/bench/bench_scheduler.py --grid --out results/bench_scheduler_grid_distca.json   # the grid
     python scripts/bench/bench_scheduler.py --host-path     # per-step host time
-    python scripts/bench/bench_scheduler.py --random 3000   # random tiny layouts, printed (--all records them)
+    python scripts/bench/bench_scheduler.py --random 3000   # random tiny layouts (--all records them)
     python scripts/bench/bench_scheduler.py --all           # scale, grid, random and host path
     python scripts/bench/bench_scheduler.py --quick         # scale at 8, 64 servers x 128K, 1 run
 """

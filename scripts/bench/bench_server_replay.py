@@ -1,12 +1,13 @@
 """Each rank's attention-server work in the end-to-end batches, replayed rank by rank on ONE GPU.
 
-``cadlib.train`` times a rank's attention as its ``attn`` spans (the serve stage): the fused forward and backward over
-the rows the rank's dispatch gives its server (queries and KV, local and received). This script builds
-the same plans for the same batches (``cadlib.train``'s sampler, scheduler and nano-batch split, at the
-same flags as ``scripts/bench/bench_e2e.py``), and for every rank of every plan runs exactly that work,
-the serve stage's forward + backward for one layer, on random bf16 buffers of the sizes the dispatch gives.
-No second GPU and no communication: the per-rank times say how well a method balances attention, and
-what the server's own overhead costs (the KV rows it gathers), apart from everything else in a step.
+``cadlib.train`` times a rank's attention as its ``attn`` spans (the serve stage): the fused forward and
+backward over the rows the rank's dispatch gives its server (queries and KV, local and received). This
+script builds the same plans for the same batches (``cadlib.train``'s sampler, scheduler and nano-batch
+split, at the same flags as ``scripts/bench/bench_e2e.py``), and for every rank of every plan runs exactly
+that work, the serve stage's forward + backward for one layer, on random bf16 buffers of the sizes the
+dispatch gives. No second GPU and no communication: the per-rank times say how well a method balances
+attention, and what the server's own overhead costs (the KV rows it gathers), apart from everything else in
+a step.
 
 Methods (``--methods``): ``colocated`` (every rank serves its own chunks: ``scheduler.colocated``),
 ``cad`` (the scheduler's plan), ``cad-pingpong`` (the two nano-batches' plans, summed per rank); a
@@ -14,8 +15,8 @@ Methods (``--methods``): ``colocated`` (every rank serves its own chunks: ``sche
 slowest rank against colocated's slowest (the straggler) and mean (perfect balance):
 ``recovered = (colocated max - method max) / (colocated max - colocated mean)``.
 
-    python scripts/bench/bench_server_replay.py --dist pretrain --tokens 65536 --out $OUT/replay.json   # 1 GPU
-    python scripts/bench/bench_server_replay.py --smoke --out /tmp/replay.json                         # CPU
+    python scripts/bench/bench_server_replay.py --dist pretrain --tokens 65536 --out $OUT/replay.json  # 1 GPU
+    python scripts/bench/bench_server_replay.py --smoke --out /tmp/replay.json                        # CPU
 """
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""One KV buffer for non-contiguous shards (an alternative to KV sharing's copies): can two segments of one fused FA4 call read ONE KV buffer (overlapping KV
-via ``seqused_k``), and does the varlen backward then SUM their dK/dV or overwrite them?
+"""One KV buffer for non-contiguous shards (an alternative to KV sharing's copies): can two segments of
+one fused FA4 call read ONE KV buffer (overlapping KV via ``seqused_k``), and does the varlen backward
+then SUM their dK/dV or overwrite them?
 
 Two segments of one document: queries ``[a1, c1)`` over KV ``[0, c1)`` and ``[a2, c2)`` over
 ``[0, c2)`` (``c1 <= a2``: non-contiguous, they cannot merge), both pointing at offset 0 of one KV
