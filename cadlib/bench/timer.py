@@ -34,6 +34,10 @@ untimed first."""
 SLEEP_CYCLES = 20_000_000
 """``ahead``'s device sleep, in GPU clock cycles: about 10 ms at an H200's clock."""
 
+FLUSH_MB = 256
+"""The kernel benchmarks' flush buffer, larger than an H200's L2 cache (60 MB): zeroed before each timed
+call, so every call starts with a cold cache."""
+
 
 class Clock:
     """Marks on one device's timeline: CUDA events recorded on the current stream on a GPU,
@@ -132,6 +136,23 @@ def stats(ms: Sequence[float]) -> dict:
     """Median, min and the 20% and 80% quantiles of ``ms``, and how many."""
     return {"median_ms": float(np.median(ms)), "min_ms": float(min(ms)),
             "q20_ms": float(np.quantile(ms, 0.2)), "q80_ms": float(np.quantile(ms, 0.8)), "iters": len(ms)}
+
+
+def flush_buffer(device) -> torch.Tensor | None:
+    """A :data:`FLUSH_MB` buffer on ``device`` for ``flush`` (None on the CPU: nothing to flush)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return torch.empty(FLUSH_MB * 2 ** 20, dtype=torch.uint8, device=device)
+
+
+def time_kernel(fn: Callable, device, *, iters: int, warmup: int, flush: torch.Tensor | None,
+                pre=None) -> dict:
+    """The kernel benchmarks' timing (``bench_kernels``, ``bench_sparse``): ``iters`` calls of ``fn``
+    (``fn(pre())`` with ``pre``) after ``warmup`` untimed ones, each after ``flush`` is zeroed, all
+    queued before one synchronisation; ``{"median_ms", "q20_ms", "q80_ms", "reps"}``."""
+    st = stats(time_samples(fn, device, iters=iters, warmup=warmup, pre=pre, flush=flush, sync_each=False))
+    return {"median_ms": st["median_ms"], "q20_ms": st["q20_ms"], "q80_ms": st["q80_ms"], "reps": st["iters"]}
 
 
 def time_fn(fn: Callable, device, *, iters: int, warmup: int = WARMUP, **options) -> dict:

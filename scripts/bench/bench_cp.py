@@ -19,8 +19,8 @@ serves them; CAD's CA-tasks are causal, so its full-mask cases are ``X``). Draws
 every document mask on ``N`` independent draws of its documents (seeds ``seed .. seed + N - 1``;
 LongCA-bench takes 30) and reports the median of the draws' medians with the 20/80% quantiles across
 draws (``per_draw`` keeps each). A case that fails (unsupported mask, out of memory, an error) is
-recorded with its reason and the run goes on. Rank 0 writes the JSON (after every case, merged with ``--merge``) through
-:func:`cadlib.infra.results.save_result`; every rank also writes its records with
+recorded with its reason and the run goes on. Rank 0 writes the JSON (after every case, merged with
+``--merge``) through :func:`cadlib.infra.results.save_result`; every rank also writes its records with
 :func:`cadlib.infra.progress.write_result` when started by ``run_torchrun``.
 """
 from __future__ import annotations
@@ -34,6 +34,7 @@ from pathlib import Path
 
 _T0 = time.monotonic()          # --time-budget-s counts from here (torch import, NCCL start included)
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
@@ -57,15 +58,18 @@ def _slowest(ms: list[float], group, device) -> list[float]:
 
 
 def run_draws(mech_name, mask_name, dist_name, tpg, args, env, heads, dtype) -> dict:
-    """:func:`run_case` on ``args.draws`` draws of a document mask: median and 20/80% quantiles across draws."""
+    """:func:`run_case` on ``args.draws`` draws of a document mask: median and 20/80% quantiles across
+    draws."""
     per = []
     for i in range(args.draws):
-        per.append(run_case(mech_name, mask_name, dist_name, tpg, args, env, heads, dtype, seed=args.seed + i))
+        per.append(run_case(mech_name, mask_name, dist_name, tpg, args, env, heads, dtype,
+                            seed=args.seed + i))
         if per[-1]["status"] != "ok":
             return {**per[-1], "draws": i + 1, "error": f"draw {i}: " + per[-1].get("error", "")}
     rec = {**per[0], "draws": args.draws,
-           "per_draw": [{"seed": args.seed + i, "fwd_ms": r["fwd"]["median_ms"], "bwd_ms": r["bwd"]["median_ms"],
-                         "area": r["area"], "n_docs": r["n_docs"]} for i, r in enumerate(per)]}
+           "per_draw": [{"seed": args.seed + i, "fwd_ms": r["fwd"]["median_ms"],
+                         "bwd_ms": r["bwd"]["median_ms"], "area": r["area"], "n_docs": r["n_docs"]}
+                        for i, r in enumerate(per)]}
     for d in ("fwd", "bwd"):
         ms = np.array([r[d]["median_ms"] for r in per])
         tf = np.array([r[d]["tflops_per_gpu"] for r in per])
@@ -208,8 +212,8 @@ def main(argv=None) -> int:
             rec = {"mechanism": m, "mask": mask, "dist": d, "tokens_per_gpu": tpg, "world": env.world,
                    "status": "-", "error": "time budget"}
         else:
-            rec = (run_draws if args.draws > 1 and "document" in mask else run_case)(m, mask, d, tpg, args, env,
-                                                                                      heads, dtype)
+            run = run_draws if args.draws > 1 and "document" in mask else run_case
+            rec = run(m, mask, d, tpg, args, env, heads, dtype)
         mine.append(rec)
         if env.rank == 0:
             rows = [r for r in rows if _key(r) != _key(rec)] + [rec]

@@ -50,7 +50,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from cadlib.bench.inputs import rand  # noqa: E402
 from cadlib.bench.meters import reset_peak, tflops  # noqa: E402
-from cadlib.bench.timer import stats, time_samples  # noqa: E402
+from cadlib.bench.timer import flush_buffer, time_kernel  # noqa: E402
 from cadlib.core.paper import LONGCA_DRAWS  # noqa: E402
 from cadlib.data.masks import ALL_TYPES, FULL, Mask, make_mask  # noqa: E402
 from cadlib.infra.results import atomic_write_json, save_result  # noqa: E402
@@ -232,21 +232,6 @@ def available(backend: str, device: torch.device) -> str | None:
 # Timing
 # ---------------------------------------------------------------------------------------------------
 
-FLUSH_MB = 256
-"""A buffer zeroed before every timed call on a GPU, larger than the L2 cache: each call starts cold."""
-
-
-def measure(fn, device, flush, warmup: int, reps: int, pre=None) -> list[float]:
-    """Milliseconds of ``fn(pre())`` (``fn()`` without ``pre``; ``pre`` untimed) per rep after ``warmup``
-    calls, ``flush`` zeroed before each: every rep queued, one synchronisation at the end."""
-    return time_samples(fn, device, iters=reps, warmup=warmup, pre=pre, flush=flush, sync_each=False)
-
-
-def _stats(ms: list[float]) -> dict:
-    st = stats(ms)
-    return {"median_ms": st["median_ms"], "q20_ms": st["q20_ms"], "q80_ms": st["q80_ms"], "reps": len(ms)}
-
-
 def _reference_error(mask, q, k, v, out) -> float:
     """``max |out - ref| / max |ref|`` against float32 SDPA math with the dense mask."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -306,11 +291,10 @@ def run_cell(backend, mask, heads, dim, dtype, device, flush, args, check: bool)
                 recs.append({**base, "direction": direction, "status": "X", "error": "no backward here"})
                 continue
             if direction == "fwd":
-                ms = measure(fwd, device, flush, warmup, reps)
+                st = time_kernel(fwd, device, iters=reps, warmup=warmup, flush=flush)
             else:
-                ms = measure(bwd, device, flush, warmup, reps, pre=pre)
+                st = time_kernel(bwd, device, iters=reps, warmup=warmup, flush=flush, pre=pre)
             flops = mask.flops(heads[0], dim, direction)
-            st = _stats(ms)
             recs.append({**base, "direction": direction, "status": "ok", **st, "flops": flops,
                          "tflops": tflops(flops, st["median_ms"]), "max_err": err})
         peak = ((torch.cuda.max_memory_allocated(device) - baseline) / 1e9 if device.type == "cuda"
@@ -440,7 +424,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.smoke:
         args.seqlens = "256"
-        args.heads, args.head_dim, args.dtype = ("4:2" if args.heads == DEFAULT_HEADS else args.heads), 16, "fp32"
+        args.heads = "4:2" if args.heads == DEFAULT_HEADS else args.heads
+        args.head_dim, args.dtype = 16, "fp32"
         args.warmup, args.reps, args.window, args.block = 1, 3, 32, 64
         args.backends = args.backends or ",".join(SMOKE_BACKENDS)
         if args.out == "results/bench_kernels.json":
@@ -456,7 +441,8 @@ def parse_args(argv=None):
     except ValueError:
         hs = []
     if not hs or any(len(h) != 2 or h[0] % h[1] for h in hs):
-        p.error(f"--heads must be Hq:Hkv pairs with Hq a multiple of Hkv (e.g. 64:8,64:64), got {args.heads!r}")
+        p.error(f"--heads must be Hq:Hkv pairs with Hq a multiple of Hkv (e.g. 64:8,64:64), "
+                f"got {args.heads!r}")
     if args.draws < 1:
         p.error(f"--draws must be >= 1, got {args.draws}")
     return args
@@ -529,8 +515,7 @@ def main(argv=None) -> int:
         old = json.loads(out.read_text())
         rows = _with_heads(old.get("results", []), old.get("config"))
     config = {**vars(args), "device": str(device), "backends_run": backends}
-    flush = (torch.empty(FLUSH_MB * 2 ** 20, dtype=torch.uint8, device=device) if device.type == "cuda"
-             else None)
+    flush = flush_buffer(device)
     t_start = _T0
     for heads in heads_list:
         for backend in backends:
@@ -551,7 +536,8 @@ def main(argv=None) -> int:
                             status, err = "X", f"unsupported ({static}; decided without running)"
                         else:
                             status, err = "-", too_slow or "time budget"
-                        recs = [{**base, "direction": d, "status": status, "error": err} for d in ("fwd", "bwd")]
+                        recs = [{**base, "direction": d, "status": status, "error": err}
+                                for d in ("fwd", "bwd")]
                     elif args.draws > 1 and name in DRAWN_MASKS:
                         recs = run_draws(backend, name, T, heads, dtype, device, flush, args,
                                          check=bool(args.check) and i == 0)
