@@ -5,7 +5,8 @@ import time
 import pytest
 import torch
 
-from cadlib.bench.timer import WARMUP, Clock, stats, time_fn, time_phases, time_samples
+from cadlib.bench.timer import (WARMUP, Clock, flush_buffer, stats, time_fn, time_kernel, time_phases,
+                                 time_samples)
 
 
 def test_the_first_run_is_a_warm_up_and_never_timed():
@@ -85,3 +86,11 @@ def test_on_a_gpu_the_events_time_the_device(sync_each):
     sleep, nothing = (lambda: torch.cuda._sleep(10_000_000)), (lambda _: None)
     fw, bw = time_phases([sleep, nothing], "cuda", iters=3, ahead=True, sync_each=sync_each)
     assert all(f > 1.0 for f in fw) and all(b < 0.5 for b in bw), (fw, bw)
+
+
+def test_the_kernel_benchmarks_timing_records_median_quantiles_and_reps():
+    assert flush_buffer("cpu") is None                        # nothing to flush on the CPU
+    got = []
+    out = time_kernel(lambda x: got.append(x), "cpu", iters=4, warmup=2, flush=None, pre=lambda: 7)
+    assert set(out) == {"median_ms", "q20_ms", "q80_ms", "reps"} and out["reps"] == 4
+    assert got == [7] * 6 and out["q20_ms"] <= out["median_ms"] <= out["q80_ms"]
