@@ -35,8 +35,8 @@ SLEEP_CYCLES = 20_000_000
 """``ahead``'s device sleep, in GPU clock cycles: about 10 ms at an H200's clock."""
 
 FLUSH_MB = 256
-"""The kernel benchmarks' flush buffer, larger than an H200's L2 cache (60 MB): zeroed before each timed
-call, so every call starts with a cold cache."""
+"""The kernel benchmarks' flush buffer, several times a GPU's L2 cache (tens of MB): zeroed before each
+timed call, so every call starts with a cold cache."""
 
 
 class Clock:
