@@ -20,7 +20,7 @@ from .core.plan import CATask, Plan, layout_to_tasks
 def random_tiny_layout(rng: np.random.Generator) -> tuple[Layout, int]:
     """A random tiny layout and a server count, for property checks of the scheduler: 1-8 ranks, 1-9
     documents of 1-399 tokens, each cut at up to 3 random points into chunks on random ranks (ranks
-    may hold nothing); 1-8 servers. The tests and ``scripts/bench_scheduler.py --random`` draw the
+    may hold nothing); 1-8 servers. The tests and ``scripts/bench/bench_scheduler.py --random`` draw the
     same layouts from the same seeds."""
     R = int(rng.integers(1, 9))
     lens = rng.integers(1, 400, int(rng.integers(1, 10))).tolist()

@@ -73,7 +73,7 @@ def parser() -> argparse.ArgumentParser:
     cl.add_argument("--inter-node-gbps", type=float, default=IB_GBPS_PER_GPU,
                     help="inter-node bandwidth per GPU, GB/s (default: DistCA's InfiniBand)")
     cl.add_argument("--gpu-memory-gb", type=float, default=DISTCA_GPU_MEMORY_GB)
-    cl.add_argument("--kernels", help="a kernel latency table (scripts/profile_kernels.py's JSON, e.g. "
+    cl.add_argument("--kernels", help="a kernel latency table (scripts/bench/profile_kernels.py's JSON, e.g. "
                     "results/kernel_profile_h200.json; default: the simulator's H200 rates)")
     tr = ap.add_argument_group("training")
     tr.add_argument("--context", type=int, default=131072, help="MaxDocLen, tokens")
@@ -140,7 +140,7 @@ def check(args) -> tuple:
             MeasuredCost.load(args.kernels)
         except (OSError, ValueError, KeyError, json.JSONDecodeError) as e:
             raise BadInput(f"--kernels {args.kernels}: not a kernel latency table ({e}); give "
-                           "scripts/profile_kernels.py's JSON") from None
+                           "scripts/bench/profile_kernels.py's JSON") from None
     cluster = Cluster(gpus=gpus, gpus_per_node=args.gpus_per_node, tp=tp, pp=args.pp,
                              intra_node_gbps=args.intra_node_gbps, inter_node_gbps=args.inter_node_gbps,
                              gpu_memory_gb=args.gpu_memory_gb, kernels=args.kernels)

@@ -15,8 +15,8 @@ stops the run with a message naming the notebook, the parameter and what is vali
 Executed notebooks land in runs/<timestamp>-<profile>/ with their HTML (every plotly figure drawn;
 plotly.js loaded from plotly.min.js beside them; maths as MathML), report.md, a self-contained
 report.html and report.json. The report opens with its answer: a headline block and the table of every
-claim of the papers, one row each (``cadlib.analysis.report.claims``: a claim this profile did not run says so;
-end-to-end ones fall back to the committed results); then each notebook's summary and key figures, the
+claim of the papers, one row each (``cadlib.analysis.report.claims``: a claim this profile did not run says
+so; end-to-end ones fall back to the committed results); then each notebook's summary and key figures, the
 evidence appendix (``cadlib.analysis.report.evidence``) and every metric the cells recorded through
 ``cadlib.analysis.report.metrics.record``. Exit status 1 when any notebook failed.
 """
@@ -34,13 +34,11 @@ import sys
 import time
 import tokenize
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
+from cadlib.analysis.figures import static as figures_html
 from cadlib.analysis.report import claims, evidence, metrics, writer
+from cadlib.infra.results import atomic_write_text, environment_info, new_run_dir
 
-from cadlib.analysis.figures import static as figures_html  # noqa: E402
-from cadlib.infra.results import atomic_write_text, environment_info, new_run_dir  # noqa: E402
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # Parameter profiles: per-notebook overrides on top of each notebook's own defaults (the defaults are the
 # CPU profile). Keys are substrings of notebook paths under notebooks/ ("*": every notebook that defines
@@ -57,7 +55,7 @@ PROFILES: dict[str, dict[str, dict]] = {
     "h200x2": {
         "02_cad/02_attention_servers": {"nproc": 2, **_SERVERS},
         "03_pingpong/01_overlap": {"nproc": 2, "tokens_per_rank": 65536, **_OVERLAP},
-        # a 3-batch live run: the 10-batch comparisons are scripts/bench_e2e.py's committed files, which
+        # a 3-batch live run: the 10-batch comparisons are scripts/bench/bench_e2e.py's committed files, which
         # the notebook reads and the claims table uses (running them again here would double the GPU time)
         "04_benchmarks/01_end_to_end": {"nproc": 2, "tokens_per_rank": 65536, "timeout_s": 1800, **_E2E,
                                         "steps": 3},
@@ -366,7 +364,7 @@ def run_notebook(nb: pathlib.Path, out: pathlib.Path, params: dict, run_dir: pat
     row = {"notebook": rel(nb), "parameters": params, "executed": str(out), "error": "", "links": {}}
     env = {"CADLIB_REPORT_DIR": str(run_dir), "CADLIB_NOTEBOOK": rel(nb)}
     saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)                    # the kernel inherits these: cadlib.analysis.report.metrics.record writes
+    os.environ.update(env)         # the kernel inherits these: cadlib.analysis.report.metrics.record writes
     t0 = time.perf_counter()
     try:
         pm.execute_notebook(str(nb), str(out), parameters=params, cwd=str(nb.parent),

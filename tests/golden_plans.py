@@ -16,7 +16,6 @@ import sys
 import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from cadlib.analysis.runs.e2e import load_committed  # noqa: E402
 from cadlib.core.cost import as_model  # noqa: E402

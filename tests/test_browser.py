@@ -1,15 +1,15 @@
-"""The workbook as its readers use it: JupyterLab in chromium (scripts/browser_check.py).
+"""The workbook as its readers use it: JupyterLab in chromium (tests/browser_check.py).
 
 Run by ``make test-browser`` (which installs chromium and playwright and sets CADLIB_BROWSER_TEST=1);
 skipped in a plain ``pytest`` run, which must stay fast and needs no browser.
 """
-import importlib.util
 import os
 import pathlib
 import time
 
 import nbformat
 import pytest
+from browser_check import alive, check_figures, check_report, run_in_lab
 from nbformat.v4 import new_code_cell, new_notebook
 
 from cadlib import whatif
@@ -20,24 +20,21 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(os.environ.get("CADLIB_BROWSER_TEST") != "1",
                                 reason="browser test: run `make test-browser` (sets CADLIB_BROWSER_TEST=1)")
 
-spec = importlib.util.spec_from_file_location("browser_check", ROOT / "scripts" / "browser_check.py")
-browser_check = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(browser_check)
 SHOTS = ROOT / "runs" / "browser"
 STAMP = time.strftime("%Y%m%d-%H%M%S")
 
 
 def assert_nothing_left(pids):
     assert pids, "the server's process tree was never seen"
-    left = browser_check.alive(pids)
+    left = alive(pids)
     assert not left, f"processes left behind: {left}"
-    assert not browser_check.alive(proctree._descendants(os.getpid())), "a child of the test is still running"
+    assert not alive(proctree._descendants(os.getpid())), "a child of the test is still running"
 
 
 def test_stragglers_notebook_runs_in_jupyterlab_with_figures_and_live_widgets():
     pids = set()
     shot = SHOTS / f"{STAMP}-01_stragglers.png"
-    result = browser_check.run_in_lab(ROOT / "notebooks" / "01_imbalance" / "01_stragglers.ipynb", shot,
+    result = run_in_lab(ROOT / "notebooks" / "01_imbalance" / "01_stragglers.ipynb", shot,
                                       widgets=True, pids_seen=pids)
     assert result["figures"] >= 1
     titles = result["widget_title"]
@@ -56,14 +53,14 @@ def test_an_error_in_a_cell_fails_the_check_and_leaves_no_process(tmp_path):
     nbformat.write(nb, path)
     pids = set()
     with pytest.raises(AssertionError, match="error output in the notebook.*ZeroDivisionError"):
-        browser_check.run_in_lab(path, SHOTS / f"{STAMP}-broken.png", pids_seen=pids)
+        run_in_lab(path, SHOTS / f"{STAMP}-broken.png", pids_seen=pids)
     assert len(pids) >= 2
     assert_nothing_left(pids)
 
 
 def test_committed_report_opens_with_its_answer_one_row_per_claim_and_draws_every_figure():
     page = ROOT / "results" / "reports" / "report.html"
-    got = browser_check.check_report(page, SHOTS / f"{STAMP}-report.png")
+    got = check_report(page, SHOTS / f"{STAMP}-report.png")
     assert 4 <= got["headline_rows"] <= 6
     assert got["claims"] == list(paper.CLAIMS), "one row per claim, in the registry's order"
     assert got["figures"] >= 8
@@ -76,4 +73,4 @@ def test_whatif_page_draws_every_figure(tmp_path):
             "--gpus-per-node", "2", "--tp", "2", "--context", "524288", "--tokens-per-group", "32768",
             "--steps", "1", "--quiet", "--html", str(page)]
     assert whatif.main(argv) == 0
-    assert browser_check.check_figures(page, SHOTS / f"{STAMP}-whatif.png") == 5   # steps, ranks, memory, sweep, lengths
+    assert check_figures(page, SHOTS / f"{STAMP}-whatif.png") == 5   # steps, ranks, memory, sweep, lengths

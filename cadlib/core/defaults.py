@@ -1,4 +1,4 @@
-"""Defaults of an end-to-end run, in one place: ``python -m cadlib.train``, ``scripts/bench_e2e.py``,
+"""Defaults of an end-to-end run, in one place: ``python -m cadlib.train``, ``scripts/bench/bench_e2e.py``,
 the plan recipes (:mod:`cadlib.scheduling.recipes`) and the labels of committed result files
 (:func:`cadlib.analysis.runs.e2e.setting_label`) all read them here."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A cost model measured on the server kernel: latency tables from ``scripts/profile_kernels.py``.
+"""A cost model measured on the server kernel: latency tables from ``scripts/bench/profile_kernels.py``.
 
 The pair-count model (:mod:`cadlib.core.cost`) prices a CA-task by its causal pairs at an assumed rate per
 shard size. :class:`MeasuredCost` prices it from measurements instead. The table (JSON written with

@@ -286,18 +286,18 @@ CLAIMS_LIST = CLAIMS_LIST + (
     Claim("longca.sparse_bwd_bottleneck", "In block-sparse attention the backward pass is the bottleneck of "
           "every kernel: its TF/s stay well below the forward's.", None, "x fwd TF/s", LONGCA_ARXIV +
           ", sparse kernels", "uniform (blocks 64, 128) and variable (average 128-1024) block-sparse masks, "
-          "sparsity 0.1-0.9, 16K-128K tokens, GQA and MHA (scripts/bench_sparse.py: bwd / fwd TF/s per cell)",
+          "sparsity 0.1-0.9, 16K-128K tokens, GQA and MHA (scripts/bench/bench_sparse.py: bwd / fwd TF/s per cell)",
           _LONGCA_QUOTED, "04_benchmarks/02_kernels_masks.ipynb", "measured",
           text="backward the universal bottleneck of sparse kernels"),
     Claim("longca.hybrid_cp_best", "Hybrid context parallelism (head parallelism with a ring: USP, LoongTrain) "
           "is the best mechanism overall.", None, "", LONGCA_ARXIV + ", context parallelism",
-          "the five CP mechanisms on full, causal and document masks (scripts/bench_cp.py, fastest fwd+bwd per "
+          "the five CP mechanisms on full, causal and document masks (scripts/bench/bench_cp.py, fastest fwd+bwd per "
           "case)", _LONGCA_QUOTED, "04_benchmarks/03_context_parallel.ipynb", "measured",
           text="USP/LoongTrain best overall", gap=_GAP_MULTI_GPU),
     Claim("longca.ring_fluctuates_docs", "Ring P2P's throughput fluctuates on document masks (it depends on "
           "how the documents fall on the zigzag), unlike on the full and causal masks.", None, "",
           LONGCA_ARXIV + ", context parallelism", "ring on causal_document and full_document over "
-          f"{LONGCA_DRAWS} draws (scripts/bench_cp.py --draws {LONGCA_DRAWS}: the q20-q80 spread); its "
+          f"{LONGCA_DRAWS} draws (scripts/bench/bench_cp.py --draws {LONGCA_DRAWS}: the q20-q80 spread); its "
           "dispatch's max/mean area across the draws (results/cp_balance.json) is the computed cause",
           _LONGCA_QUOTED, "04_benchmarks/03_context_parallel.ipynb", "measured",
           text="ring P2P fluctuates on document masks", gap=_GAP_MULTI_GPU),

@@ -1,8 +1,8 @@
 """What the measured kernel cost model buys, on the committed end-to-end runs.
 
 For every committed ``results/bench_e2e_*.json`` and every batch, the batch's layout and plans are
-rebuilt exactly as ``cadlib.train`` built them (:func:`cadlib.analysis.runs.cost_check.rebuild_plans`; the rebuilt
-plan's imbalance is checked against the one the run recorded) and compared
+rebuilt exactly as ``cadlib.train`` built them (:func:`cadlib.analysis.runs.cost_check.rebuild_plans`; the
+rebuilt plan's imbalance is checked against the one the run recorded) and compared
 (:func:`cadlib.analysis.runs.cost_check.e2e_check`):
 
 * method ``cad`` (one plan per batch): the imbalance (max / mean over ranks) of the measured
@@ -12,8 +12,8 @@ plan's imbalance is checked against the one the run recorded) and compared
 * CAD with ping-pong: the measured speedup over colocated against the committed prediction
   (``predicted_speedup``: pairs at colocated's measured seconds per FLOP) and the same prediction
   with the attention priced by the kernel table on ping-pong's two nano-batch plans;
-* the server's time outside its kernel (:func:`cadlib.analysis.runs.cost_check.server_overhead_fit`): the measured
-  attention of every (batch, rank) against the kernel model plus a cost per query and KV row the
+* the server's time outside its kernel (:func:`cadlib.analysis.runs.cost_check.server_overhead_fit`): the
+  measured attention of every (batch, rank) against the kernel model plus a cost per query and KV row the
   server gathers (a server that sent rows away gathers the rest; one that did not reads in place).
 
 Host only (CPU, a few seconds).
@@ -24,15 +24,12 @@ Host only (CPU, a few seconds).
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from cadlib.analysis.runs.cost_check import e2e_check, e2e_check_summary, server_overhead_fit  # noqa: E402
-from cadlib.analysis.runs.e2e import load_committed  # noqa: E402
-from cadlib.core.measured import MeasuredCost  # noqa: E402
-from cadlib.infra.results import REPO_ROOT, RESULTS_DIR, save_result  # noqa: E402
+from cadlib.analysis.runs.cost_check import e2e_check, e2e_check_summary, server_overhead_fit
+from cadlib.analysis.runs.e2e import load_committed
+from cadlib.core.measured import MeasuredCost
+from cadlib.infra.results import REPO_ROOT, RESULTS_DIR, save_result
 
 SPEEDUP_TARGET = 0.10
 """The target for the simulator's step-time error against the measured runs."""
@@ -47,7 +44,7 @@ def _repo_path(path) -> str:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--table", default=str(RESULTS_DIR / "kernel_profile_h200.json"),
-                    help="kernel latency table (scripts/profile_kernels.py)")
+                    help="kernel latency table (scripts/bench/profile_kernels.py)")
     ap.add_argument("--backend", default="fa4", help="backend of the table (the end-to-end runs' kernel)")
     ap.add_argument("--pattern", default="bench_e2e_*.json",
                     help="end-to-end result files under --results-dir")

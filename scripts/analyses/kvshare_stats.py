@@ -15,21 +15,18 @@ chunks r and 2R-1-r), colocated. Host only (CPU).
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from cadlib.analysis.runs.server_bench import sharing_stats  # noqa: E402
-from cadlib.core.plan import Plan, layout_to_tasks  # noqa: E402
+from cadlib.analysis.runs.server_bench import sharing_stats
+from cadlib.core.plan import Plan, layout_to_tasks
 from cadlib.data.packing import (
-    pack,  # noqa: E402
-    per_doc_zigzag_layout,  # noqa: E402
+    pack,
+    per_doc_zigzag_layout,
 )
-from cadlib.data.workload import sample_docs  # noqa: E402
-from cadlib.infra.results import RESULTS_DIR, save_result  # noqa: E402
-from cadlib.scheduling.scheduler import schedule  # noqa: E402
+from cadlib.data.workload import sample_docs
+from cadlib.infra.results import RESULTS_DIR, save_result
+from cadlib.scheduling.scheduler import schedule
 
 
 def main(argv=None):
@@ -58,7 +55,8 @@ def main(argv=None):
                         continue
                     t0 = time.perf_counter()
                     if lay == "zigzag":
-                        plan = Plan(per_doc_zigzag_layout(docs, S), layout_to_tasks(per_doc_zigzag_layout(docs, S)))
+                        zigzag = per_doc_zigzag_layout(docs, S)
+                        plan = Plan(zigzag, layout_to_tasks(zigzag))
                     else:
                         plan = schedule(pack(docs, S, args.tokens_per_rank, method=lay), S)
                     st = sharing_stats(plan)

@@ -21,15 +21,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from cadlib.analysis.runs.e2e import load_committed  # noqa: E402
-from cadlib.analysis.runs.memory_check import (TARGET, check_item, divergence,  # noqa: E402
+from cadlib.analysis.runs.e2e import load_committed
+from cadlib.analysis.runs.memory_check import (TARGET, check_item, divergence,
                                                measured_divergence, paper_tokens, summarise, table4)
-from cadlib.core.paper import CLAIMS  # noqa: E402
-from cadlib.infra.results import RESULTS_DIR, save_result  # noqa: E402
+from cadlib.core.paper import CLAIMS
+from cadlib.infra.results import RESULTS_DIR, save_result
 
 
 def main(argv=None) -> int:

@@ -1,15 +1,15 @@
 #!/usr/bin/env python
 """What ``--sent-last`` (cadlib.scheduling.sentlast) would save on the committed end-to-end runs, host only.
 
-For every ``results/bench_e2e_<n>x_<dist>_<tokens>k_<link>.json`` (no suffix after the link), each
-batch's plans are rebuilt as ``cadlib.train`` built them (:func:`cadlib.analysis.runs.cost_check.rebuild_plans`:
-``cad``'s plan and ``cad-pingpong``'s two nano-batch plans), with and without the re-ordering. Per
-method and rank: the query and KV rows each server gathers (:meth:`cadlib.dispatch.meta.Dispatch.
-gathered_rows`, summed over the batches and, for ping-pong, the two nano-batches), and what the fitted
-cost of a gathered row (``server_overhead_fit`` of ``results/cost_model_check.json``: ns per row and
-layer, forward and backward) predicts the re-ordering saves per step: ``saving_ms`` = the slowest
-rank's measured attention minus the slowest rank's after subtracting each rank's predicted change
-(mean over batches), ``saving_slowest_ms`` the change on the rank that was slowest.
+For every ``results/bench_e2e_<n>x_<dist>_<tokens>k_<link>.json`` (no suffix after the link), each batch's
+plans are rebuilt as ``cadlib.train`` built them (:func:`cadlib.analysis.runs.cost_check.rebuild_plans`:
+``cad``'s plan and ``cad-pingpong``'s two nano-batch plans), with and without the re-ordering. Per method
+and rank: the query and KV rows each server gathers (:meth:`cadlib.dispatch.meta.Dispatch.gathered_rows`,
+summed over the batches and, for ping-pong, the two nano-batches), and what the fitted cost of a gathered
+row (``server_overhead_fit`` of ``results/cost_model_check.json``: ns per row and layer, forward and
+backward) predicts the re-ordering saves per step: ``saving_ms`` = the slowest rank's measured attention
+minus the slowest rank's after subtracting each rank's predicted change (mean over batches),
+``saving_slowest_ms`` the change on the rank that was slowest.
 
 A sent-last server lays its buffers out received first or local first, whichever gathers fewer rows
 (``Dispatch.recv_first``). Servers that still gather KV rows afterwards are counted by the first
@@ -33,11 +33,10 @@ import sys
 
 import numpy as np
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+from cadlib.analysis.runs.cost_check import rebuild_plans
+from cadlib.dispatch.build import build_dispatch
 
-from cadlib.analysis.runs.cost_check import rebuild_plans  # noqa: E402
-from cadlib.dispatch.build import build_dispatch  # noqa: E402
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 REASONS = ("sent_start", "context", "remote_prefix", "received", "split", "other")
 

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # LongCA-bench's one-GPU tables on 1x H200 (FA4 as flash_attn.cute, installed beforehand; torch 2.11),
 # about 7-8 minutes, every stage under its own timeout:
-#   sparse   scripts/bench_sparse.py: flex and fa4, uniform blocks 64 and 128, sparsity 0.5 then 0.1 then
+#   sparse   scripts/bench/bench_sparse.py: flex and fa4, uniform blocks 64 and 128, sparsity 0.5 then 0.1 then
 #            0.9, 16K-128K, GQA 64:8 and MHA 64:64, fwd and bwd, each (kernel, block, heads) checked
 #            against the dense reference at 2K; then the variable blocks (flex). Continues a committed
 #            results/bench_sparse_h200.json if there is one (--merge: measured cells are not re-run), so
 #            running the script again fills what a budget left '-'.
-#   mha      scripts/bench_kernels.py, the MHA rows (64:64) of fa4 and flex on every mask, 4K-32K
-#   draws    scripts/bench_kernels.py --draws 30 on the document masks, fa4, GQA 64:8, 16K and 32K
+#   mha      scripts/bench/bench_kernels.py, the MHA rows (64:64) of fa4 and flex on every mask, 4K-32K
+#   draws    scripts/bench/bench_kernels.py --draws 30 on the document masks, fa4, GQA 64:8, 16K and 32K
 #            (median and 20/80% quantiles across draws)
 # Writes $OUT/bench_sparse_h200.json, $OUT/bench_kernels_mha.json, $OUT/bench_kernels_draws.json and
 # $OUT/longca_1gpu.log. STAGES= picks stages (also: gputests, the GPU kernel tests, ~1-2 min); SPARSE_BUDGET
@@ -44,13 +44,13 @@ for st in $STAGES; do
       [ -f results/bench_sparse_h200.json ] && [ ! -f "$OUT/bench_sparse_h200.json" ] \
         && cp results/bench_sparse_h200.json "$OUT/bench_sparse_h200.json"
       B=${SPARSE_BUDGET:-250}
-      timeout $(( B + 90 )) $PY scripts/bench_sparse.py $SPARSE --time-budget-s "$B" --merge \
+      timeout $(( B + 90 )) $PY scripts/bench/bench_sparse.py $SPARSE --time-budget-s "$B" --merge \
         --out "$OUT/bench_sparse_h200.json" 2>&1 | grep -v "^ *$" | tail -60 | tee -a "$LOG" ;;
     mha)
-      timeout 120 $PY scripts/bench_kernels.py $MHA --seqlens $SEQ_MHA --time-budget-s 60 \
+      timeout 120 $PY scripts/bench/bench_kernels.py $MHA --seqlens $SEQ_MHA --time-budget-s 60 \
         --out "$OUT/bench_kernels_mha.json" 2>&1 | tail -40 | tee -a "$LOG" ;;
     draws)
-      timeout 120 $PY scripts/bench_kernels.py $DRAWS --masks $MASKS_DRAWS --seqlens $SEQ_DRAWS --time-budget-s 60 \
+      timeout 120 $PY scripts/bench/bench_kernels.py $DRAWS --masks $MASKS_DRAWS --seqlens $SEQ_DRAWS --time-budget-s 60 \
         --out "$OUT/bench_kernels_draws.json" 2>&1 | tail -20 | tee -a "$LOG" ;;
     *) echo "unknown stage $st" | tee -a "$LOG" ;;
   esac

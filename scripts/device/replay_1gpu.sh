@@ -4,12 +4,12 @@
 #   fa4       install FA4 into /tmp/site: the DSL wheel's parts (part_aa, part_ab, ...) in /tmp/fa4,
 #             copied there by earlier calls (or part_ab carried in .fa4b/), the other wheels in any
 #             carried .fa4*/ folder
-#   e2e1x     scripts/bench_e2e.py on this one GPU (DP=1; uniform and pretrain, 64K and 128K tokens,
+#   e2e1x     scripts/bench/bench_e2e.py on this one GPU (DP=1; uniform and pretrain, 64K and 128K tokens,
 #             colocated and CAD ping-pong) into /tmp/e2e1x and $OUT: the replay's check on the very
 #             machine that times it
-#   time1x    scripts/bench_replay.py time on those runs (validation suite, '_1x_') into a fresh
+#   time1x    scripts/bench/bench_replay.py time on those runs (validation suite, '_1x_') into a fresh
 #             $OUT/times_1x.json
-#   time4d    scripts/bench_replay.py time --suite 4d: the pipeline-replay server calls of SHAPES (default
+#   time4d    scripts/bench/bench_replay.py time --suite 4d: the pipeline-replay server calls of SHAPES (default
 #             the sample, results/replay/shapes_4d_sample.json; or a `shapes4d --all` listing) into
 #             $OUT/times_4d.json
 #   retime    the cached attention calls whose times look like a kernel compile
@@ -18,9 +18,9 @@
 #             and results/replay/times_h200_4d_full.json (the listings in .shapes4d/) into
 #             $OUT/times_4d_full.json
 #   gputests  the kernel tests on CUDA (every backend the machine has)
-#   replay2   scripts/bench_server_replay.py on the committed pretrain 64K and prolong 128K batches
+#   replay2   scripts/bench/bench_server_replay.py on the committed pretrain 64K and prolong 128K batches
 #   kernels   the FA4 column of the kernel x mask table, merged into a copy of results/bench_kernels.json
-#   time      scripts/bench_replay.py time (REPLAY_SUITE, REPLAY_BUDGET seconds) into $OUT/replay_times.json,
+#   time      scripts/bench/bench_replay.py time (REPLAY_SUITE, REPLAY_BUDGET seconds) into $OUT/replay_times.json,
 #             continuing the committed cache
 # Writes under $OUT; set CADLIB_COMMIT to the commit sent. Run from the repository root.
 set -u
@@ -47,39 +47,39 @@ for st in $STAGES; do
     replay2)
       for s in "pretrain 65536 64k" "prolong 131072 128k"; do
         set -- $s
-        timeout 120 python3 scripts/bench_server_replay.py --dist $1 --tokens $2 \
+        timeout 120 python3 scripts/bench/bench_server_replay.py --dist $1 --tokens $2 \
           --methods colocated,cad,cad-pingpong --out "$OUT/server_replay_2x_$1_$3.json" 2>&1 | tail -4 | tee -a "$LOG"
       done ;;
     kernels)
       cp results/bench_kernels.json "$OUT/bench_kernels.json"
-      timeout 150 python3 scripts/bench_kernels.py --backends fa4 --out "$OUT/bench_kernels.json" --merge \
+      timeout 150 python3 scripts/bench/bench_kernels.py --backends fa4 --out "$OUT/bench_kernels.json" --merge \
         --time-budget-s 120 2>&1 | tail -6 | tee -a "$LOG" ;;
     time)
       [ -f "$OUT/replay_times.json" ] || cp results/replay/times_h200.json "$OUT/replay_times.json" 2>/dev/null || true
-      timeout $(( ${REPLAY_BUDGET:-400} + 60 )) python3 scripts/bench_replay.py time --suite "${REPLAY_SUITE:-validation,3d}" \
+      timeout $(( ${REPLAY_BUDGET:-400} + 60 )) python3 scripts/bench/bench_replay.py time --suite "${REPLAY_SUITE:-validation,3d}" \
         --cache "$OUT/replay_times.json" --budget-s "${REPLAY_BUDGET:-400}" 2>&1 | tail -25 | tee -a "$LOG" ;;
     e2e1x)
-      timeout ${E2E_TIMEOUT:-480} python3 scripts/bench_e2e.py --nproc 1 --dists uniform,pretrain --tokens 65536,131072 \
+      timeout ${E2E_TIMEOUT:-480} python3 scripts/bench/bench_e2e.py --nproc 1 --dists uniform,pretrain --tokens 65536,131072 \
         --methods colocated,cad-pingpong --steps 4 --warmup 1 --quiet --out /tmp/e2e1x 2>&1 | tail -6 | tee -a "$LOG"
       cp /tmp/e2e1x/*.json "$OUT/" ;;
     time1x)
       cp /tmp/e2e1x/bench_e2e_1x_*.json results/
-      timeout 200 python3 scripts/bench_replay.py time --suite validation --only _1x_ --cache "$OUT/times_1x.json" \
+      timeout 200 python3 scripts/bench/bench_replay.py time --suite validation --only _1x_ --cache "$OUT/times_1x.json" \
         --budget-s 150 2>&1 | tail -8 | tee -a "$LOG" ;;
     time4d)
-      timeout $(( ${REPLAY_BUDGET:-150} + 60 )) python3 scripts/bench_replay.py time --suite 4d --cache "$OUT/times_4d.json" \
+      timeout $(( ${REPLAY_BUDGET:-150} + 60 )) python3 scripts/bench/bench_replay.py time --suite 4d --cache "$OUT/times_4d.json" \
         --shapes "${SHAPES:-results/replay/shapes_4d_sample.json}" --budget-s "${REPLAY_BUDGET:-150}" 2>&1 | tail -8 | tee -a "$LOG" ;;
     retime)
       cp results/replay/times_h200.json "$OUT/replay_times.json"
       for be in fa4 torch_flash; do
-        timeout 200 python3 scripts/bench_replay.py time --suite validation,3d --retime --backend $be \
+        timeout 200 python3 scripts/bench/bench_replay.py time --suite validation,3d --retime --backend $be \
           --cache "$OUT/replay_times.json" --budget-s 150 2>&1 | grep -v " 0 new calls" | tail -12 | tee -a "$LOG"
       done
-      timeout 100 python3 scripts/bench_replay.py time --suite 4d --retime --cache "$OUT/replay_times.json" \
+      timeout 100 python3 scripts/bench/bench_replay.py time --suite 4d --retime --cache "$OUT/replay_times.json" \
         --budget-s 60 2>&1 | tail -3 | tee -a "$LOG"
       cp results/replay/times_h200_4d_full.json "$OUT/times_4d_full.json"
       for f in .shapes4d/*.json; do
-        timeout 100 python3 scripts/bench_replay.py time --suite 4d --retime --shapes "$f" \
+        timeout 100 python3 scripts/bench/bench_replay.py time --suite 4d --retime --shapes "$f" \
           --cache "$OUT/times_4d_full.json" --budget-s 60 2>&1 | tail -3 | tee -a "$LOG"
       done ;;
     *) echo "unknown stage $st" | tee -a "$LOG" ;;

@@ -14,10 +14,10 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD CADLIB_COMMIT=${CADLIB_COMMIT:
 PY=${PYTHON:-python}
 LOG="$OUT/server_tables.log"
 if [ "${DRY:-0}" = 1 ]; then
-  COMP="scripts/bench_attention_server.py --part composability --smoke --warmup 1 --iters 1"
+  COMP="scripts/bench/bench_attention_server.py --part composability --smoke --warmup 1 --iters 1"
   D16=256 D64=1024 SH=16,32,64,128 SH2=32,128 PROF="--device cpu --quick" PROBE="--device cpu"
 else
-  COMP="scripts/bench_attention_server.py --part composability --backends fa4 --warmup 2 --iters 5"
+  COMP="scripts/bench/bench_attention_server.py --part composability --backends fa4 --warmup 2 --iters 5"
   D16=16384 D64=65536 SH=128,512,1024,2048 SH2=512,2048 PROF="--backends fa4,torch_flash" PROBE=""
   nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv >>"$LOG" 2>&1
 fi
@@ -27,7 +27,7 @@ timeout 150 $PY $COMP --doc-lens $D64 --shards $SH --kv-share merged,copy,kernel
     --out "$OUT/composability_64k.json" 2>&1 | tee -a "$LOG"
 timeout 60  $PY $COMP --doc-lens $D16,$D64 --shards $SH2 --kv-share merged,copy --patterns alternate \
     --out "$OUT/composability_alternate.json" 2>&1 | tee -a "$LOG"
-timeout 140 $PY scripts/profile_kernels.py $PROF --time-budget-s 100 \
+timeout 140 $PY scripts/bench/profile_kernels.py $PROF --time-budget-s 100 \
     --out "$OUT/kernel_profile_h200.json" 2>&1 | tee -a "$LOG"
 timeout 40  $PY scripts/probes/probe_kv_overlap.py $PROBE --out "$OUT/kv_overlap_probe.json" 2>&1 | tee -a "$LOG"
 ls -la "$OUT" | tee -a "$LOG"

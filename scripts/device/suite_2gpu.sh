@@ -20,7 +20,7 @@
 # FlexAttention's cells that the kernels stage's time budget left out, on GPU 1, ~3 min); e2e:DIST:TOKENS
 # (one NVLink setting, e.g. e2e:prolong:131072); verify (cadlib.verify, bf16, 2 GPUs, ~1 min); probe
 # (scripts/probes/probe_comm_overlap.py on both links, ~2 min); sdpaeff (SDPA's memory-efficient backend on the
-# cells the kernels stage's budget left out, one half per GPU, ~3.5 min); replay (scripts/bench_server_replay.py,
+# cells the kernels stage's budget left out, one half per GPU, ~3.5 min); replay (scripts/bench/bench_server_replay.py,
 # the three settings of results/server_replay_2x_*.json over both GPUs, ~2 min). E2E_ARGS adds flags to every
 # e2e run (e.g. "--sent-last") and E2E_TAG its file-name tag (bench_e2e adds _sentlast itself); VERIFY_ARGS
 # adds flags to the verify stage; after the probe
@@ -49,7 +49,7 @@ e2e() {  # dist tokens limit_s
   args="$args $E2E_ARGS $(cat "$OUT/e2e_args_nvlink" 2>/dev/null) --tag=$E2E_TAG"   # the probe's CTA limit
   [[ $E2E_ARGS == *--sent-last* ]] && name=${name%.json}_sentlast.json  # (bench_e2e names it so)
   stage "e2e $1 $2 start"
-  timeout -k 15 "$3" $PY scripts/bench_e2e.py $args --quiet --out results >> "$OUT/e2e.log" 2>&1
+  timeout -k 15 "$3" $PY scripts/bench/bench_e2e.py $args --quiet --out results >> "$OUT/e2e.log" 2>&1
   local rc=$?; cp "results/$name" "$OUT/" 2>/dev/null; stage "e2e $1 $2 rc=$rc"
 }
 st_e2e() {
@@ -62,7 +62,7 @@ st_internode() {    # NCCL through host memory: about 25 ms per GiB, like an int
   stage "e2e pretrain 65536 inter-node-like start"
   if [ "$SMOKE" = 1 ]; then args="--smoke"; else args="--nproc 2 --tokens 65536 --dists pretrain --timeout 250"; fi
   args="$args $E2E_ARGS $(cat "$OUT/e2e_args_inter-node-like" 2>/dev/null)"
-  timeout -k 15 270 $PY scripts/bench_e2e.py $args --tag=$E2E_TAG --link inter-node-like --quiet --out results \
+  timeout -k 15 270 $PY scripts/bench/bench_e2e.py $args --tag=$E2E_TAG --link inter-node-like --quiet --out results \
     >> "$OUT/e2e.log" 2>&1
   stage "e2e pretrain 65536 inter-node-like rc=$?"; cp results/bench_e2e_*inter-node-like$E2E_TAG*.json "$OUT/" 2>/dev/null
 }
@@ -84,16 +84,16 @@ st_sdpaeff() {  # SDPA's memory-efficient backend on the 10 masks x 32K-48K its 
   for half in 0 1; do
     if [ "$SMOKE" = 1 ]; then KB="--smoke"; else
       KB="--backends sdpa_efficient --seqlens 32768,40960,49152 --masks ${masks[$half]} --slow-ms 100000 --warmup 1 --reps 3"; fi
-    CUDA_VISIBLE_DEVICES=$half timeout -k 10 400 $PY scripts/bench_kernels.py $KB \
+    CUDA_VISIBLE_DEVICES=$half timeout -k 10 400 $PY scripts/bench/bench_kernels.py $KB \
       --out "$OUT/bench_kernels_sdpa_eff$half.json" > "$OUT/kernels_sdpa_eff$half.log" 2>&1 &
   done
-  wait; stage "sdpa_efficient done (combine: python scripts/bench_kernels.py --combine results/bench_kernels.json $OUT/bench_kernels_sdpa_eff*.json --out results/bench_kernels.json)"
+  wait; stage "sdpa_efficient done (combine: python scripts/bench/bench_kernels.py --combine results/bench_kernels.json $OUT/bench_kernels_sdpa_eff*.json --out results/bench_kernels.json)"
 }
 st_cp() {
   stage "bench_cp start"
   if [ "$SMOKE" = 1 ]; then CP="--smoke"; CPOUT=results/bench_cp_smoke.json
   else CP="--time-budget-s 160"; CPOUT=results/bench_cp.json; fi
-  timeout -k 10 230 torchrun --standalone --nproc-per-node 2 scripts/bench_cp.py $CP --out $CPOUT > "$OUT/cp.log" 2>&1
+  timeout -k 10 230 torchrun --standalone --nproc-per-node 2 scripts/bench/bench_cp.py $CP --out $CPOUT > "$OUT/cp.log" 2>&1
   stage "bench_cp rc=$?"; cp $CPOUT "$OUT/" 2>/dev/null
 }
 st_cpcheck() {
@@ -126,11 +126,11 @@ st_uniform128() { e2e uniform 131072 330; }
 st_replay() {   # each rank's attention-server work of the e2e plans, replayed on one GPU (~1 min a setting)
   stage "replay start"
   local a="--backend fa4"; [ "$SMOKE" = 1 ] && a="--smoke"
-  CUDA_VISIBLE_DEVICES=0 timeout -k 10 200 $PY scripts/bench_server_replay.py --dist pretrain --tokens 65536 $a \
+  CUDA_VISIBLE_DEVICES=0 timeout -k 10 200 $PY scripts/bench/bench_server_replay.py --dist pretrain --tokens 65536 $a \
     --out "$OUT/server_replay_2x_pretrain_64k.json" > "$OUT/replay0.log" 2>&1 &
-  { CUDA_VISIBLE_DEVICES=1 timeout -k 10 200 $PY scripts/bench_server_replay.py --dist prolong --tokens 131072 $a \
+  { CUDA_VISIBLE_DEVICES=1 timeout -k 10 200 $PY scripts/bench/bench_server_replay.py --dist prolong --tokens 131072 $a \
       --out "$OUT/server_replay_2x_prolong_128k.json"
-    CUDA_VISIBLE_DEVICES=1 timeout -k 10 200 $PY scripts/bench_server_replay.py --dist pretrain --tokens 131072 $a \
+    CUDA_VISIBLE_DEVICES=1 timeout -k 10 200 $PY scripts/bench/bench_server_replay.py --dist pretrain --tokens 131072 $a \
       --out "$OUT/server_replay_2x_pretrain_128k.json"; } > "$OUT/replay1.log" 2>&1 &
   wait; stage "replay done"
 }
@@ -138,7 +138,7 @@ tolerance() {  # tokens...: a tighter tolerance on 2 GPUs: the residual imbalanc
   for t in "$@"; do
     stage "e2e pretrain $t eps 0.02 start"
     if [ "$SMOKE" = 1 ]; then args="--smoke"; else args="--nproc 2 --tokens $t --dists pretrain --timeout 310"; fi
-    timeout -k 15 330 $PY scripts/bench_e2e.py $args --tolerance 0.02 --tag _eps0.02 --quiet --out results >> "$OUT/e2e.log" 2>&1
+    timeout -k 15 330 $PY scripts/bench/bench_e2e.py $args --tolerance 0.02 --tag _eps0.02 --quiet --out results >> "$OUT/e2e.log" 2>&1
     stage "e2e pretrain $t eps 0.02 rc=$?"; cp results/bench_e2e_*_eps0.02.json "$OUT/" 2>/dev/null
   done
 }
@@ -151,14 +151,14 @@ st_kernels() {
     KB="--backends sdpa_flash,sdpa_cudnn,torch_flash --time-budget-s 110"
     KF="--backends flex --seqlens 4096,16384,32768 --time-budget-s 110 --masks full,causal_document,full_document,share_question,causal_blockwise,prefix_lm_causal,prefix_lm_document,sliding_window,sliding_window_causal,global_sliding_window,block_causal_document"
   fi
-  CUDA_VISIBLE_DEVICES=0 timeout -k 10 170 $PY scripts/bench_kernels.py $KB --out "$OUT/bench_kernels_sdpa.json" > "$OUT/kernels_sdpa.log" 2>&1 &
-  CUDA_VISIBLE_DEVICES=1 timeout -k 10 170 $PY scripts/bench_kernels.py $KF --out "$OUT/bench_kernels_flex.json" > "$OUT/kernels_flex.log" 2>&1 &
-  wait; stage "kernels done (combine with: python scripts/bench_kernels.py --combine results/bench_kernels.json $OUT/bench_kernels_*.json --out results/bench_kernels.json)"
+  CUDA_VISIBLE_DEVICES=0 timeout -k 10 170 $PY scripts/bench/bench_kernels.py $KB --out "$OUT/bench_kernels_sdpa.json" > "$OUT/kernels_sdpa.log" 2>&1 &
+  CUDA_VISIBLE_DEVICES=1 timeout -k 10 170 $PY scripts/bench/bench_kernels.py $KF --out "$OUT/bench_kernels_flex.json" > "$OUT/kernels_flex.log" 2>&1 &
+  wait; stage "kernels done (combine with: python scripts/bench/bench_kernels.py --combine results/bench_kernels.json $OUT/bench_kernels_*.json --out results/bench_kernels.json)"
 }
 composability() {  # limit_s name: the composability benchmark, merged KV vs the kernel alone, on GPU 0
   local sv="--backends fa4 --warmup 2 --iters 5 --doc-lens 16384,65536 --shards 128,512,1024,2048"
   [ "$SMOKE" = 1 ] && sv="--smoke --doc-lens 256 --shards 16,64"
-  CUDA_VISIBLE_DEVICES=0 timeout -k 10 "$1" $PY scripts/bench_attention_server.py --part composability $sv \
+  CUDA_VISIBLE_DEVICES=0 timeout -k 10 "$1" $PY scripts/bench/bench_attention_server.py --part composability $sv \
     --kv-share merged,kernel --out "$OUT/bench_attention_server_composability_1gpu_$2.json" > "$OUT/server_comp.log" 2>&1
 }
 st_comp() {  # the composability reference bracketed (GPU 0) beside FlexAttention's untimed cells (GPU 1)
@@ -167,17 +167,17 @@ st_comp() {  # the composability reference bracketed (GPU 0) beside FlexAttentio
     KF="--backends flex --seqlens 1024,2048,8192,24576,40960,49152 --time-budget-s 150 --masks block_causal_document,causal_document_long,full_document_long,global_sliding_window,prefix_lm_document,sliding_window,sliding_window_causal"
   fi
   composability 170 bracketed &
-  CUDA_VISIBLE_DEVICES=1 timeout -k 10 200 $PY scripts/bench_kernels.py $KF --out "$OUT/bench_kernels_flex.json" > "$OUT/kernels_flex.log" 2>&1 &
+  CUDA_VISIBLE_DEVICES=1 timeout -k 10 200 $PY scripts/bench/bench_kernels.py $KF --out "$OUT/bench_kernels_flex.json" > "$OUT/kernels_flex.log" 2>&1 &
   wait; stage "comp done"
 }
 st_server() {
   stage "server start"
   if [ "$SMOKE" = 1 ]; then OV="--smoke"; else OV=""; fi; NP=2
   composability 150 merged &
-  CUDA_VISIBLE_DEVICES=1 timeout -k 10 150 $PY scripts/bench_attention_server.py --part overhead $OV \
+  CUDA_VISIBLE_DEVICES=1 timeout -k 10 150 $PY scripts/bench/bench_attention_server.py --part overhead $OV \
     --out "$OUT/bench_attention_server_overhead_1gpu.json" > "$OUT/server_ovh1.log" 2>&1 &
   wait; stage "server 1-GPU parts done"
-  timeout -k 10 150 torchrun --standalone --nproc-per-node $NP scripts/bench_attention_server.py --part overhead $OV \
+  timeout -k 10 150 torchrun --standalone --nproc-per-node $NP scripts/bench/bench_attention_server.py --part overhead $OV \
     --out "$OUT/bench_attention_server_overhead_2gpu.json" > "$OUT/server_ovh2.log" 2>&1
   stage "server overhead 2 GPUs rc=$?"
 }

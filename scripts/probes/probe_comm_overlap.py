@@ -25,15 +25,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchutil import time_fn  # noqa: E402
-
-from cadlib.infra.groups import comm_group, destroy, init_from_env  # noqa: E402
-from cadlib.infra.progress import log  # noqa: E402
-from cadlib.infra.results import save_result  # noqa: E402
-from cadlib.runtime import kernels  # noqa: E402
+from cadlib.bench.timer import time_fn
+from cadlib.infra.groups import comm_group, destroy, init_from_env
+from cadlib.infra.progress import log
+from cadlib.infra.results import save_result
+from cadlib.runtime import kernels
 
 
 def workloads(args, device, dtype):
@@ -79,7 +75,7 @@ def probe(args, env, ctas: int, work) -> dict:
         """Device milliseconds of ``fn`` (median): its kernels queued behind a device sleep, so that
         their host launch time (FA4's is several ms) is not counted; ``before`` queues the all-to-alls
         beside it after that sleep."""
-        return time_fn(fn, device, 0, reps, ahead=True, before=before)["median_ms"]
+        return time_fn(fn, device, iters=reps, warmup=0, ahead=True, before=before)["median_ms"]
 
     rec = {"ctas": ctas or "nccl default", "mib_per_rank": args.mib, "a2a_ms": ms(a2a, args.reps)}
     rec["a2a_gbps"] = args.mib * 2**20 * (world - 1) / world / rec["a2a_ms"] / 1e6

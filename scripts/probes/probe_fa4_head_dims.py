@@ -7,12 +7,10 @@ relative max error of o, dq, dk, dv for fa4 and torch_flash. What it found on an
 results/fa4_head_dims_h200.txt) is why ``cadlib.runtime.kernels.FA4_HEAD_DIMS`` exists."""
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from cadlib.runtime.kernels import attend, attend_backward  # noqa: E402
+from cadlib.runtime.kernels import attend, attend_backward
 
 CASES = [(8, 2, 8), (8, 8, 8), (8, 2, 64), (16, 8, 128), (8, 2, 128)]
 

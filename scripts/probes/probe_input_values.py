@@ -22,15 +22,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from cadlib.infra.results import save_result  # noqa: E402
-from cadlib.runtime import kernels  # noqa: E402
+from cadlib.bench.timer import time_samples
+from cadlib.infra.results import save_result
+from cadlib.runtime import kernels
 
 KINDS = ("random", "zeros", "half_zeros", "copied")
 
@@ -51,21 +48,12 @@ def fill(kind: str, like: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
 
 
 def time_calls(fn, device, calls: int) -> float:
-    """Milliseconds per call over ``calls`` back-to-back calls (device time: events around the batch)."""
-    if device.type != "cuda":
-        import time
-        t0 = time.perf_counter()
+    """Milliseconds per call over ``calls`` back-to-back calls, queued behind a device sleep (device
+    time: one pair of marks around the batch)."""
+    def batch():
         for _ in range(calls):
             fn()
-        return (time.perf_counter() - t0) * 1e3 / calls
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(20_000_000)              # queue the calls before the start event fires
-    start.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / calls
+    return time_samples(batch, device, iters=1, warmup=0, ahead=True)[0] / calls
 
 
 def workloads(device, dtype, tokens: int, heads, d: int, hidden: int, ffn: int, backend: str | None):

@@ -1,5 +1,6 @@
-"""One KV buffer for non-contiguous shards (an alternative to KV sharing's copies): can two segments of one fused FA4 call read ONE KV buffer (overlapping KV
-via ``seqused_k``), and does the varlen backward then SUM their dK/dV or overwrite them?
+"""One KV buffer for non-contiguous shards (an alternative to KV sharing's copies): can two segments of
+one fused FA4 call read ONE KV buffer (overlapping KV via ``seqused_k``), and does the varlen backward
+then SUM their dK/dV or overwrite them?
 
 Two segments of one document: queries ``[a1, c1)`` over KV ``[0, c1)`` and ``[a2, c2)`` over
 ``[0, c2)`` (``c1 <= a2``: non-contiguous, they cannot merge), both pointing at offset 0 of one KV
@@ -15,16 +16,12 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from cadlib.infra.results import save_result  # noqa: E402
-from cadlib.runtime import kernels  # noqa: E402
-from cadlib.runtime.kernels import flash  # noqa: E402
+from cadlib.infra.results import save_result
+from cadlib.runtime import kernels
+from cadlib.runtime.kernels import flash
 
 
 def _call(fn, **kw):

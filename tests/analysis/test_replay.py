@@ -59,7 +59,8 @@ def test_wlb_layout_splits_every_chunk_over_its_group():
 
 
 def test_time_and_compose_on_the_cpu(tmp_path):
-    spec = importlib.util.spec_from_file_location("bench_replay", ROOT / "scripts" / "bench_replay.py")
+    path = ROOT / "scripts" / "bench" / "bench_replay.py"
+    spec = importlib.util.spec_from_file_location("bench_replay", path)
     bench = importlib.util.module_from_spec(spec)
     sys.modules["bench_replay"] = bench           # its pool's workers find their function by name
     spec.loader.exec_module(bench)                # in this process: no second interpreter to start

@@ -140,9 +140,9 @@ def test_compare_models_rows(cost):
 
 def test_profile_script_cpu_quick_writes_a_loadable_table(tmp_path):
     out = tmp_path / "kp.json"
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "profile_kernels.py"), "--device", "cpu",
-                    "--quick", "--time-budget-s", "60", "--out", str(out)], check=True, cwd=ROOT,
-                   capture_output=True, timeout=300)
+    script = ROOT / "scripts" / "bench" / "profile_kernels.py"
+    subprocess.run([sys.executable, str(script), "--device", "cpu", "--quick", "--time-budget-s", "60",
+                    "--out", str(out)], check=True, cwd=ROOT, capture_output=True, timeout=300)
     table = json.loads(out.read_text())
     assert {"meta", "config", "results"} <= set(table) and table["meta"]["commit"]
     assert {r["kind"] for r in table["results"]} == {"task", "fused"}

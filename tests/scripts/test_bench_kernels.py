@@ -1,4 +1,4 @@
-"""scripts/bench_kernels.py: what it decides without running a kernel (support, and merging runs)."""
+"""scripts/bench/bench_kernels.py: what it decides without running a kernel (support, and merging runs)."""
 import importlib.util
 import json
 import pathlib
@@ -12,7 +12,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def bk():
-    spec = importlib.util.spec_from_file_location("bench_kernels", ROOT / "scripts" / "bench_kernels.py")
+    path = ROOT / "scripts" / "bench" / "bench_kernels.py"
+    spec = importlib.util.spec_from_file_location("bench_kernels", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

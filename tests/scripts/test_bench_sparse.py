@@ -1,21 +1,30 @@
-"""scripts/bench_sparse.py at CPU smoke sizes: every cell a record (measured, or a status with its reason),
-FlexAttention's forward and SDPA's forward and backward checked against the dense reference, the priority
-order of the cells, and --merge continuing a run without measuring a cell twice."""
+"""scripts/bench/bench_sparse.py at CPU smoke sizes: every cell a record (measured, or a status with its
+reason), FlexAttention's forward and SDPA's forward and backward checked against the dense reference, the
+priority order of the cells, and --merge continuing a run without measuring a cell twice."""
 import importlib.util
 import json
 import pathlib
+import sys
 
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def bs():
-    spec = importlib.util.spec_from_file_location("bench_sparse", ROOT / "scripts" / "bench_sparse.py")
+def load(name: str):
+    """``scripts/bench/<name>.py`` as module ``name`` (bench_sparse imports bench_kernels, its sibling, by
+    that name, as Python finds a script's siblings when it runs as a file)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / "bench" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
     spec.loader.exec_module(mod)
     return mod
+
+
+@pytest.fixture(scope="module")
+def bs():
+    load("bench_kernels")
+    return load("bench_sparse")
 
 
 def test_smoke_run_records_every_cell_and_checks_against_the_reference(bs, tmp_path, capsys):

@@ -1,9 +1,10 @@
-"""scripts/probes/probe_comm_overlap.py's CTA recommendation (made-up GPU numbers: the rule is what is tested)."""
+"""scripts/probes/probe_comm_overlap.py's CTA recommendation (made-up GPU numbers: the rule is what is
+tested)."""
 import importlib.util
 from pathlib import Path
 
-spec = importlib.util.spec_from_file_location(
-    "probe_comm_overlap", Path(__file__).resolve().parents[2] / "scripts" / "probes" / "probe_comm_overlap.py")
+PATH = Path(__file__).resolve().parents[2] / "scripts" / "probes" / "probe_comm_overlap.py"
+spec = importlib.util.spec_from_file_location("probe_comm_overlap", PATH)
 probe = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(probe)
 

@@ -1,8 +1,7 @@
-"""scripts/bench_server_replay.py: per-rank server work of the e2e plans, replayed on one device."""
+"""scripts/bench/bench_server_replay.py: per-rank server work of the e2e plans, replayed on one device."""
 import importlib.util
 import json
 import pathlib
-import sys
 
 import pytest
 
@@ -11,8 +10,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def replay():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    path = ROOT / "scripts" / "bench_server_replay.py"
+    path = ROOT / "scripts" / "bench" / "bench_server_replay.py"
     spec = importlib.util.spec_from_file_location("bench_server_replay", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -277,7 +277,7 @@ def kernels_masks(gpu: pd.DataFrame | None, device: str = "", tokens: int = 4915
                 "longca.published_figures",
                 f"{len(gpu)} kernel x mask measurements" if gpu is not None else "not measured",
                 kind=f"measured on {device} (committed results)" if gpu is not None else "measured",
-                how="scripts/bench_kernels.py on our own harness (results/bench_kernels.json)",
+                how="scripts/bench/bench_kernels.py on our own harness (results/bench_kernels.json)",
                 reason="our own harness only",
             ),
         ]

@@ -22,7 +22,7 @@ Durations: the linear layers, LM head and optimizer from the H200 timings of the
 (``results/replay/times_h200.json``, the same TP=8 shard); core attention from the measured kernel
 table (:class:`cadlib.core.measured.MeasuredCost`, FA4, on each server's merged segments), except
 for the calls timed on an H200 (:class:`cadlib.analysis.replay.times.SegmentPrice`): a batch has
-500-8,600 distinct calls, more than a session's device time can time, so ``scripts/bench_replay.py
+500-8,600 distinct calls, more than a session's device time can time, so ``scripts/bench/bench_replay.py
 shapes4d`` samples 40 per setting by modelled time, those are timed, and the others take the table
 times the sample's measured / predicted (:func:`cadlib.analysis.replay.times.segment_model_check`);
 four settings were also timed call by call (``shapes4d --all``), which checks the sample

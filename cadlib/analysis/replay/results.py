@@ -1,7 +1,7 @@
 """A replay setting's results: every batch composed from the timed shapes (:func:`replay_setting`), the
 summary per method (speedups over colocated and WLB-ideal, the simulator's, the batch count), the check
 against the committed end-to-end run a setting replays, and how well the kernel table predicts the timed
-calls (:func:`kernel_model_check`). ``scripts/bench_replay.py compose`` writes these under
+calls (:func:`kernel_model_check`). ``scripts/bench/bench_replay.py compose`` writes these under
 ``results/replay/``.
 
 A replayed run may have been measured on another GPU than the one that timed the shapes: two H200s of

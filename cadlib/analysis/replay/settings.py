@@ -14,7 +14,7 @@ each using the one before it:
 * :mod:`cadlib.analysis.replay.results`: a setting's batches replayed, summarised and checked against
   the committed runs they replay.
 
-``scripts/bench_replay.py`` times what the durations need on a GPU, caching every timed shape under a
+``scripts/bench/bench_replay.py`` times what the durations need on a GPU, caching every timed shape under a
 key of the call's shape (:mod:`cadlib.analysis.replay.times`); :mod:`cadlib.analysis.replay.pipelined` is the
 same with pipeline parallelism.
 

@@ -112,7 +112,7 @@ def compile_suspects(times: dict, min_ms: float = 20.0) -> list[str]:
     """Timed attention calls whose times look like a kernel compile rather than the kernel: a call's
     backward takes 2-3.5x its forward (median 2.5 over the cache), and a compile adds seconds to whichever
     pass triggered it, so the screen is a pass over ``min_ms`` with the backward under 1.6x the forward
-    or over 5x it. A screen, not a verdict: ``scripts/bench_replay.py time --retime`` times them again."""
+    or over 5x it. A screen, not a verdict: ``scripts/bench/bench_replay.py time --retime`` times them again."""
     out = []
     for k, e in times.items():
         if not e or "fwd_ms" not in e or e.get("modelled") or e.get("warmup"):
@@ -184,7 +184,7 @@ class SegmentPrice:
     holds the call's :func:`segments_key`, else the kernel latency table ``cost`` times ``scale``
     (measured over predicted on timed calls). Counts how many calls were priced each way; with
     ``record``, keeps every distinct call's segments and modelled seconds in ``shapes`` (what
-    ``scripts/bench_replay.py shapes4d`` samples for timing)."""
+    ``scripts/bench/bench_replay.py shapes4d`` samples for timing)."""
 
     def __init__(self, spec: ModelSpec, backend: str, cost, scale: float = 1.0, times: dict | None = None,
                  record: bool = False):
@@ -211,7 +211,7 @@ class SegmentPrice:
 
 def segment_model_check(times: dict, shapes: dict, cost, spec: ModelSpec, backend: str) -> dict | None:
     """The kernel table against the sampled pipeline-replay calls that were timed (``shapes``: key ->
-    ``{"q", "kv"}``, as ``scripts/bench_replay.py shapes4d`` writes them): measured / predicted, forward
+    ``{"q", "kv"}``, as ``scripts/bench/bench_replay.py shapes4d`` writes them): measured / predicted, forward
     + backward, time-weighted (the ``scale`` for the calls not timed), its median, 10th and 90th
     percentiles and the calls; None when none of them was timed."""
     meas, pred = [], []

@@ -129,7 +129,7 @@ def composability_section(results_dir=None) -> Section | None:
         return None
     t = composability_targets(rows)
     return {"id": "composability", "title": "Composability: every measurement",
-            "text": ("One H200, FA4, bf16, llama3-8b heads (scripts/bench_attention_server.py --part "
+            "text": ("One H200, FA4, bf16, llama3-8b heads (scripts/bench/bench_attention_server.py --part "
                      "composability). Dashed: a KV copy per shard (the kernel alone as first measured, and "
                      "the server path at the KV-sharing commit); solid: the merged server path, one KV "
                      "buffer "
@@ -155,7 +155,7 @@ def server_overhead_section(results_dir=None) -> Section | None:
     cols = [c for c in ("case", "backend", "raw_fwd_tflops", "step_fwd_tflops", "raw_fwd_bwd_tflops",
                         "step_fwd_bwd_tflops", "overhead_fwd", "overhead_fwd_bwd") if c in over]
     return {"id": "server-overhead", "title": "The whole CAD attention step against its fused kernel",
-            "text": ("2x H200 (scripts/bench_attention_server.py): metadata, all-to-alls, the fused kernel "
+            "text": ("2x H200 (scripts/bench/bench_attention_server.py): metadata, all-to-alls, the fused kernel "
                      "and "
                      "the return, against the fused kernel alone on the same tasks; the lowest TF/s over the "
                      "ranks, and the step's extra time over its kernel (worst rank)."),
@@ -216,7 +216,7 @@ def e2e_section(results_dir=None) -> Section | None:
                        "(target 80%).",
                        pd.DataFrame(rec).round(3)))
     return {"id": "e2e", "title": "End to end on 2x H200: every setting and variant",
-            "text": ("scripts/bench_e2e.py: llama3-8b dimensions with 4 layers, bf16, MLP recomputation, "
+            "text": ("scripts/bench/bench_e2e.py: llama3-8b dimensions with 4 layers, bf16, MLP recomputation, "
                      "FA4, "
                      "10 sampled batches per setting, the same batches for every method. results/README.md "
                      "says what each file measured."), "figures": [], "tables": tables}

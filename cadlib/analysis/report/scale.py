@@ -1,5 +1,5 @@
 """The scale replay's committed results as tables, and ours against the paper's claims they cover
-(``results/replay/``, written by ``scripts/bench_replay.py compose``; :mod:`cadlib.analysis.replay.settings`).
+(``results/replay/``, written by ``scripts/bench/bench_replay.py compose``; :mod:`cadlib.analysis.replay.settings`).
 
 * :func:`summary`: one row per (setting, method) of a summary file;
 * :func:`speedups`: CAD with ping-pong over WLB-ideal and over colocated per 3D setting, beside the
@@ -23,14 +23,14 @@ from . import claims
 REPLAY_DIR = RESULTS_DIR / "replay"
 HOW = ("every rank's compute of 5 sampled batches per setting timed on 1x H200 (FA4; FA2 x the fitted "
        "FA4/FA2 ratio where FA4 was not timed), TP=8 shard per GPU, the network modelled at 50 GB/s per "
-       "GPU between nodes (scripts/bench_replay.py)")
+       "GPU between nodes (scripts/bench/bench_replay.py)")
 
 
 HOW_4D = ("the 4D settings of Table 4 (Llama-8B, TP=8, 64-256 GPUs) composed from the 3D replay's H200 "
           "timings of the linear layers, head and optimizer, attention from 40 calls per setting timed on an "
           "H200 and the FA4 kernel table scaled to them (4 settings timed call by call agree within 1% of the "
           "step), 1F1B (colocated, WLB-ideal) or DistCA's lock-step ticks (CAD), 3 sampled steps, the "
-          "network at 50 GB/s per GPU (scripts/bench_replay.py compose --suite 4d)")
+          "network at 50 GB/s per GPU (scripts/bench/bench_replay.py compose --suite 4d)")
 
 
 def _load(name: str, results_dir=None) -> dict:

@@ -1,6 +1,6 @@
 """The attention server's measured efficiency from the committed benchmark files, as tables: its
-overhead over the kernel alone (``scripts/bench_attention_server.py``), composability of query shards
-(``scripts/server_composability.py``), and how much KV the servers of a plan share."""
+overhead over the kernel alone (``scripts/bench/bench_attention_server.py``), composability of query shards
+(``scripts/bench/server_composability.py``), and how much KV the servers of a plan share."""
 from __future__ import annotations
 
 import os
@@ -19,7 +19,7 @@ OVERHEAD_COLUMNS = ("backend", "dist", "tokens_per_gpu", "world", "rank", "step_
 
 def server_overhead(results_dir: str | os.PathLike | None = None,
                     pattern: str = "bench_attention_server_overhead_*gpu.json"):
-    """The attention-server overhead benchmark (``scripts/bench_attention_server.py --part overhead``)
+    """The attention-server overhead benchmark (``scripts/bench/bench_attention_server.py --part overhead``)
     as one row per (file, case, rank): ``OVERHEAD_COLUMNS`` plus ``device`` and ``file``. ``step_*``
     is the whole CAD attention step (metadata, all-to-alls, fused kernel, return), ``raw_*`` the fused
     kernel alone on the same tasks. Empty frame (with those columns) when no file matches."""
@@ -79,7 +79,7 @@ def composability(results_dir: str | os.PathLike | None = None,
     * ``pattern``: ``all`` or ``alternate`` (every other shard on the server: nothing merges);
       ``order``: the kernel mode's call order (``lpt``, longest KV prefix first as the server, or ``doc``).
     * ``reference``: ``bracketed`` where the file timed the unsplit document before and after the
-      cases and divides by their mean (``scripts/server_composability.py`` since a90939d), ``single``
+      cases and divides by their mean (``scripts/bench/server_composability.py`` since a90939d), ``single``
       where it was timed once, before the cases. The same unsplit 16K call measured 556-653 TF/s
       forward+backward across the committed files (577 and 635 within one bracketed run), so a
       single-reference ratio can be off by several percent.

@@ -35,7 +35,7 @@ METHODS = names(headline=True)
 class Cluster:
     """``gpus`` GPUs, ``gpus_per_node`` to a node, DP groups of ``tp x pp`` (``tp`` defaults to a node, as
     DistCA's); bandwidths per GPU in GB/s; ``gpu_memory_gb``; ``kernels``: a kernel latency table
-    (``scripts/profile_kernels.py``'s JSON) to price attention with, None for the simulator's H200 rates."""
+    (``scripts/bench/profile_kernels.py``'s JSON) to price attention with, None for the simulator's H200 rates."""
 
     gpus: int
     gpus_per_node: int = DISTCA_GPUS_PER_NODE

@@ -2,13 +2,13 @@
 """End-to-end training steps: CAD (with and without ping-pong) against colocated, WLB-ideal and the
 signal-only control, on the same sampled batches; one JSON per setting under results/.
 
-    python scripts/bench_e2e.py --smoke                           # CPU/gloo, tiny model, seconds
-    python scripts/bench_e2e.py --nproc 2 --tokens 65536,131072 --dists pretrain,prolong,uniform
-    python scripts/bench_e2e.py --nproc 2 --link inter-node-like  # NCCL_P2P_DISABLE=1: via host memory
+    python scripts/bench/bench_e2e.py --smoke                           # CPU/gloo, tiny model, seconds
+    python scripts/bench/bench_e2e.py --nproc 2 --tokens 65536,131072 --dists pretrain,prolong,uniform
+    python scripts/bench/bench_e2e.py --nproc 2 --link inter-node-like  # NCCL_P2P_DISABLE=1: via host memory
 
 Each setting is one ``python -m cadlib.train`` launch (cadlib.infra.launch.run_torchrun) running every
-method over the same batches; :func:`cadlib.analysis.runs.e2e.summarise` turns the per-rank records into per-batch
-speedups, the saving balancing could bring and how much CAD recovers, exposed communication, the
+method over the same batches; :func:`cadlib.analysis.runs.e2e.summarise` turns the per-rank records into
+per-batch speedups, the saving balancing could bring and how much CAD recovers, exposed communication, the
 ping-pong gain and the calibrated prediction. Results record device, torch, commit and configuration.
 """
 from __future__ import annotations
@@ -18,13 +18,10 @@ import os
 import pathlib
 import sys
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from cadlib.analysis.runs import e2e  # noqa: E402
-from cadlib.core import defaults  # noqa: E402
-from cadlib.infra import launch  # noqa: E402
-from cadlib.infra.results import save_result  # noqa: E402
+from cadlib.analysis.runs import e2e
+from cadlib.core import defaults
+from cadlib.infra import launch
+from cadlib.infra.results import RESULTS_DIR, save_result
 
 LINKS = {"nvlink": {}, "inter-node-like": {"NCCL_P2P_DISABLE": "1"}}
 from cadlib.core.methods import names  # noqa: E402
@@ -88,8 +85,8 @@ def main(argv=None) -> int:
     ap.add_argument("--mlp-recompute", action="store_true", default=True)
     ap.add_argument("--sent-last", action=argparse.BooleanOptionalAction, default=defaults.DEFAULT_SENT_LAST,
                     help="python -m cadlib.train --sent-last: CAD's rows sent to other servers last in each "
-                         "rank's token order (cadlib.scheduling.sentlast; a run other than defaults.DEFAULT_SENT_LAST "
-                         "appends _sentlast or _nosentlast to each file name)")
+                         "rank's token order (cadlib.scheduling.sentlast; a run other than "
+                         "defaults.DEFAULT_SENT_LAST appends _sentlast or _nosentlast to each file name)")
     ap.add_argument("--timeline-batches", default="auto",
                     help="batches whose spans are kept besides the last step's: 'auto' (the two most "
                          "imbalanced under colocated), indices, or 'none'")
@@ -102,7 +99,7 @@ def main(argv=None) -> int:
     ap.add_argument("--lr", type=float, default=1e-5,
                     help="AdamW learning rate (timing only needs sane values)")
     ap.add_argument("--timeout", type=float, default=900)
-    ap.add_argument("--out", default=str(ROOT / "results"), help="folder for bench_e2e_*.json")
+    ap.add_argument("--out", default=str(RESULTS_DIR), help="folder for bench_e2e_*.json")
     ap.add_argument("--tag", default="", help="appended to each file name (e.g. _eps0.02 for a tolerance "
                                               "other than the default); letters, digits, '.', '_', '-'")
     args = ap.parse_args(argv)

@@ -1,4 +1,4 @@
-"""Part (1) of ``scripts/bench_attention_server.py``: kernel composability on ONE attention server.
+"""Part (1) of ``scripts/bench/bench_attention_server.py``: kernel composability on ONE attention server.
 
 A causal document of L tokens is cut into query shards of s tokens and served by one server in one
 fused call, three ways (``--kv-share``):
@@ -21,8 +21,10 @@ exceeds ``--mem-budget-gb`` is skipped with the reason; an out-of-memory error i
 from __future__ import annotations
 
 import torch
-from benchutil import GB, peak_gb, rand, reset_peak, tflops, time_fn
 
+from cadlib.bench.inputs import rand
+from cadlib.bench.meters import GB, peak_gb, reset_peak, tflops
+from cadlib.bench.timer import time_fn
 from cadlib.core.cost import ModelSpec, causal_pairs
 from cadlib.core.layout import Layout
 from cadlib.core.plan import CATask, Plan
@@ -124,7 +126,7 @@ def case(doc_len, shard, spec, dtype, device, backend, cfg, gen, mode, pattern) 
             k, v = (rand(gen, doc_len, spec.n_kv_heads, spec.head_dim, device, dtype) for _ in range(2))
             fn = _kernel_fns(q, k, v, mine, cfg.order, backend, device, backward) if mode == "kernel" \
                 else _server_fns(q, k, v, dd, mode, backend, backward)
-            t = time_fn(fn, device, cfg.warmup, cfg.iters)
+            t = time_fn(fn, device, iters=cfg.iters, warmup=cfg.warmup)
             rec[f"{ph}_ms"] = t["median_ms"]
             rec[f"{ph}_tflops"] = tflops(flops, t["median_ms"])
             rec[f"{ph}_peak_gb"] = peak_gb(device)

@@ -2,7 +2,8 @@
 """Write a lengths file drawn from one of cadlib's named document-length distributions (the files of
 data/lengths/ come from here):
 
-    python scripts/make_lengths_file.py prolong512k 30000 data/lengths/prolong512k_sample.txt --seed 0
+    python scripts/analyses/make_lengths_file.py prolong512k 30000 data/lengths/prolong512k_sample.txt \
+        --seed 0
 
 The ``n`` lengths are the first ``n`` documents :func:`cadlib.data.workload.sample_docs` draws for the
 seed (a budget large enough that none of them is the clipped last one): ``round(Q(u))`` of the table's
@@ -11,14 +12,10 @@ quantile function at the seed's uniforms. One integer per line after a ``#`` hea
 from __future__ import annotations
 
 import argparse
-import pathlib
 import sys
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from cadlib.data.lengths import write_lengths  # noqa: E402
-from cadlib.data.workload import QUANTILE_TABLES, sample_docs  # noqa: E402
+from cadlib.data.lengths import write_lengths
+from cadlib.data.workload import QUANTILE_TABLES, sample_docs
 
 
 def draw(dist: str, n: int, seed: int) -> list[int]:
@@ -43,7 +40,7 @@ def main(argv=None) -> int:
     lens = draw(a.dist, a.n, a.seed)
     header = (f"{a.n} document lengths in tokens drawn from cadlib's '{a.dist}' distribution "
               f"(cadlib/data/workload.py, QUANTILE_TABLES), seed {a.seed}:\n"
-              f"python scripts/make_lengths_file.py {a.dist} {a.n} {a.out} --seed {a.seed}")
+              f"python scripts/analyses/make_lengths_file.py {a.dist} {a.n} {a.out} --seed {a.seed}")
     write_lengths(a.out, lens, header)
     print(f"wrote {a.out}: {len(lens)} lengths, {sum(lens):,} tokens, longest {max(lens):,}")
     return 0

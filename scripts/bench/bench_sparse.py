@@ -7,7 +7,7 @@ benchmark draws them. Work is counted from the exact mask area (forward ``4 * D 
 backward 2.5x), never from ``sparsity * T^2``.
 
 Per cell (kernel, mask family, block, sparsity, length, heads): the block structures are built outside
-the timed call; forward and backward are timed like ``scripts/bench_kernels.py`` (one untimed call,
+the timed call; forward and backward are timed like ``scripts/bench/bench_kernels.py`` (one untimed call,
 ``--warmup`` calls, ``--reps`` CUDA-event timings after an L2 flush; median and 20/80% quantiles; fewer
 repetitions for a slow cell). The first cell of each (kernel, family, block, heads) is also checked at
 ``--check-len`` tokens against the dense masked reference in fp32 (``max_err`` of o, ``grad_err`` of dq,
@@ -17,8 +17,8 @@ Cells run in priority order (``--sparsities`` in the order given, then the varia
 budget covers every kernel, block, heads and length at the first sparsity; ``--merge`` keeps the cells an
 earlier run measured and runs only the others (run the same command again to continue).
 
-    python scripts/bench_sparse.py --out results/bench_sparse_h200.json --merge --time-budget-s 300
-    python scripts/bench_sparse.py --smoke          # CPU, tiny, seconds
+    python scripts/bench/bench_sparse.py --out results/bench_sparse_h200.json --merge --time-budget-s 300
+    python scripts/bench/bench_sparse.py --smoke          # CPU, tiny, seconds
 """
 from __future__ import annotations
 
@@ -34,12 +34,12 @@ _T0 = time.monotonic()
 
 import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_kernels import DTYPES  # noqa: E402
 
-from bench_kernels import DTYPES, Timer, _stats  # noqa: E402
-
-from cadlib.data.sparse import SPARSE_TYPES, UNIFORM, VARIABLE, make_sparse_mask  # noqa: E402
+from cadlib.bench.inputs import rand  # noqa: E402
+from cadlib.bench.meters import reset_peak, tflops  # noqa: E402
+from cadlib.bench.timer import flush_buffer, time_kernel  # noqa: E402
+from cadlib.data.sparse import SPARSE_TYPES, VARIABLE, make_sparse_mask  # noqa: E402
 from cadlib.infra.results import save_result  # noqa: E402
 from cadlib.runtime.kernels import available_backends, sparse  # noqa: E402
 
@@ -78,9 +78,9 @@ def _classify(e: BaseException) -> tuple[str, str]:
 
 def _inputs(T, hq, hkv, d, dtype, device, seed, grad):
     gen = torch.Generator(device=device).manual_seed(seed)
-    q = torch.randn(T, hq, d, generator=gen, device=device).to(dtype)
-    k, v = (torch.randn(T, hkv, d, generator=gen, device=device).to(dtype) for _ in range(2))
-    dout = torch.randn(T, hq, d, generator=gen, device=device).to(dtype)
+    q = rand(gen, T, hq, d, device, dtype)
+    k, v = (rand(gen, T, hkv, d, device, dtype) for _ in range(2))
+    dout = rand(gen, T, hq, d, device, dtype)
     for t in (q, k, v):
         t.requires_grad_(grad)
     return q, k, v, dout
@@ -106,17 +106,16 @@ def check(kernel, family, block, sparsity, heads, args, device, dtype, flex_fn) 
     return res
 
 
-def run_cell(kernel, m, heads, args, device, dtype, timer, flex_fn) -> list[dict]:
+def run_cell(kernel, m, heads, args, device, dtype, flush, flex_fn) -> list[dict]:
     """The fwd and bwd records of one cell."""
     hq, hkv = heads
     T = m.total
-    base = {"kernel": kernel, "family": m.name, "block": int(m.params.get("block", m.params.get("avg_block"))),
+    block = int(m.params.get("block", m.params.get("avg_block")))
+    base = {"kernel": kernel, "family": m.name, "block": block,
             "sparsity": m.params["sparsity"], "seqlen": T, "heads": f"{hq}:{hkv}", "q_heads": hq,
             "kv_heads": hkv, "head_dim": args.head_dim, "area": m.area(), "density": m.sparsity()}
     recs = {}
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
+    reset_peak(device)
     grad = _grad(device, kernel)
     try:
         q, k, v, dout = _inputs(T, hq, hkv, args.head_dim, dtype, device, args.seed, grad)
@@ -146,15 +145,15 @@ def run_cell(kernel, m, heads, args, device, dtype, timer, flex_fn) -> list[dict
             if direction == "fwd":
                 ctx = torch.no_grad() if grad else torch.enable_grad()
                 with ctx:
-                    ms = timer.measure(lambda _: fwd(), lambda: None, warmup, reps)
+                    st = time_kernel(fwd, device, iters=reps, warmup=warmup, flush=flush)
             else:
                 for t in (q, k, v):
                     t.grad = None
-                ms = timer.measure(lambda o: o.backward(dout), fwd, warmup, reps)
-            st = _stats(ms)
+                st = time_kernel(lambda o: o.backward(dout), device, iters=reps, warmup=warmup, flush=flush,
+                                 pre=fwd)
             flops = m.flops(hq, args.head_dim, direction)
             rec.update(status="ok", first_ms=first_ms, flops=flops,
-                       tflops=flops / (st["median_ms"] * 1e-3) / 1e12, **st)
+                       tflops=tflops(flops, st["median_ms"]), **st)
         except Exception as e:
             status, err = _classify(e)
             rec.update(status=status, error=err)
@@ -163,7 +162,7 @@ def run_cell(kernel, m, heads, args, device, dtype, timer, flex_fn) -> list[dict
         if device.type == "cuda":
             rec["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
         recs[direction] = rec
-    del q, k, v, dout, fwd
+    q = k = v = dout = fwd = None  # noqa: F841  (free them before the next cell)
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return [recs["fwd"], recs["bwd"]]
@@ -197,7 +196,8 @@ def table(rows: list[dict], direction: str) -> str:
     kernels = sorted({r["kernel"] for r in done})
     for g in groups:
         cell = {r["kernel"]: (f"{r['tflops']:.3g}" if r["status"] == "ok" else r["status"])
-                for r in done if r["seqlen"] == T and (r["family"], r["block"], r["heads"], r["sparsity"]) == g}
+                for r in done
+                if r["seqlen"] == T and (r["family"], r["block"], r["heads"], r["sparsity"]) == g}
         lines.append(f"{g[0][:8]:>8} {g[1]:>5} {g[2]:>6} {g[3]:>4}: " + "  ".join(f"{kn} {cell.get(kn, '')}"
                                                                           for kn in kernels))
     return "\n".join(lines)
@@ -205,7 +205,8 @@ def table(rows: list[dict], direction: str) -> str:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--kernels", default=None, help=f"comma-separated, from: {', '.join(sparse.SPARSE_KERNELS)}")
+    p.add_argument("--kernels", default=None,
+                   help=f"comma-separated, from: {', '.join(sparse.SPARSE_KERNELS)}")
     p.add_argument("--families", default=",".join(SPARSE_TYPES))
     p.add_argument("--blocks", default="64,128", help="uniform block sizes")
     p.add_argument("--avg-blocks", default="128,1024", help="average block sizes of the variable masks")
@@ -221,7 +222,8 @@ def parse_args(argv=None):
     p.add_argument("--check-len", type=int, default=2048)
     p.add_argument("--time-budget-s", type=float, default=None, help="start no new cell after this long")
     p.add_argument("--out", default="results/bench_sparse.json")
-    p.add_argument("--merge", action="store_true", help="keep the cells --out already measured, run the others")
+    p.add_argument("--merge", action="store_true",
+                   help="keep the cells --out already measured, run the others")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny sizes, fp32, seconds")
     args = p.parse_args(argv)
     if args.smoke:
@@ -255,7 +257,7 @@ def main(argv=None) -> int:
     rows = json.loads(out.read_text()).get("results", []) if args.merge and out.exists() else []
     done = {tuple(r[k] for k in KEY) for r in rows if r.get("status") in ("ok", "X", "E")}
     flex_fn = torch.compile(sparse.flex_attention) if device.type == "cuda" else None
-    timer = Timer(device)
+    flush = flush_buffer(device)
     checked: set = set()
     config = {**{k: v for k, v in vars(args).items()}, "device": str(device),
               "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
@@ -275,7 +277,7 @@ def main(argv=None) -> int:
             else:
                 if "m" not in masks:
                     masks["m"] = make_sparse_mask(fam, T, block, s, heads=heads[1], seed=args.seed)
-                recs = run_cell(kernel, masks["m"], heads, args, device, dtype, timer, flex_fn)
+                recs = run_cell(kernel, masks["m"], heads, args, device, dtype, flush, flex_fn)
                 group = (kernel, fam, block, heads)
                 if group not in checked and all(r["status"] == "ok" for r in recs[:1]):
                     checked.add(group)

@@ -4,9 +4,9 @@ the Run menu, and check what a reader sees: no error output, plotly figures draw
 controls redrawing their figure when one changes. Also a static report page: its headline block and
 claims table at the top, every figure drawn.
 
-    python scripts/browser_check.py notebooks/01_imbalance/01_stragglers.ipynb --widgets
-    python scripts/browser_check.py --report results/reports/report.html
-    python scripts/browser_check.py --report out.html   # e.g. the page of python -m cadlib.whatif --html
+    python tests/browser_check.py notebooks/01_imbalance/01_stragglers.ipynb --widgets
+    python tests/browser_check.py --report results/reports/report.html
+    python tests/browser_check.py --report out.html   # e.g. the page of python -m cadlib.whatif --html
 
 JupyterLab runs on a free localhost port with a random token, from this Python, on a copy of the
 notebook's folder in a temporary directory (the repository's notebooks are never saved to), with its
@@ -32,10 +32,9 @@ import threading
 import time
 import urllib.request
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from cadlib.infra import proctree
 
-from cadlib.infra import proctree  # noqa: E402
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 LAB_SETTINGS = {   # JupyterLab user settings for the run: every cell in the DOM, no autosave, no popups
     "@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {"windowingMode": "none"},

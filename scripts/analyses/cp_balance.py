@@ -11,25 +11,22 @@ report the median and the 20/80% quantiles over the draws. CAD runs its schedule
 these are properties of the dispatch, not timings (the bytes are pinned to what the implementations send
 by ``cadlib.cp.check --suite volume``).
 
-    python scripts/cp_balance.py --out results/cp_balance.json
+    python scripts/analyses/cp_balance.py --out results/cp_balance.json
 """
 from __future__ import annotations
 
 import argparse
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from cadlib.cp import MECHANISMS  # noqa: E402
-from cadlib.cp.balance import METRICS, balance_metrics, rank_work  # noqa: E402
-from cadlib.cp.cad import cad_plan  # noqa: E402
-from cadlib.cp.volume import grid, per_rank  # noqa: E402
-from cadlib.data.masks import make_mask  # noqa: E402
-from cadlib.infra.results import save_result  # noqa: E402
+from cadlib.cp import MECHANISMS
+from cadlib.cp.balance import METRICS, balance_metrics, rank_work
+from cadlib.cp.cad import cad_plan
+from cadlib.cp.volume import grid, per_rank
+from cadlib.data.masks import make_mask
+from cadlib.infra.results import save_result
 
 MASKS = ("causal", "causal_document", "full", "full_document")
 BF16 = 2
@@ -37,7 +34,8 @@ BF16 = 2
 
 def _q(values) -> dict:
     v = np.asarray(values, dtype=np.float64)
-    return {"median": float(np.median(v)), "q20": float(np.quantile(v, 0.2)), "q80": float(np.quantile(v, 0.8))}
+    return {"median": float(np.median(v)), "q20": float(np.quantile(v, 0.2)),
+            "q80": float(np.quantile(v, 0.8))}
 
 
 def one_dispatch(name, doc_lens, world, causal, heads, head_dim, min_shard) -> dict:
@@ -45,8 +43,8 @@ def one_dispatch(name, doc_lens, world, causal, heads, head_dim, min_shard) -> d
     area, tok = rank_work(name, doc_lens, world, causal, plan=plan)
     vol = per_rank(name, doc_lens, world, heads, head_dim, BF16, causal, plan=plan)
     fwd, bwd = np.asarray(vol["fwd"]), np.asarray(vol["bwd"])
-    return {**balance_metrics(area, tok), "bytes_fwd_max": float(fwd.max()), "bytes_bwd_max": float(bwd.max()),
-            "bytes_total": float(fwd.sum() + bwd.sum())}
+    return {**balance_metrics(area, tok), "bytes_fwd_max": float(fwd.max()),
+            "bytes_bwd_max": float(bwd.max()), "bytes_total": float(fwd.sum() + bwd.sum())}
 
 
 def run(args) -> list[dict]:
@@ -62,21 +60,26 @@ def run(args) -> list[dict]:
                         .document_lengths() for i in range(draws)]
                 for name in args.mechanisms.split(","):
                     u, R, w = grid(name, world)
-                    base = {"mechanism": name, "mask": mask, "dist": args.dist if "document" in mask else None,
-                            "world": world, "tokens_per_gpu": tpg, "draws": draws, "heads": args.heads,
+                    base = {"mechanism": name, "mask": mask,
+                            "dist": args.dist if "document" in mask else None, "world": world,
+                            "tokens_per_gpu": tpg, "draws": draws, "heads": args.heads,
                             "head_dim": args.head_dim, "ulysses_size": u, "ring_positions": R,
                             **({"window": w} if name == "loongtrain" else {})}
                     if name == "cad" and not causal:
-                        rows.append({**base, "status": "X", "error": "CAD serves causal masks only: its CA-tasks "
-                                     "are causal by construction (KV = the document's prefix [0, q_end))"})
+                        rows.append({**base, "status": "X",
+                                     "error": "CAD serves causal masks only: its CA-tasks are causal by "
+                                              "construction (KV = the document's prefix [0, q_end))"})
                         continue
-                    per = [one_dispatch(name, d, world, causal, heads, args.head_dim, args.min_shard) for d in docs]
+                    per = [one_dispatch(name, d, world, causal, heads, args.head_dim, args.min_shard)
+                           for d in docs]
                     keys = list(METRICS) + ["bytes_fwd_max", "bytes_bwd_max", "bytes_total"]
-                    rows.append({**base, "status": "ok", "n_docs_median": float(np.median([len(d) for d in docs])),
+                    rows.append({**base, "status": "ok",
+                                 "n_docs_median": float(np.median([len(d) for d in docs])),
                                  **{k: _q([p[k] for p in per]) for k in keys}})
+                last = rows[-len(args.mechanisms.split(",")):]
                 print(f"{mask:>16} W={world:<3} {tpg:>6}/GPU: " + "  ".join(
-                    f"{r['mechanism']} {r['max_mean']['median']:.3f}" for r in rows[-len(args.mechanisms.split(',')):]
-                    if r["status"] == "ok"), flush=True)
+                    f"{r['mechanism']} {r['max_mean']['median']:.3f}" for r in last if r["status"] == "ok"),
+                      flush=True)
     return rows
 
 

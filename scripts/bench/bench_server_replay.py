@@ -1,12 +1,13 @@
 """Each rank's attention-server work in the end-to-end batches, replayed rank by rank on ONE GPU.
 
-``cadlib.train`` times a rank's attention as its ``attn`` spans (the serve stage): the fused forward and backward over
-the rows the rank's dispatch gives its server (queries and KV, local and received). This script builds
-the same plans for the same batches (``cadlib.train``'s sampler, scheduler and nano-batch split, at the
-same flags as ``scripts/bench_e2e.py``), and for every rank of every plan runs exactly that work,
-the serve stage's forward + backward for one layer, on random bf16 buffers of the sizes the dispatch gives.
-No second GPU and no communication: the per-rank times say how well a method balances attention, and
-what the server's own overhead costs (the KV rows it gathers), apart from everything else in a step.
+``cadlib.train`` times a rank's attention as its ``attn`` spans (the serve stage): the fused forward and
+backward over the rows the rank's dispatch gives its server (queries and KV, local and received). This
+script builds the same plans for the same batches (``cadlib.train``'s sampler, scheduler and nano-batch
+split, at the same flags as ``scripts/bench/bench_e2e.py``), and for every rank of every plan runs exactly
+that work, the serve stage's forward + backward for one layer, on random bf16 buffers of the sizes the
+dispatch gives. No second GPU and no communication: the per-rank times say how well a method balances
+attention, and what the server's own overhead costs (the KV rows it gathers), apart from everything else in
+a step.
 
 Methods (``--methods``): ``colocated`` (every rank serves its own chunks: ``scheduler.colocated``),
 ``cad`` (the scheduler's plan), ``cad-pingpong`` (the two nano-batches' plans, summed per rank); a
@@ -14,33 +15,29 @@ Methods (``--methods``): ``colocated`` (every rank serves its own chunks: ``sche
 slowest rank against colocated's slowest (the straggler) and mean (perfect balance):
 ``recovered = (colocated max - method max) / (colocated max - colocated mean)``.
 
-    python scripts/bench_server_replay.py --dist pretrain --tokens 65536 --out $OUT/replay.json   # 1 GPU
-    python scripts/bench_server_replay.py --smoke --out /tmp/replay.json                         # CPU
+    python scripts/bench/bench_server_replay.py --dist pretrain --tokens 65536 --out $OUT/replay.json  # 1 GPU
+    python scripts/bench/bench_server_replay.py --smoke --out /tmp/replay.json                        # CPU
 """
 from __future__ import annotations
 
 import argparse
 import statistics
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from benchutil import time_fn  # noqa: E402
-
-from cadlib import train  # noqa: E402
-from cadlib.core import defaults  # noqa: E402
-from cadlib.data.packing import pack  # noqa: E402
-from cadlib.dispatch.build import build_dispatch  # noqa: E402
-from cadlib.infra.results import save_result  # noqa: E402
-from cadlib.runtime.device import to_device  # noqa: E402
-from cadlib.runtime.stages import serve  # noqa: E402
+from cadlib import train
+from cadlib.bench.inputs import ServeCall
+from cadlib.bench.timer import time_fn
+from cadlib.core import defaults
+from cadlib.data.packing import pack
+from cadlib.dispatch.build import build_dispatch
+from cadlib.infra.results import save_result
+from cadlib.runtime import kernels
+from cadlib.runtime.device import to_device
 from cadlib.scheduling import (
-    recipes,  # noqa: E402
-    scheduler,  # noqa: E402
+    recipes,
+    scheduler,
 )
 
 from cadlib.core.methods import names  # noqa: E402
@@ -61,25 +58,6 @@ def plans_of(method: str, layout, args) -> list:
     return list(recipes.nano_plans(layout, args, args.spec)[1])
 
 
-def serve_once(dd, spec, device, dtype, backend, gen):
-    """``(run, served query rows, KV buffer rows)``: ``run()`` is the serve stage's forward + backward on random
-    buffers sized by ``dd``."""
-    m = dd.meta
-    n_q, n_kv = m.q_keep + m.n_recv_q, m.n_local + m.n_recv_kv
-
-    def rnd(n, h):
-        return torch.randn(n, h, spec.head_dim, generator=gen, device=device).to(dtype).requires_grad_()
-    q, k, v = rnd(n_q, spec.n_heads), rnd(n_kv, spec.n_kv_heads), rnd(n_kv, spec.n_kv_heads)
-    n_out = n_q if m.q_identity else int(m.cu_q[-1])          # the serve stage's output: task-row order
-    dout = torch.randn((n_out, *q.shape[1:]), generator=gen, device=device).to(dtype)
-
-    def run():
-        out = serve(q, k, v, dd, backend)
-        out.backward(dout)
-        q.grad = k.grad = v.grad = None
-    return run, int(m.cu_q[-1]), n_kv
-
-
 def replay(args, device, dtype, backend) -> list[dict]:
     gen = torch.Generator(device=device).manual_seed(0)
     rows = []
@@ -94,11 +72,12 @@ def replay(args, device, dtype, backend) -> list[dict]:
                     dd = to_device(build_dispatch(plan, rank), device)
                     if dd.meta.n_tasks == 0:
                         continue
-                    fn, nq, nkv = serve_once(dd, args.spec, device, dtype, backend, gen)
-                    t = time_fn(fn, device, args.warmup, args.iters, ahead=True)
+                    call = ServeCall(dd, args.spec, device, dtype, backend, gen)
+                    t = time_fn(call.run, device, iters=args.iters, warmup=args.warmup, ahead=True)
                     ms += t["median_ms"]
                     gq, gkv = dd.meta.gathered_rows()
-                    n_q, n_kv, g_q, g_kv = n_q + nq, n_kv + nkv, g_q + gq, g_kv + gkv
+                    n_q, n_kv = n_q + call.served_q_rows, n_kv + call.kv_rows
+                    g_q, g_kv = g_q + gq, g_kv + gkv
                 rows.append({"batch": b, "method": method, "rank": rank, "ms": ms, "served_q_rows": n_q,
                              "kv_rows": n_kv, "gathered_q_rows": g_q, "gathered_kv_rows": g_kv,
                              "plan_imbalance": [p.imbalance() for p in plans]})
@@ -175,7 +154,6 @@ def main(argv=None) -> int:
                                                                               a.iters, a.warmup)
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    from cadlib.runtime import kernels
     backend = kernels.resolve_backend(a.backend, device, dtype, args.spec.head_dim)
     rows = replay(args, device, dtype, backend)
     out = summarise(rows, a.world)

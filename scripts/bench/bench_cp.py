@@ -9,18 +9,18 @@ with CUDA events after a barrier. The time of a repetition is the SLOWEST rank's
 from what a mechanism computes (padding, duplicated KV, recomputation do not count). Peak memory is
 the largest rank's ``max_memory_allocated`` above what was allocated before the case.
 
-    torchrun --nproc-per-node=2 scripts/bench_cp.py --out results/bench_cp.json
-    torchrun --nproc-per-node=2 scripts/bench_cp.py --mechanisms ring,ulysses --merge ...
-    torchrun --nproc-per-node=2 scripts/bench_cp.py --smoke           # gloo on CPU, tiny, seconds
-    cadlib.infra.launch.run_torchrun("scripts/bench_cp.py", 2, ["--smoke"], pg_backend="gloo")   # notebook
+    torchrun --nproc-per-node=2 scripts/bench/bench_cp.py --out results/bench_cp.json
+    torchrun --nproc-per-node=2 scripts/bench/bench_cp.py --mechanisms ring,ulysses --merge ...
+    torchrun --nproc-per-node=2 scripts/bench/bench_cp.py --smoke           # gloo on CPU, tiny, seconds
+    cadlib.infra.launch.run_torchrun("scripts/bench/bench_cp.py", 2, ["--smoke"], pg_backend="gloo")  # a cell
 
 Masks: ``causal``, ``full`` (one document), ``causal_document``, ``full_document`` (every mechanism that
 serves them; CAD's CA-tasks are causal, so its full-mask cases are ``X``). Draws: ``--draws N`` times
 every document mask on ``N`` independent draws of its documents (seeds ``seed .. seed + N - 1``;
 LongCA-bench takes 30) and reports the median of the draws' medians with the 20/80% quantiles across
 draws (``per_draw`` keeps each). A case that fails (unsupported mask, out of memory, an error) is
-recorded with its reason and the run goes on. Rank 0 writes the JSON (after every case, merged with ``--merge``) through
-:func:`cadlib.infra.results.save_result`; every rank also writes its records with
+recorded with its reason and the run goes on. Rank 0 writes the JSON (after every case, merged with
+``--merge``) through :func:`cadlib.infra.results.save_result`; every rank also writes its records with
 :func:`cadlib.infra.progress.write_result` when started by ``run_torchrun``.
 """
 from __future__ import annotations
@@ -38,8 +38,9 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from cadlib.bench.inputs import rand  # noqa: E402
+from cadlib.bench.meters import reset_peak, tflops  # noqa: E402
+from cadlib.bench.timer import stats, time_samples  # noqa: E402
 from cadlib.cp import MECHANISMS, make  # noqa: E402
 from cadlib.data.masks import make_mask  # noqa: E402
 from cadlib.infra.groups import destroy, init_from_env  # noqa: E402
@@ -51,35 +52,6 @@ DTYPES = TORCH_DTYPES
 MASKS = ("causal", "causal_document", "full", "full_document")
 
 
-def _barrier(group):
-    if dist.get_world_size(group) > 1:
-        dist.barrier(group=group)
-
-
-def time_reps(fn, pre, device, group, warmup: int, reps: int) -> list[float]:
-    """Per repetition, this rank's milliseconds of ``fn(pre())`` (``pre`` untimed), after a barrier."""
-    for _ in range(warmup):
-        fn(pre())
-    out = []
-    for _ in range(reps):
-        x = pre()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        _barrier(group)
-        if device.type == "cuda":
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn(x)
-            e.record()
-            e.synchronize()
-            out.append(s.elapsed_time(e))
-        else:
-            t0 = time.perf_counter()
-            fn(x)
-            out.append((time.perf_counter() - t0) * 1e3)
-    return out
-
-
 def _slowest(ms: list[float], group, device) -> list[float]:
     t = torch.tensor(ms, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
@@ -87,15 +59,18 @@ def _slowest(ms: list[float], group, device) -> list[float]:
 
 
 def run_draws(mech_name, mask_name, dist_name, tpg, args, env, heads, dtype) -> dict:
-    """:func:`run_case` on ``args.draws`` draws of a document mask: median and 20/80% quantiles across draws."""
+    """:func:`run_case` on ``args.draws`` draws of a document mask: median and 20/80% quantiles across
+    draws."""
     per = []
     for i in range(args.draws):
-        per.append(run_case(mech_name, mask_name, dist_name, tpg, args, env, heads, dtype, seed=args.seed + i))
+        per.append(run_case(mech_name, mask_name, dist_name, tpg, args, env, heads, dtype,
+                            seed=args.seed + i))
         if per[-1]["status"] != "ok":
             return {**per[-1], "draws": i + 1, "error": f"draw {i}: " + per[-1].get("error", "")}
     rec = {**per[0], "draws": args.draws,
-           "per_draw": [{"seed": args.seed + i, "fwd_ms": r["fwd"]["median_ms"], "bwd_ms": r["bwd"]["median_ms"],
-                         "area": r["area"], "n_docs": r["n_docs"]} for i, r in enumerate(per)]}
+           "per_draw": [{"seed": args.seed + i, "fwd_ms": r["fwd"]["median_ms"],
+                         "bwd_ms": r["bwd"]["median_ms"], "area": r["area"], "n_docs": r["n_docs"]}
+                        for i, r in enumerate(per)]}
     for d in ("fwd", "bwd"):
         ms = np.array([r[d]["median_ms"] for r in per])
         tf = np.array([r[d]["tflops_per_gpu"] for r in per])
@@ -117,22 +92,19 @@ def run_case(mech_name, mask_name, dist_name, tpg, args, env, heads, dtype, seed
            "world": world, "total_tokens": total, "n_docs": len(doc_lens), "area": mask.area(),
            "heads": list(heads), "head_dim": args.head_dim}
     causal = mask_name.startswith("causal")
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
+    reset_peak(device)
     base_mem = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     try:
         kw = {"min_shard": args.min_shard} if mech_name == "cad" else {}
         mech = make(mech_name, group, doc_lens, causal, attn_backend=args.attn_backend, **kw)
         gen = torch.Generator(device=device).manual_seed(seed + env.rank)
         n = mech.n_local
-        q = torch.randn(n, heads[0], args.head_dim, generator=gen, device=device).to(dtype)
-        k, v = (torch.randn(n, heads[1], args.head_dim, generator=gen, device=device).to(dtype)
-                for _ in range(2))
+        q = rand(gen, n, heads[0], args.head_dim, device, dtype)
+        k, v = (rand(gen, n, heads[1], args.head_dim, device, dtype) for _ in range(2))
         dout = torch.randn_like(q)
         q, k, v = (t.requires_grad_(True) for t in (q, k, v))
 
-        def fwd(_):
+        def fwd():
             with torch.no_grad():
                 mech.apply_attn(q, k, v)
 
@@ -141,20 +113,19 @@ def run_case(mech_name, mask_name, dist_name, tpg, args, env, heads, dtype, seed
 
         def bwd(out):
             out.backward(dout)
-        ms_f = _slowest(time_reps(fwd, lambda: None, device, group, args.warmup, args.reps), group, device)
-        ms_b = _slowest(time_reps(bwd, forward_graph, device, group, args.warmup, args.reps), group, device)
+        timing = {"iters": args.reps, "warmup": args.warmup, "group": group}
+        ms_f = _slowest(time_samples(fwd, device, **timing), group, device)
+        ms_b = _slowest(time_samples(bwd, device, pre=forward_graph, **timing), group, device)
         peak = (torch.cuda.max_memory_allocated(device) - base_mem) / 1e9 if device.type == "cuda" else 0.0
         pk = torch.tensor([peak], dtype=torch.float64, device=device)
         dist.all_reduce(pk, op=dist.ReduceOp.MAX, group=group)
         for name, ms, direction in (("fwd", ms_f, "fwd"), ("bwd", ms_b, "bwd")):
-            med = float(np.median(ms))
-            flops = mask.flops(heads[0], args.head_dim, direction)
-            rec[name] = {"median_ms": med, "q20_ms": float(np.quantile(ms, 0.2)),
-                         "q80_ms": float(np.quantile(ms, 0.8)), "flops": flops,
-                         "tflops_per_gpu": flops / world / (med * 1e-3) / 1e12}
+            st, flops = stats(ms), mask.flops(heads[0], args.head_dim, direction)
+            rec[name] = {**{k: st[k] for k in ("median_ms", "q20_ms", "q80_ms")}, "flops": flops,
+                         "tflops_per_gpu": tflops(flops / world, st["median_ms"])}
         tot_ms = rec["fwd"]["median_ms"] + rec["bwd"]["median_ms"]
         fb = mask.flops(heads[0], args.head_dim, "fwd_bwd")
-        rec["fwd_bwd_tflops_per_gpu"] = fb / world / (tot_ms * 1e-3) / 1e12
+        rec["fwd_bwd_tflops_per_gpu"] = tflops(fb / world, tot_ms)
         rec["peak_mem_gb"] = float(pk.item())
         rec["tokens_per_rank"] = mech.tokens_per_rank().tolist()
         if mech_name in ("usp", "loongtrain"):
@@ -242,8 +213,8 @@ def main(argv=None) -> int:
             rec = {"mechanism": m, "mask": mask, "dist": d, "tokens_per_gpu": tpg, "world": env.world,
                    "status": "-", "error": "time budget"}
         else:
-            rec = (run_draws if args.draws > 1 and "document" in mask else run_case)(m, mask, d, tpg, args, env,
-                                                                                      heads, dtype)
+            run = run_draws if args.draws > 1 and "document" in mask else run_case
+            rec = run(m, mask, d, tpg, args, env, heads, dtype)
         mine.append(rec)
         if env.rank == 0:
             rows = [r for r in rows if _key(r) != _key(rec)] + [rec]

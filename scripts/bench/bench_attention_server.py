@@ -1,10 +1,10 @@
 """Attention-server benchmark: (1) kernel composability and (2) the CAD server's overhead.
 
-(1) **composability** (``scripts/server_composability.py``): a causal document of L tokens is cut
+(1) **composability** (``scripts/bench/server_composability.py``): a causal document of L tokens is cut
     into query shards of s tokens served by ONE server in one fused call, ``--kv-share`` ``merged``
-    (contiguous shards as one segment over one KV copy, :mod:`cadlib.dispatch.kvshare`), ``copy`` (the server's
-    reference path: one KV prefix copy per shard) or ``kernel`` (the kernel alone on per-shard copies,
-    as the committed ``..._lpt_*.json`` files); ``--patterns all`` (every shard on the server) or
+    (contiguous shards as one segment over one KV copy, :mod:`cadlib.dispatch.kvshare`), ``copy`` (the
+    server's reference path: one KV prefix copy per shard) or ``kernel`` (the kernel alone on per-shard
+    copies, as the committed ``..._lpt_*.json`` files); ``--patterns all`` (every shard on the server) or
     ``alternate`` (every other shard: they cannot merge). TF/s are compared with the unsplit document.
     A case whose estimated memory exceeds ``--mem-budget-gb`` is skipped, with the reason recorded.
 (2) **overhead**: the whole CAD attention step (``cadlib.runtime.stages.cad_attention``: plan -> metadata ->
@@ -15,13 +15,13 @@
 
 Run::
 
-    python scripts/bench_attention_server.py --part composability          # 1 GPU
-    python scripts/bench_attention_server.py --part composability --doc-lens 16384,65536 \
-        --shards 128,512,1024,2048 --kv-share merged,copy --backends fa4   # KV sharing against per-shard copies
-    python scripts/bench_attention_server.py --part overhead               # 1 GPU
-    torchrun --nproc-per-node=2 scripts/bench_attention_server.py --part overhead   # 2 GPUs
-    python scripts/bench_attention_server.py --smoke                        # CPU, sdpa_ref, tiny
-    torchrun --nproc-per-node=2 scripts/bench_attention_server.py --smoke --part overhead  # 2x gloo
+    python scripts/bench/bench_attention_server.py --part composability          # 1 GPU
+    python scripts/bench/bench_attention_server.py --part composability --doc-lens 16384,65536 \
+        --shards 128,512,1024,2048 --kv-share merged,copy --backends fa4   # KV sharing vs per-shard copies
+    python scripts/bench/bench_attention_server.py --part overhead               # 1 GPU
+    torchrun --nproc-per-node=2 scripts/bench/bench_attention_server.py --part overhead   # 2 GPUs
+    python scripts/bench/bench_attention_server.py --smoke                        # CPU, sdpa_ref, tiny
+    torchrun --nproc-per-node=2 scripts/bench/bench_attention_server.py --smoke --part overhead  # 2x gloo
 
 Writes ``results/bench_attention_server_<part>_<world>gpu[_smoke].json`` (atomically, with device,
 torch version, commit, date, backend versions and the full configuration) and prints a table.
@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -40,25 +39,20 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from server_composability import run_composability
 
-from benchutil import backend_versions, rand, tflops, time_fn  # noqa: E402
-from benchutil import peak_gb as _peak_gb
-from benchutil import reset_peak as _reset_peak
-from benchutil import sync as _sync  # noqa: E402
-from server_composability import run_composability  # noqa: E402
-
-from cadlib.core.cost import H200_MATMUL_TFLOPS, MIN_SHARD_TOKENS, ModelSpec, causal_pairs  # noqa: E402
-from cadlib.infra.groups import init_from_env  # noqa: E402
-from cadlib.infra.results import RESULTS_DIR, save_result  # noqa: E402
-from cadlib.runtime import kernels  # noqa: E402
+from cadlib.bench.inputs import rand
+from cadlib.bench.meters import backend_versions, peak_gb, reset_peak, tflops
+from cadlib.bench.timer import Clock, time_fn
+from cadlib.core.cost import H200_MATMUL_TFLOPS, MIN_SHARD_TOKENS, ModelSpec, causal_pairs
+from cadlib.data.packing import pack
+from cadlib.data.workload import sample_docs
+from cadlib.infra.groups import init_from_env
+from cadlib.infra.results import RESULTS_DIR, save_result
+from cadlib.runtime import kernels, stages
+from cadlib.scheduling.scheduler import schedule
 
 GPU_BACKENDS = ("fa4", "torch_flash", "flash_attn")
-
-
-def _rand(gen, n, h, spec, device, dtype):
-    return rand(gen, n, h, spec.head_dim, device, dtype)
 
 
 @dataclass
@@ -93,32 +87,24 @@ class Config:
 # ---------------------------------------------------------------------------------------------------
 
 class TimedAllToAll:
-    """The all-to-all of :class:`cadlib.runtime.comm.AllToAll`, run blocking with a timer around each call
-    (CUDA events on the current stream, or perf_counter on the CPU), to measure communication alone."""
+    """The all-to-all of :class:`cadlib.runtime.comm.AllToAll`, run blocking between two marks of a
+    :class:`cadlib.bench.timer.Clock` (CUDA events on the current stream, or the wall clock on the CPU),
+    to measure communication alone."""
 
     def __init__(self, group, device):
-        self.group, self.device, self.spans = group, device, []
+        self.group, self.clock, self.spans = group, Clock(device), []
 
     def start(self, send, send_splits, recv_splits, fill=None):
         recv = send.new_empty((int(sum(recv_splits)), *send.shape[1:]))
-        if self.device.type == "cuda":
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            dist.all_to_all_single(recv, send.contiguous(), list(recv_splits), list(send_splits),
-                                   group=self.group)
-            e.record()
-            self.spans.append((s, e))
-        else:
-            t0 = time.perf_counter()
-            dist.all_to_all_single(recv, send.contiguous(), list(recv_splits), list(send_splits),
-                                   group=self.group)
-            self.spans.append((time.perf_counter() - t0) * 1e3)
+        a = self.clock.mark()
+        dist.all_to_all_single(recv, send.contiguous(), list(recv_splits), list(send_splits),
+                               group=self.group)
+        self.spans.append((a, self.clock.mark()))
         return _Ready(recv)
 
     def take_ms(self) -> float:
-        _sync(self.device)
-        ms = sum(s.elapsed_time(e) if isinstance(s, torch.cuda.Event) else s
-                 for s, e in ((x if isinstance(x, tuple) else (x, None)) for x in self.spans))
+        self.clock.sync()
+        ms = sum(self.clock.ms(a, b) for a, b in self.spans)
         self.spans = []
         return ms
 
@@ -133,17 +119,15 @@ class _Ready:
 
 def make_plan(layout, spec: ModelSpec, cfg: Config):
     """The CAD scheduler's plan (``cadlib.scheduling.scheduler.schedule``), timed by the caller."""
-    from cadlib.scheduling.scheduler import schedule
     return schedule(layout, model=spec, tolerance=cfg.tolerance, min_shard=cfg.min_shard)
 
 
 def _time_steps(rec, plan, spec, dtype, rt, backend, cfg, gen, flops) -> None:
     """The whole CAD step (dispatch, all-to-all, fused kernel, return), forward and fwd+bwd; then the
     same with every all-to-all blocking and timed, for the fraction of the step spent communicating."""
-    from cadlib.runtime import stages
     n = rec["n_local"]
-    q = _rand(gen, n, spec.n_heads, spec, rt.device, dtype)
-    k, v = (_rand(gen, n, spec.n_kv_heads, spec, rt.device, dtype) for _ in range(2))
+    q = rand(gen, n, spec.n_heads, spec.head_dim, rt.device, dtype)
+    k, v = (rand(gen, n, spec.n_kv_heads, spec.head_dim, rt.device, dtype) for _ in range(2))
     dout = torch.randn_like(q)
     qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
 
@@ -156,26 +140,28 @@ def _time_steps(rec, plan, spec, dtype, rt, backend, cfg, gen, flops) -> None:
         stages.cad_attention(qg, kg, vg, plan, rt.group, attn_backend=backend, comm=comm).backward(dout)
 
     for mode, fn in (("fwd", step_fwd), ("fwd_bwd", step_fb)):
-        t = time_fn(fn, rt.device, cfg.warmup, cfg.iters, rt.group)
+        t = time_fn(fn, rt.device, iters=cfg.iters, warmup=cfg.warmup, group=rt.group)
         rec[f"step_{mode}_ms"] = t["median_ms"]
         rec[f"step_{mode}_tflops"] = tflops(flops[mode], t["median_ms"])
         timed = TimedAllToAll(rt.group, rt.device)
         comm_ms, step_ms = [], []
         for _ in range(cfg.iters):
-            step_ms.append(time_fn(lambda: fn(timed), rt.device, 0, 1, rt.group)["median_ms"])
+            t = time_fn(lambda: fn(timed), rt.device, iters=1, warmup=0, group=rt.group)
+            step_ms.append(t["median_ms"])
             comm_ms.append(timed.take_ms())
         rec[f"comm_{mode}_ms"] = statistics.median(comm_ms)
         rec[f"step_timed_comm_{mode}_ms"] = statistics.median(step_ms)
         rec[f"comm_{mode}_fraction"] = statistics.median(c / s for c, s in zip(comm_ms, step_ms))
-    rec["step_peak_gb"] = _peak_gb(rt.device)
+    rec["step_peak_gb"] = peak_gb(rt.device)
 
 
 def _time_raw(rec, dd, spec, dtype, rt, backend, cfg, gen, flops) -> None:
     """The raw fused kernel on this server's received tasks, laid out as the server's default
     (merged) call lays them out: same segments, cu_q/cu_k and shapes."""
     m, sh = dd.meta, dd.shared
-    q = _rand(gen, len(m.q_rows), spec.n_heads, spec, rt.device, dtype)
-    k, v = (_rand(gen, sh.meta.kv_rows.size, spec.n_kv_heads, spec, rt.device, dtype) for _ in range(2))
+    q = rand(gen, len(m.q_rows), spec.n_heads, spec.head_dim, rt.device, dtype)
+    k, v = (rand(gen, sh.meta.kv_rows.size, spec.n_kv_heads, spec.head_dim, rt.device, dtype)
+            for _ in range(2))
     dout = torch.randn_like(q)
     rec["raw_segments"], rec["raw_kv_tokens"] = sh.meta.n_segments, int(sh.meta.kv_rows.size)
 
@@ -188,7 +174,7 @@ def _time_raw(rec, dd, spec, dtype, rt, backend, cfg, gen, flops) -> None:
                                 backend=backend)
 
     for mode, fn in (("fwd", raw_fwd), ("fwd_bwd", raw_fb)):
-        t = time_fn(fn, rt.device, cfg.warmup, cfg.iters)
+        t = time_fn(fn, rt.device, iters=cfg.iters, warmup=cfg.warmup)
         rec[f"raw_{mode}_ms"] = t["median_ms"]
         rec[f"raw_{mode}_tflops"] = tflops(flops[mode], t["median_ms"])
         rec[f"step_over_raw_{mode}"] = rec[f"step_{mode}_ms"] / t["median_ms"]
@@ -198,20 +184,16 @@ def _time_unsplit(rec, docs, spec, dtype, rt, backend, cfg, gen) -> None:
     """The unsplit kernel: every document of the batch whole (one segment each) on this GPU."""
     cu = torch.tensor([0] + list(docs), dtype=torch.int64).cumsum(0).to(rt.device, torch.int32)
     n = int(sum(docs))
-    q = _rand(gen, n, spec.n_heads, spec, rt.device, dtype)
-    k, v = (_rand(gen, n, spec.n_kv_heads, spec, rt.device, dtype) for _ in range(2))
+    q = rand(gen, n, spec.n_heads, spec.head_dim, rt.device, dtype)
+    k, v = (rand(gen, n, spec.n_kv_heads, spec.head_dim, rt.device, dtype) for _ in range(2))
     t = time_fn(lambda: kernels.attend(q, k, v, cu, cu, max(docs), max(docs), backend=backend),
-                rt.device, cfg.warmup, cfg.iters)
+                rt.device, iters=cfg.iters, warmup=cfg.warmup)
     pairs = float(causal_pairs(0, docs).sum())
     rec["unsplit_fwd_tflops"] = tflops(spec.attention_flops(pairs, layers=1), t["median_ms"])
 
 
 def overhead_case(dist_name, tpg, spec, dtype, rt, backend, cfg) -> dict:
     """One batch (``tpg`` tokens per GPU of ``dist_name`` documents, sequential packing) on ``rt``."""
-    from cadlib.data.packing import pack
-    from cadlib.data.workload import sample_docs
-    from cadlib.runtime import stages
-
     docs = sample_docs(dist_name, tpg * rt.world, seed=cfg.seed)
     layout = pack(docs, rt.world)
     t0 = time.perf_counter()
@@ -234,7 +216,7 @@ def overhead_case(dist_name, tpg, spec, dtype, rt, backend, cfg) -> dict:
            "recv_q_tokens": m.n_recv_q, "recv_kv_tokens": m.n_recv_kv, "imbalance": plan.imbalance(),
            "server_fwd_gflop": flops["fwd"] / 1e9}
     gen = torch.Generator(device=rt.device).manual_seed(cfg.seed + rt.rank)
-    _reset_peak(rt.device)
+    reset_peak(rt.device)
     try:
         _time_steps(rec, plan, spec, dtype, rt, backend, cfg, gen, flops)
         if m.n_tasks:
@@ -243,7 +225,7 @@ def overhead_case(dist_name, tpg, spec, dtype, rt, backend, cfg) -> dict:
         if "raw_fwd_tflops" in rec:
             rec["raw_fwd_vs_unsplit"] = rec["raw_fwd_tflops"] / rec["unsplit_fwd_tflops"]
         rec["step_fwd_bwd_vs_matmul_peak"] = rec["step_fwd_bwd_tflops"] / H200_MATMUL_TFLOPS
-        rec["peak_gb"] = _peak_gb(rt.device)
+        rec["peak_gb"] = peak_gb(rt.device)
     except torch.cuda.OutOfMemoryError as e:
         rec["skipped"] = f"out of memory: {str(e).splitlines()[0]}"
     except Exception as e:  # record and go on: one backend failing must not lose the others' results

@@ -11,7 +11,7 @@ Backends (``BACKENDS``)::
     sdpa_math, sdpa_efficient   torch SDPA; full/causal by flag, every other mask as a dense boolean mask
     sdpa_flash, sdpa_cudnn      torch SDPA; full and causal only
     torch_flash                 torch's built-in FA2 varlen (cadlib.runtime.kernels), masks with a varlen form
-    fa4                         FlashAttention-4: varlen masks (cadlib.runtime.kernels) and its sliding windows
+    fa4                         FlashAttention-4: varlen masks (cadlib.runtime.kernels), its sliding windows
     flash_attn                  FlashAttention-2 varlen (cadlib.runtime.kernels) when importable
     flex                        FlexAttention, torch.compile'd, block mask from the mask's slices
     flex_eager, sdpa_ref        CPU smoke only (unfused flex; cadlib's per-segment reference)
@@ -30,8 +30,8 @@ call and ``--draw-reps`` timed ones; the record gives the median over the draws 
 and the 20/80% quantiles across draws (``median_ms``, ``q20_ms``, ``q80_ms``; TF/s per draw from its own
 area: ``tflops``, ``tflops_q20``, ``tflops_q80``), and the draws themselves (``per_draw``).
 
-    python scripts/bench_kernels.py --backends fa4,torch_flash --out results/bench_kernels.json --merge
-    python scripts/bench_kernels.py --smoke        # CPU, tiny, seconds
+    python scripts/bench/bench_kernels.py --backends fa4,torch_flash --out results/bench_kernels.json --merge
+    python scripts/bench/bench_kernels.py --smoke        # CPU, tiny, seconds
 """
 from __future__ import annotations
 
@@ -48,8 +48,9 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from cadlib.bench.inputs import rand  # noqa: E402
+from cadlib.bench.meters import reset_peak, tflops  # noqa: E402
+from cadlib.bench.timer import flush_buffer, time_kernel  # noqa: E402
 from cadlib.core.paper import LONGCA_DRAWS  # noqa: E402
 from cadlib.data.masks import ALL_TYPES, FULL, Mask, make_mask  # noqa: E402
 from cadlib.infra.results import atomic_write_json, save_result  # noqa: E402
@@ -192,7 +193,8 @@ def _flex(compiled: bool):
         if compiled and "fn" not in _FLEX:
             _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)    # one wrapper for every cell
         fn = _FLEX["fn"] if compiled else flex_attention
-        bm = flex_masks.block_mask(mask, q.device, block_size=128, compile=compiled and q.device.type == "cuda")
+        bm = flex_masks.block_mask(mask, q.device, block_size=128,
+                                   compile=compiled and q.device.type == "cuda")
         qh, kh, vh, dh = (t.transpose(0, 1).unsqueeze(0).contiguous() for t in (q, k, v, dout))
         grad = q.device.type == "cuda"              # FlexAttention has no backward on the CPU
         qh, kh, vh = (t.requires_grad_(grad) for t in (qh, kh, vh))
@@ -230,42 +232,6 @@ def available(backend: str, device: torch.device) -> str | None:
 # Timing
 # ---------------------------------------------------------------------------------------------------
 
-class Timer:
-    def __init__(self, device: torch.device, flush_mb: int = 256):
-        self.device = device
-        self.flush_buf = (torch.empty(flush_mb * 2 ** 20, dtype=torch.uint8, device=device)
-                          if device.type == "cuda" else None)
-
-    def measure(self, fn, pre, warmup: int, reps: int) -> list[float]:
-        """Milliseconds of ``fn(pre())`` per rep (``pre`` untimed), after ``warmup`` calls."""
-        for _ in range(warmup):
-            fn(pre())
-        if self.device.type != "cuda":
-            out = []
-            for _ in range(reps):
-                x = pre()
-                t0 = time.perf_counter()
-                fn(x)
-                out.append((time.perf_counter() - t0) * 1e3)
-            return out
-        events = []
-        for _ in range(reps):
-            x = pre()
-            self.flush_buf.zero_()                                 # evict L2 between repetitions
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn(x)
-            e.record()
-            events.append((s, e))
-        torch.cuda.synchronize(self.device)
-        return [s.elapsed_time(e) for s, e in events]
-
-
-def _stats(ms: list[float]) -> dict:
-    return {"median_ms": float(np.median(ms)), "q20_ms": float(np.quantile(ms, 0.2)),
-            "q80_ms": float(np.quantile(ms, 0.8)), "reps": len(ms)}
-
-
 def _reference_error(mask, q, k, v, out) -> float:
     """``max |out - ref| / max |ref|`` against float32 SDPA math with the dense mask."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -296,21 +262,19 @@ def statically_unsupported(backend: str, mask: Mask) -> str | None:
     return None
 
 
-def run_cell(backend, mask, heads, dim, dtype, device, timer, args, check: bool) -> list[dict]:
+def run_cell(backend, mask, heads, dim, dtype, device, flush, args, check: bool) -> list[dict]:
     """fwd and bwd records of one (backend, mask, seqlen)."""
     T = mask.total
     base = {"backend": backend, "mask": mask.name, "seqlen": T, "area": mask.area(),
             "sparsity": mask.sparsity(), "heads": heads_str(heads)}
     gen = torch.Generator(device=device).manual_seed(args.seed)
     recs = []
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
+    reset_peak(device)
     baseline = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     try:
-        q = torch.randn(T, heads[0], dim, generator=gen, device=device).to(dtype)
-        k, v = (torch.randn(T, heads[1], dim, generator=gen, device=device).to(dtype) for _ in range(2))
-        dout = torch.randn(T, heads[0], dim, generator=gen, device=device).to(dtype)
+        q = rand(gen, T, heads[0], dim, device, dtype)
+        k, v = (rand(gen, T, heads[1], dim, device, dtype) for _ in range(2))
+        dout = rand(gen, T, heads[0], dim, device, dtype)
         fwd, pre, bwd = SETUP[backend](mask, q, k, v, dout)
         t0 = time.perf_counter()
         first = fwd()                                    # also compiles / autotunes, untimed
@@ -327,13 +291,12 @@ def run_cell(backend, mask, heads, dim, dtype, device, timer, args, check: bool)
                 recs.append({**base, "direction": direction, "status": "X", "error": "no backward here"})
                 continue
             if direction == "fwd":
-                ms = timer.measure(lambda _: fwd(), lambda: None, warmup, reps)
+                st = time_kernel(fwd, device, iters=reps, warmup=warmup, flush=flush)
             else:
-                ms = timer.measure(bwd, pre, warmup, reps)
+                st = time_kernel(bwd, device, iters=reps, warmup=warmup, flush=flush, pre=pre)
             flops = mask.flops(heads[0], dim, direction)
-            st = _stats(ms)
             recs.append({**base, "direction": direction, "status": "ok", **st, "flops": flops,
-                         "tflops": flops / (st["median_ms"] * 1e-3) / 1e12, "max_err": err})
+                         "tflops": tflops(flops, st["median_ms"]), "max_err": err})
         peak = ((torch.cuda.max_memory_allocated(device) - baseline) / 1e9 if device.type == "cuda"
                 else None)                                   # inputs, masks, kernel workspace
         for r in recs:
@@ -367,14 +330,14 @@ def parse_heads(text: str) -> list[tuple[int, int]]:
     return [tuple(int(x) for x in pair.split(":")) for pair in text.split(",")]
 
 
-def run_draws(backend, name, T, heads, dtype, device, timer, args, check: bool) -> list[dict]:
+def run_draws(backend, name, T, heads, dtype, device, flush, args, check: bool) -> list[dict]:
     """fwd and bwd records of ``args.draws`` draws of mask ``name`` (module docstring): each draw's
     median, then the median and 20/80% quantiles across draws."""
     sub = argparse.Namespace(**{**vars(args), "warmup": 0, "reps": args.draw_reps})
     per = []
     for i in range(args.draws):
         mask = make_mask(name, T, args.seed + i, window=args.window, block=args.block)
-        per.append(run_cell(backend, mask, heads, args.head_dim, dtype, device, timer, sub, check and i == 0))
+        per.append(run_cell(backend, mask, heads, args.head_dim, dtype, device, flush, sub, check and i == 0))
         if any(r["status"] != "ok" for r in per[-1]):
             return [{**r, "draws": i + 1, "error": f"draw {i} (seed {args.seed + i}): " + r.get("error", "")}
                     for r in per[-1]]
@@ -461,7 +424,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.smoke:
         args.seqlens = "256"
-        args.heads, args.head_dim, args.dtype = ("4:2" if args.heads == DEFAULT_HEADS else args.heads), 16, "fp32"
+        args.heads = "4:2" if args.heads == DEFAULT_HEADS else args.heads
+        args.head_dim, args.dtype = 16, "fp32"
         args.warmup, args.reps, args.window, args.block = 1, 3, 32, 64
         args.backends = args.backends or ",".join(SMOKE_BACKENDS)
         if args.out == "results/bench_kernels.json":
@@ -477,7 +441,8 @@ def parse_args(argv=None):
     except ValueError:
         hs = []
     if not hs or any(len(h) != 2 or h[0] % h[1] for h in hs):
-        p.error(f"--heads must be Hq:Hkv pairs with Hq a multiple of Hkv (e.g. 64:8,64:64), got {args.heads!r}")
+        p.error(f"--heads must be Hq:Hkv pairs with Hq a multiple of Hkv (e.g. 64:8,64:64), "
+                f"got {args.heads!r}")
     if args.draws < 1:
         p.error(f"--draws must be >= 1, got {args.draws}")
     return args
@@ -550,7 +515,7 @@ def main(argv=None) -> int:
         old = json.loads(out.read_text())
         rows = _with_heads(old.get("results", []), old.get("config"))
     config = {**vars(args), "device": str(device), "backends_run": backends}
-    timer = Timer(device)
+    flush = flush_buffer(device)
     t_start = _T0
     for heads in heads_list:
         for backend in backends:
@@ -571,14 +536,16 @@ def main(argv=None) -> int:
                             status, err = "X", f"unsupported ({static}; decided without running)"
                         else:
                             status, err = "-", too_slow or "time budget"
-                        recs = [{**base, "direction": d, "status": status, "error": err} for d in ("fwd", "bwd")]
+                        recs = [{**base, "direction": d, "status": status, "error": err}
+                                for d in ("fwd", "bwd")]
                     elif args.draws > 1 and name in DRAWN_MASKS:
-                        recs = run_draws(backend, name, T, heads, dtype, device, timer, args,
+                        recs = run_draws(backend, name, T, heads, dtype, device, flush, args,
                                          check=bool(args.check) and i == 0)
                     else:
-                        recs = run_cell(backend, mask, heads, args.head_dim, dtype, device, timer, args,
+                        recs = run_cell(backend, mask, heads, args.head_dim, dtype, device, flush, args,
                                         check=bool(args.check) and i == 0)
-                    slow = [r["median_ms"] for r in recs if r["status"] == "ok" and r["median_ms"] > args.slow_ms]
+                    slow = [r["median_ms"] for r in recs
+                            if r["status"] == "ok" and r["median_ms"] > args.slow_ms]
                     if slow:
                         too_slow = f"a smaller size took {max(slow):.0f} ms > --slow-ms {args.slow_ms:.0f}"
                     rows = [r for r in rows if _key(r) != key] + recs

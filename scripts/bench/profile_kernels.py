@@ -10,27 +10,24 @@ CUDA events after warm-up (perf_counter on the CPU); points run cheapest first w
 ``--time-budget-s`` (per backend, shared equally), the ones not reached are listed in
 ``not_reached``. Writes ``{"meta", "config", "results"}`` with :func:`cadlib.infra.results.save_result`.
 
-    python scripts/profile_kernels.py --backends fa4,torch_flash --time-budget-s 170 \\
+    python scripts/bench/profile_kernels.py --backends fa4,torch_flash --time-budget-s 170 \\
         --out results/kernel_profile_h200.json                              # 1x H200, llama3-8b heads
-    python scripts/profile_kernels.py --device cpu --quick --out /tmp/kp.json  # CPU, tiny, sdpa_ref
+    python scripts/bench/profile_kernels.py --device cpu --quick --out /tmp/kp.json  # CPU, tiny, sdpa_ref
 """
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from benchutil import backend_versions, rand, time_fn  # noqa: E402
-
-from cadlib.core.measured import segment_pairs  # noqa: E402
-from cadlib.infra.results import RESULTS_DIR, save_result  # noqa: E402
-from cadlib.runtime import kernels  # noqa: E402
+from cadlib.bench.inputs import rand
+from cadlib.bench.meters import backend_versions
+from cadlib.bench.timer import time_fn
+from cadlib.core.measured import segment_pairs
+from cadlib.infra.results import RESULTS_DIR, save_result
+from cadlib.runtime import kernels
 
 FULL = {"q": [128, 256, 512, 1024, 2048, 8192], "kv": [128, 512, 2048, 8192, 32768, 65536],
         "fused": (512, 8192), "heads": (32, 8, 128), "target_pairs": 1 << 28, "max_seg": 64,
@@ -71,7 +68,7 @@ def measure(backend, q_len, kv_len, n_seg, heads, dtype, device, warmup, iters, 
 
     for name, fn in (("fwd", fwd), ("fwd_bwd", fwd_bwd)):
         try:
-            t = time_fn(fn, device, warmup, iters)
+            t = time_fn(fn, device, iters=iters, warmup=warmup)
             rec[f"{name}_ms"], rec[f"{name}_min_ms"] = t["median_ms"], t["min_ms"]
         except torch.cuda.OutOfMemoryError as e:
             rec[f"{name}_skipped"] = f"out of memory: {str(e).splitlines()[0]}"

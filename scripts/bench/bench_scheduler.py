@@ -36,39 +36,36 @@ water-filling, in four parts:
   the plan is re-ordered (:func:`cadlib.scheduling.sentlast.sent_last`, ``sent_last_ms``, counted in the step)
   and the metadata built from the re-ordered plan.
 
-    python scripts/bench_scheduler.py                 # scale
-    python scripts/bench_scheduler.py --grid --out results/bench_scheduler_grid_distca.json   # the grid
-    python scripts/bench_scheduler.py --host-path     # per-step host time
-    python scripts/bench_scheduler.py --random 3000   # random tiny layouts, printed (--all records them)
-    python scripts/bench_scheduler.py --all           # scale, grid, random and host path
-    python scripts/bench_scheduler.py --quick         # scale at 8, 64 servers x 128K, 1 run
+    python scripts/bench/bench_scheduler.py                 # scale
+    python scripts/bench/bench_scheduler.py --grid --out results/bench_scheduler_grid_distca.json   # the grid
+    python scripts/bench/bench_scheduler.py --host-path     # per-step host time
+    python scripts/bench/bench_scheduler.py --random 3000   # random tiny layouts (--all records them)
+    python scripts/bench/bench_scheduler.py --all           # scale, grid, random and host path
+    python scripts/bench/bench_scheduler.py --quick         # scale at 8, 64 servers x 128K, 1 run
 """
 from __future__ import annotations
 
 import argparse
 import os
 import statistics
-import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from cadlib.core.cost import ModelSpec  # noqa: E402
-from cadlib.core.layout import Layout  # noqa: E402
+from cadlib.core.cost import ModelSpec
+from cadlib.core.layout import Layout
 from cadlib.data.packing import (
-    pack,  # noqa: E402
-    per_doc_zigzag_layout,  # noqa: E402
+    pack,
+    per_doc_zigzag_layout,
 )
-from cadlib.data.workload import sample_docs, sample_kwargs  # noqa: E402
-from cadlib.dispatch.build import build_dispatch  # noqa: E402
-from cadlib.infra.results import save_result  # noqa: E402
-from cadlib.runtime.device import to_device  # noqa: E402
-from cadlib.scheduling.scheduler import place  # noqa: E402
-from cadlib.scheduling.sentlast import sent_last  # noqa: E402
-from cadlib.testing import random_tiny_layout  # noqa: E402
+from cadlib.data.workload import sample_docs, sample_kwargs
+from cadlib.dispatch.build import build_dispatch
+from cadlib.infra.results import RESULTS_DIR, save_result
+from cadlib.runtime.device import to_device
+from cadlib.scheduling.scheduler import place
+from cadlib.scheduling.sentlast import sent_last
+from cadlib.testing import random_tiny_layout
 
-RESULTS = os.path.join(os.path.dirname(__file__), "..", "results")
 DISTS = {"pretrain": {"dist": "pretrain"}, "prolong": {"dist": "prolong"},
          "pretrain-x4": {"dist": "pretrain", "elongate": 4.0}}
 
@@ -353,8 +350,8 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--validate-max-tokens", type=int, default=64 * 512 * 1024,
                     help="time Plan.validate only up to this many tokens")
-    ap.add_argument("--out", default=os.path.join(RESULTS, "bench_scheduler.json"))
-    ap.add_argument("--host-out", default=os.path.join(RESULTS, "bench_host_path.json"))
+    ap.add_argument("--out", default=str(RESULTS_DIR / "bench_scheduler.json"))
+    ap.add_argument("--host-out", default=str(RESULTS_DIR / "bench_host_path.json"))
     ap.add_argument("--host-cases", nargs="+", default=list(HOST_CASES), metavar="DIST:LAYOUT",
                     help="host-path cases (default: all four)")
     ap.add_argument("--sent-last", action="store_true",

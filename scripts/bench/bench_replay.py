@@ -16,13 +16,14 @@ Two steps (:mod:`cadlib.analysis.replay.settings` says what a rank's work is):
 * ``compose`` (any machine): composes every batch's step from the cache and the link model
   (:mod:`cadlib.analysis.model.compose`) and writes a JSON per setting under ``--out`` and the summary.
 
-    python scripts/bench_replay.py time --suite validation,3d --cache $OUT/replay_times.json --budget-s 500
-    python scripts/bench_replay.py compose --suite validation,3d --cache results/replay/times_h200.json
-    python scripts/bench_replay.py shapes4d --sample 40               # Table 4: a sample of its server calls
-    python scripts/bench_replay.py time --suite 4d --cache $OUT/replay_times.json      # time the sample
-    python scripts/bench_replay.py compose --suite 4d --workers 2     # Table 4: PP, attention scaled to the sample
-    python scripts/bench_replay.py time --smoke --cache /tmp/t.json && \
-        python scripts/bench_replay.py compose --smoke --cache /tmp/t.json --out /tmp/replay     # CPU
+    python scripts/bench/bench_replay.py time --suite validation,3d --cache $OUT/replay_times.json \
+        --budget-s 500
+    python scripts/bench/bench_replay.py compose --suite validation,3d --cache results/replay/times_h200.json
+    python scripts/bench/bench_replay.py shapes4d --sample 40        # Table 4: a sample of its server calls
+    python scripts/bench/bench_replay.py time --suite 4d --cache $OUT/replay_times.json      # time the sample
+    python scripts/bench/bench_replay.py compose --suite 4d --workers 2   # Table 4: PP, attention scaled
+    python scripts/bench/bench_replay.py time --smoke --cache /tmp/t.json && \
+        python scripts/bench/bench_replay.py compose --smoke --cache /tmp/t.json --out /tmp/replay     # CPU
 """
 from __future__ import annotations
 
@@ -38,16 +39,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from cadlib.analysis.replay import phases as replay_phases, pipelined as replay4d, results as replay_results, settings as replay, times as replay_times  # noqa: E402
-from cadlib.analysis.runs.e2e import load_committed  # noqa: E402
-from cadlib.core.measured import MeasuredCost  # noqa: E402
-from cadlib.infra.results import RESULTS_DIR, atomic_write_json, environment_info, load_result, save_result  # noqa: E402
-from cadlib.runtime import kernels  # noqa: E402
-from cadlib.runtime.device import to_device  # noqa: E402
-from cadlib.runtime.model import ChunkedCrossEntropy, DecoderLayer, RMSNorm  # noqa: E402
-from cadlib.runtime.stages import serve  # noqa: E402
+from cadlib.analysis.replay import phases as replay_phases
+from cadlib.analysis.replay import pipelined as replay4d
+from cadlib.analysis.replay import results as replay_results
+from cadlib.analysis.replay import settings as replay
+from cadlib.analysis.replay import times as replay_times
+from cadlib.analysis.runs.e2e import load_committed
+from cadlib.bench.inputs import ServeCall, rand
+from cadlib.bench.timer import WARMUP, time_phases, time_samples
+from cadlib.core.measured import MeasuredCost
+from cadlib.infra.results import RESULTS_DIR, atomic_write_json, environment_info, load_result, save_result
+from cadlib.runtime import kernels
+from cadlib.runtime.device import to_device
+from cadlib.runtime.model import ChunkedCrossEntropy, DecoderLayer, RMSNorm
 
 SUITES = ("validation", "3d", "idle", "allgather", "smoke", "4d")
 
@@ -83,61 +87,18 @@ def settings(suites: list[str], batches: int | None, only: str = "") -> list[rep
 
 
 # ----------------------------------------------------------------------------------------- timing
-class Timer:
-    """CUDA events around regions of one run (the wall clock on the CPU)."""
-
-    def __init__(self, device):
-        self.cuda = device.type == "cuda"
-
-    def mark(self):
-        if self.cuda:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            return e
-        return time.perf_counter()
-
-    def ms(self, a, b) -> float:
-        if self.cuda:
-            b.synchronize()
-            return a.elapsed_time(b)
-        return (b - a) * 1e3
+def time_attention(d, spec, device, dtype, backend, gen, iters: int) -> dict:
+    """The serve stage of dispatch ``d``, forward then backward, on random buffers of its sizes; the
+    median of ``iters`` timed runs after ``WARMUP`` untimed ones."""
+    call = ServeCall(to_device(d, device), spec, device, dtype, backend, gen)
+    fw, bw = time_phases([call.forward, call.backward], device, iters=iters, after=call.zero_grad)
+    return {"fwd_ms": float(np.median(fw)), "bwd_ms": float(np.median(bw)), "iters": iters, "warmup": WARMUP}
 
 
-WARMUP = 1
-"""Untimed runs before each attention call's timed ones. FA4 compiles a kernel variant the first time a
-call needs it (seconds, at any point of a run, not only on the first call), and a timing that includes
-the compile is off by up to 190x: the cache written before this warm-up holds a few such entries
-(:func:`cadlib.analysis.replay.times.compile_suspects`)."""
-
-
-def time_attention(d, spec, device, dtype, backend, gen, timer, iters: int) -> dict:
-    """The serve stage of dispatch ``d``, forward then backward, on random buffers of its sizes."""
-    dd = to_device(d, device)
-    m = dd.meta
-    n_q, n_kv = m.q_keep + m.n_recv_q, m.n_local + m.n_recv_kv
-
-    def rnd(n, h):
-        return torch.randn(n, h, spec.head_dim, generator=gen, device=device).to(dtype).requires_grad_()
-    q, k, v = rnd(n_q, spec.n_heads), rnd(n_kv, spec.n_kv_heads), rnd(n_kv, spec.n_kv_heads)
-    n_out = n_q if m.q_identity else int(m.cu_q[-1])
-    dout = torch.randn((n_out, spec.n_heads, spec.head_dim), generator=gen, device=device).to(dtype)
-    fw, bw = [], []
-    for _ in range(WARMUP + iters):
-        a = timer.mark()
-        out = serve(q, k, v, dd, backend)
-        b = timer.mark()
-        out.backward(dout)
-        c = timer.mark()
-        fw.append(timer.ms(a, b))
-        bw.append(timer.ms(b, c))
-        q.grad = k.grad = v.grad = None
-    return {"fwd_ms": float(np.median(fw[WARMUP:])), "bwd_ms": float(np.median(bw[WARMUP:])), "iters": iters,
-            "warmup": WARMUP}
-
-
-def time_linear(layer, spec, n, device, dtype, timer, iters: int) -> dict:
+def time_linear(layer, spec, n, device, dtype, iters: int) -> dict:
     """One decoder layer's linear parts at ``n`` tokens: pre-attention (norm, QKV, RoPE) and
-    post-attention (O projection, MLP with recompute), each forward and backward."""
+    post-attention (O projection, MLP with recompute), each forward and backward; the median of
+    ``iters`` timed runs after as many untimed ones (a new token count allocates)."""
     x = torch.randn(n, spec.hidden, device=device, dtype=dtype, requires_grad=True)
     pos = torch.arange(n, device=device) % 8192
     inv = 1.0 / (500000.0 ** (torch.arange(0, spec.head_dim, 2, device=device, dtype=torch.float32)
@@ -148,22 +109,16 @@ def time_linear(layer, spec, n, device, dtype, timer, iters: int) -> dict:
     gq = torch.randn(n, spec.n_heads, spec.head_dim, device=device, dtype=dtype)
     gk = torch.randn(n, spec.n_kv_heads, spec.head_dim, device=device, dtype=dtype)
     gy = torch.randn(n, spec.hidden, device=device, dtype=dtype)
-    rows = {k: [] for k in ("pre_ms", "pre_bwd_ms", "post_ms", "post_bwd_ms")}
-    for _ in range(iters):
-        t0 = timer.mark()
-        q, k, v = layer.pre_attention(x, cos, sin)
-        t1 = timer.mark()
-        torch.autograd.backward((q, k, v), (gq, gk, gk))
-        t2 = timer.mark()
-        y = layer.post_attention(x, o)
-        t3 = timer.mark()
-        y.backward(gy)
-        t4 = timer.mark()
-        for key, (a, b) in zip(rows, ((t0, t1), (t1, t2), (t2, t3), (t3, t4))):
-            rows[key].append(timer.ms(a, b))
+
+    def reset():
         x.grad = o.grad = None
         layer.zero_grad(set_to_none=True)
-    return {k: float(np.median(v)) for k, v in rows.items()}
+    phases = [lambda: layer.pre_attention(x, cos, sin),
+              lambda qkv: torch.autograd.backward(qkv, (gq, gk, gk)),
+              lambda _: layer.post_attention(x, o),
+              lambda y: y.backward(gy)]
+    ms = time_phases(phases, device, iters=iters, warmup=iters, after=reset)
+    return {k: float(np.median(v)) for k, v in zip(("pre_ms", "pre_bwd_ms", "post_ms", "post_bwd_ms"), ms)}
 
 
 class Head(torch.nn.Module):
@@ -178,23 +133,22 @@ class Head(torch.nn.Module):
         self.lm_head = torch.nn.Linear(spec.hidden, spec.vocab, bias=False, **w)
 
 
-def time_head(head, spec, n, device, timer, iters: int) -> dict:
-    """Embedding, final norm, LM head and its chunked loss at ``n`` tokens, forward and backward."""
+def time_head(head, spec, n, device, iters: int) -> dict:
+    """Embedding, final norm, LM head and its chunked loss at ``n`` tokens, forward and backward; the
+    median of ``iters`` timed runs after as many untimed ones."""
     tok = torch.randint(0, spec.vocab, (n,), device=device)
     tgt = torch.randint(0, spec.vocab, (n,), device=device)
-    ms = []
-    for _ in range(iters):
-        a = timer.mark()
+
+    def run():
         h = head.norm(head.embed(tok))
         ChunkedCrossEntropy.apply(h, head.lm_head.weight, tgt, 8192).backward()
-        b = timer.mark()
-        ms.append(timer.ms(a, b))
-        head.zero_grad(set_to_none=True)
+    ms = time_samples(run, device, iters=iters, warmup=iters, after=lambda: head.zero_grad(set_to_none=True))
     return {"ms": float(np.median(ms))}
 
 
-def time_optimizer(spec, device, dtype, timer, iters: int) -> dict:
-    """One AdamW step over a GPU's parameters (their shapes; the values do not matter)."""
+def time_optimizer(spec, device, dtype, iters: int) -> dict:
+    """One AdamW step over a GPU's parameters (their shapes; the values do not matter), after one
+    untimed step (it also makes the optimizer's state)."""
     shapes = [(spec.vocab, spec.hidden), (spec.vocab, spec.hidden), (spec.hidden,)]
     per = [(spec.n_heads * spec.head_dim, spec.hidden), (spec.n_kv_heads * spec.head_dim, spec.hidden),
            (spec.n_kv_heads * spec.head_dim, spec.hidden), (spec.hidden, spec.n_heads * spec.head_dim),
@@ -205,13 +159,7 @@ def time_optimizer(spec, device, dtype, timer, iters: int) -> dict:
     for p in params:
         p.grad = torch.randn_like(p) * 1e-3
     opt = torch.optim.AdamW(params, lr=1e-5)
-    opt.step()
-    ms = []
-    for _ in range(iters):
-        a = timer.mark()
-        opt.step()
-        b = timer.mark()
-        ms.append(timer.ms(a, b))
+    ms = time_samples(opt.step, device, iters=iters, warmup=1)
     return {"ms": float(np.median(ms)), "params": sum(p.numel() for p in params)}
 
 
@@ -224,34 +172,30 @@ def _plan_batch(task):
     return s.name, b, replay_times.attention_jobs(works.values(), s.spec, backend), np.concatenate(tokens)
 
 
-def time_segments(q_lens, kv_lens, spec, device, dtype, backend, gen, timer, iters: int) -> dict:
-    """One fused causal call on merged segments (query and KV lengths), forward then backward."""
+def time_segments(q_lens, kv_lens, spec, device, dtype, backend, gen, iters: int) -> dict:
+    """One fused causal call on merged segments (query and KV lengths), forward then backward; the
+    median of ``iters`` timed runs after ``WARMUP`` untimed ones."""
     cu_q = torch.tensor(np.r_[0, np.cumsum(q_lens)], dtype=torch.int32, device=device)
     cu_k = torch.tensor(np.r_[0, np.cumsum(kv_lens)], dtype=torch.int32, device=device)
     mq, mk = int(max(q_lens)), int(max(kv_lens))
-
-    def rnd(n, h):
-        return torch.randn(n, h, spec.head_dim, generator=gen, device=device).to(dtype)
-    q, k, v = rnd(int(cu_q[-1]), spec.n_heads), rnd(int(cu_k[-1]), spec.n_kv_heads), rnd(int(cu_k[-1]), spec.n_kv_heads)
+    q = rand(gen, int(cu_q[-1]), spec.n_heads, spec.head_dim, device, dtype)
+    k, v = (rand(gen, int(cu_k[-1]), spec.n_kv_heads, spec.head_dim, device, dtype) for _ in range(2))
     dout = torch.randn_like(q)
-    fw, bw = [], []
-    for _ in range(WARMUP + iters):
-        a = timer.mark()
-        out, lse = kernels.attend(q, k, v, cu_q, cu_k, mq, mk, causal=True, backend=backend)
-        b = timer.mark()
-        kernels.attend_backward(dout, q, k, v, out, lse, cu_q, cu_k, mq, mk, causal=True, backend=backend)
-        c = timer.mark()
-        fw.append(timer.ms(a, b))
-        bw.append(timer.ms(b, c))
-    return {"fwd_ms": float(np.median(fw[WARMUP:])), "bwd_ms": float(np.median(bw[WARMUP:])), "iters": iters,
-            "warmup": WARMUP}
+
+    def fwd():
+        return kernels.attend(q, k, v, cu_q, cu_k, mq, mk, causal=True, backend=backend)
+
+    def bwd(out_lse):
+        kernels.attend_backward(dout, q, k, v, *out_lse, cu_q, cu_k, mq, mk, causal=True, backend=backend)
+    fw, bw = time_phases([fwd, bwd], device, iters=iters)
+    return {"fwd_ms": float(np.median(fw)), "bwd_ms": float(np.median(bw)), "iters": iters, "warmup": WARMUP}
 
 
 def time_4d(a, cache, save, device, dtype) -> int:
     """The sampled 4D server calls (``shapes4d``) that the cache lacks."""
     sample = load_result(a.shapes)["results"]
     times, t0 = cache["times"], time.perf_counter()
-    timer, gen = Timer(device), torch.Generator(device=device).manual_seed(0)
+    gen = torch.Generator(device=device).manual_seed(0)
     spec = replay4d.paper_4d_settings(1)[0].spec
     backend = kernels.resolve_backend(a.backend, device, dtype, spec.head_dim)
     jobs = [(replay_times.key_for_backend(k, backend), sh) for k, sh in sample["shapes"].items()]
@@ -262,7 +206,7 @@ def time_4d(a, cache, save, device, dtype) -> int:
         if time.perf_counter() - t0 > a.budget_s:
             break
         times[k] = {
-            **time_segments(sh["q"], sh["kv"], spec, device, dtype, backend, gen, timer, a.iters),
+            **time_segments(sh["q"], sh["kv"], spec, device, dtype, backend, gen, a.iters),
             "setting": sh["setting"]}
         done += 1
         if done % 50 == 0:
@@ -290,7 +234,7 @@ def cmd_time(a) -> int:
     backends = {s.name: kernels.resolve_backend(a.backend, device, dtype, s.spec.head_dim) for s in todo}
     by_name = {s.name: s for s in todo}
     tasks = [(s, b, rates, backends[s.name]) for s in todo for b in range(s.batches)]
-    timer, gen = Timer(device), torch.Generator(device=device).manual_seed(0)
+    gen = torch.Generator(device=device).manual_seed(0)
     done = skipped = 0
     again = set(replay_times.compile_suspects(times)) if a.retime else set()
     if a.retime:
@@ -312,15 +256,14 @@ def cmd_time(a) -> int:
         head = Head(spec, device, dtype)
         for n in grid:
             for key, fn in ((replay_times.linear_key(spec, backend, n),
-                             lambda: time_linear(layer, spec, n, device, dtype, timer, max(2, a.iters))),
+                             lambda: time_linear(layer, spec, n, device, dtype, max(2, a.iters))),
                             (replay_times.head_key(spec, backend, n),
-                             lambda: time_head(head, spec, n, device, timer, max(2, a.iters)))):
+                             lambda: time_head(head, spec, n, device, max(2, a.iters)))):
                 if key not in times and not over():
-                    fn()                                              # warm this shape once
                     times[key] = fn()
         key = replay_times.optimizer_key(spec, backend)
         if key not in times and not over():
-            times[key] = time_optimizer(spec, device, dtype, timer, 3)
+            times[key] = time_optimizer(spec, device, dtype, 3)
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -335,7 +278,7 @@ def cmd_time(a) -> int:
                 if over():
                     skipped += 1
                     continue
-                times[k] = time_attention(d, s.spec, device, dtype, backends[name], gen, timer, a.iters)
+                times[k] = time_attention(d, s.spec, device, dtype, backends[name], gen, a.iters)
                 again.discard(k)
                 done += 1
             print(f"[{time.perf_counter() - t_start:6.0f} s] {name} batch {b}: {len(jobs)} new calls "
@@ -378,8 +321,8 @@ def cmd_compose(a) -> int:
         if model_check is not None:
             for b in range(s.batches):
                 works = replay_phases.batch_work(s, b, rates).values()
-                times.update(replay_times.model_attention_times(works, s.spec, backend, cost, model_check["scale"],
-                                                                times))
+                times.update(replay_times.model_attention_times(works, s.spec, backend, cost,
+                                                                model_check["scale"], times))
         res = replay_results.replay_setting(s, times, rates, backend)
         if res is None:
             print(f"{s.name}: shapes missing from the cache; run `time` first")
@@ -427,9 +370,10 @@ def cmd_shapes4d(a) -> int:
                 rng.choice(len(keys), size=min(a.sample, len(keys)), replace=False, p=w / w.sum())
             for i in pick:
                 out[keys[i]] = {**shapes[keys[i]], "setting": s.name}
-            counts[s.name] = {"distinct": len(keys), "model_s": float(w.sum() / 1e3), "sampled": int(pick.size)}
-            print(f"{s.name}: {len(keys)} distinct calls, {w.sum() / 1e3:.0f} s modelled; sampled {pick.size}",
-                  flush=True)
+            counts[s.name] = {"distinct": len(keys), "model_s": float(w.sum() / 1e3),
+                              "sampled": int(pick.size)}
+            print(f"{s.name}: {len(keys)} distinct calls, {w.sum() / 1e3:.0f} s modelled; "
+                  f"sampled {pick.size}", flush=True)
     cfg = {"sample_per_setting": "all" if a.all else a.sample, "batches": batches, "seed": 0,
            "backend": backend, "weights": "modelled fwd+bwd time", "per_setting": counts}
     path = save_result(Path(a.shapes), cfg, {"shapes": out})
@@ -449,7 +393,8 @@ def cmd_compose_4d(a, times, meta, rates, backend) -> int:
     cost = MeasuredCost.load(RESULTS_DIR / "kernel_profile_h200.json", backend)
     shapes_path = Path(a.shapes)
     shapes = load_result(shapes_path)["results"]["shapes"] if shapes_path.exists() else {}
-    check = replay_times.segment_model_check(times, shapes, cost, replay4d.paper_4d_settings(1)[0].spec, backend)
+    spec = replay4d.paper_4d_settings(1)[0].spec
+    check = replay_times.segment_model_check(times, shapes, cost, spec, backend)
     if check is None:
         check = replay_results.kernel_model_check(replay.paper_3d_settings()[:3], times, cost, backend, rates)
     print(f"kernel table against the timed calls: {check}", flush=True)

@@ -11,24 +11,21 @@ min/median/max; the grid's ratio to ``equal_flops`` before and after; where ``ca
 scheduler) now moves more forward bytes than before, or than ``equal_flops`` in the same grid case;
 and any other fingerprint (documents, layouts, nano-batch rows) that differs.
 
-    python scripts/analyses/golden_plan_changes.py --out results/scheduler_simplified_plan_changes.json
+    python tests/golden_plan_changes.py --out results/scheduler_simplified_plan_changes.json
 """
 from __future__ import annotations
 
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
+import golden_plans
 
-import golden_plans  # noqa: E402
+from cadlib.infra.results import save_result
 
-from cadlib.infra.results import save_result  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 FIELDS = ("forward_bytes", "total_bytes", "imbalance", "n_moves", "reached", "guard")
 
