@@ -90,7 +90,7 @@ RULES: dict[str, dict] = {
     "tolerances": {"min": 0, "nonempty": True},
     "distribution": {"check": "cadlib.data.workload:sample_kwargs", "split": ","},
     "model_name": {"check": "cadlib.core.cost:as_model"},
-    "dtype": {"choices": ["fp32", "bf16", "fp16"]},
+    "dtype": {"choices": "cadlib.core.precision:DTYPES"},
     "cases": {"choices": "cadlib.verify:CASES", "split": ","},
     "toy_ranks": {"min": 1},
     "toy_tokens_per_rank": {"min": 1},

@@ -20,11 +20,11 @@ import sys
 
 from cadlib.analysis.runs import e2e
 from cadlib.core import defaults
+from cadlib.core.methods import names
 from cadlib.infra import launch
 from cadlib.infra.results import RESULTS_DIR, save_result
 
 LINKS = {"nvlink": {}, "inter-node-like": {"NCCL_P2P_DISABLE": "1"}}
-from cadlib.core.methods import names  # noqa: E402
 METHODS = ",".join(names(trainable=True))
 
 

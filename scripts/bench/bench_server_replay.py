@@ -30,6 +30,7 @@ from cadlib import train
 from cadlib.bench.inputs import ServeCall
 from cadlib.bench.timer import time_fn
 from cadlib.core import defaults
+from cadlib.core.methods import names
 from cadlib.data.packing import pack
 from cadlib.dispatch.build import build_dispatch
 from cadlib.infra.results import save_result
@@ -40,7 +41,6 @@ from cadlib.scheduling import (
     scheduler,
 )
 
-from cadlib.core.methods import names  # noqa: E402
 METHODS = (*names(packing="sequential", signal_only=False),
            *(m + "+sl" for m in names(cad=True, signal_only=False)))          # +sl: sent-last
 
