@@ -257,7 +257,8 @@ def parse_args(argv=None):
                         "the pipeline path, gradients accumulated over them")
     p.add_argument("--sent-last", action="store_true",
                    help="cad, cad-pingpong, signal-only: each rank's rows sent to other servers last in its "
-                        "token order, so that donors' servers read their buffers in place (cadlib.scheduling.sentlast)")
+                        "token order, so that donors' servers read their buffers in place "
+                        "(cadlib.scheduling.sentlast)")
     args = p.parse_args(argv)
     methods = args.methods.split(",")
     for m in methods:

@@ -45,7 +45,6 @@ from .scheduling.pipeline import micro_nanos, tick_plans
 from .scheduling.recipes import micro_docs, micro_seed
 
 
-
 def check_config(n_layers: int, world: int, pp: int, n_micro: int, dp: int | None = None,
                  sent_last: bool = False) -> int:
     """Validate a pipeline run on every rank before any collective; returns the data-parallel
@@ -307,4 +306,3 @@ def pp_metrics(rows: list[dict]) -> dict:
             "optimizer_ms": phase["optimizer"]["end_ms"] - phase["optimizer"]["start_ms"],
             "busy_fraction": min(1.0, (compute + exposed) / sched) if sched > 0 else float("nan"),
             "n_ticks": sum(1 for r in rows if r["lane"] == "tick")}
-
