@@ -82,6 +82,24 @@ DISTCA_TABLE4_34B = ((131072, (32, 64, 128), (128, 256, 512)),
                      (262144, (16, 32, 32), (128, 256, 512)),
                      (393216, (8, 8, 16), (128, 256, 512)))
 """Table 4's Llama-34B rows, as ``DISTCA_TABLE4_8B`` (its longest MaxDocLen is 384K)."""
+DISTCA_CODE = "DistCA's released code (github.com/hao-ai-lab/DistCA)"
+DISTCA_CORPUS_DOCS = {"pretrain": 99_519, "prolong": 77_932}
+"""Documents in DistCA's two length files (``distca/simulator/data/dist_wlbllm.json``,
+``dist_prolong.json``), whose percentiles are the tables of :mod:`cadlib.data.workload`; our corpora
+draw as many from those tables."""
+DISTCA_SAMPLER = {"filter_threshold": 65_536, "filter_ratio": 0.5, "upsample": 4, "draw": 10_000,
+                  "change_long_doc_ratio": 0.3, "elongate_unit": 65_536, "multiple_of": 16}
+"""How DistCA's end-to-end driver samples documents (``tests/test_e2e_combined.salloc.sh``'s defaults
+and ``distca/simulator/optimizers/samples.py``): documents of at least ``filter_threshold`` tokens
+(raw lengths) are long and repeated ``upsample`` times, the first ``filter_ratio`` of the short ones kept;
+Pretrain draws ``draw`` documents from that pool without replacement and multiplies every length by the
+elongation factor; ProLong sets each long document to ``elongate_unit`` x elongation tokens with
+probability ``change_long_doc_ratio`` (``benchmarks/example-4d-parallel/run4d.sh``'s ``"prolong 0.3"``),
+puts the long ones first and does not shuffle. The elongation factor is MaxDocLen / ``elongate_unit``
+(``run4d.sh``: ``ELONGATE_FACTOR=$((NUM_TOKENS / 65536))``). Sequences of MaxDocLen
+tokens are filled in order, every document rounded up to a multiple of ``multiple_of`` and cut where a
+sequence ends (``batch_documents``); a step draws two batches of sequences, ping the first, pong the
+second (``test_e2e_combined.py``)."""
 DISTCA_FIG3_ALLGATHER = {2: 2.7, 4: 6.0, 8: 13.5, 16: 26.5, 32: 39.7}
 """Figure 3a, per-document CP all-gather latency share of the step (%) by number of nodes, Llama-8B,
 every document 32K tokens: read off the chart (the text: "from merely 3% on 2 nodes to nearly 40% on

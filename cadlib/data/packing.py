@@ -19,7 +19,7 @@ import numpy as np
 from ..core.cost import ModelSpec, as_model, causal_pairs
 from ..core.layout import Chunk, Layout
 
-PACK_METHODS: tuple[str, ...] = ("sequential", "balanced")
+PACK_METHODS: tuple[str, ...] = ("sequential", "balanced", "distca")
 DEFAULT_CAP_FACTOR = 1.25
 """``balanced`` packing lets a rank hold up to this many times ``tokens_per_rank`` tokens."""
 PIECE_COST_FRACTION = 0.5
@@ -58,6 +58,11 @@ def pack(doc_lens: Sequence[int], n_ranks: int, tokens_per_rank: int | None = No
     boundary is cut into chunks, so every rank holds exactly ``tokens_per_rank`` tokens (default
     ``sum(doc_lens) / n_ranks``, which must be whole; ``sum(doc_lens) == n_ranks * tokens_per_rank``).
 
+    ``distca``: the same order and token counts, as DistCA places a nano-batch's documents
+    (``batch_to_items_general``): a document that fits in what is left of a rank stays whole; one
+    that does not gives each rank it reaches a head and a tail, ``c // 2`` tokens from its front and
+    ``c - c // 2`` from its back for a share of ``c`` tokens, so the document's middle lands last.
+
     ``balanced`` (WLB-LLM var-len packing): documents, costliest (= longest) first, go to the rank with
     the lowest estimated cost ``attention_flops(pairs) + linear_flops_per_token * tokens`` (fwd+bwd,
     all layers of ``model``, default llama3-8b) among ranks with room for the whole document, under a
@@ -76,7 +81,7 @@ def pack(doc_lens: Sequence[int], n_ranks: int, tokens_per_rank: int | None = No
     if cap is not None:
         cap = _check_int("cap", cap)
     n_ranks, total = int(n_ranks), sum(lens)
-    if method == "sequential":
+    if method in ("sequential", "distca"):
         if cap is not None:
             raise ValueError("cap applies only to method 'balanced'; sequential ranks hold exactly "
                              "tokens_per_rank tokens")
@@ -88,6 +93,8 @@ def pack(doc_lens: Sequence[int], n_ranks: int, tokens_per_rank: int | None = No
         if total != n_ranks * tokens_per_rank:
             raise ValueError(f"sequential packing needs sum(doc_lens) == n_ranks * tokens_per_rank; got "
                              f"{total} != {n_ranks} * {tokens_per_rank}")
+        if method == "distca":
+            return _pack_distca(lens, n_ranks, int(tokens_per_rank))
         return _pack_sequential(lens, n_ranks, int(tokens_per_rank))
     if tokens_per_rank is None:
         tokens_per_rank = -(-total // n_ranks)
@@ -114,6 +121,34 @@ def _pack_sequential(lens: list[int], n_ranks: int, tokens_per_rank: int) -> Lay
             room -= take
             if room == 0 and rank + 1 < n_ranks:
                 rank, room = rank + 1, tokens_per_rank
+    return Layout(ranks, lens)
+
+
+def _pack_distca(lens: list[int], n_ranks: int, tokens_per_rank: int) -> Layout:
+    """Sequential filling; a document that crosses a rank boundary is dealt out head and tail: a share
+    of ``c`` tokens takes ``[h, h + c // 2)`` and ``[t - (c - c // 2), t)``, with ``h`` (``t``) the
+    first (one past the last) position not yet placed."""
+    ranks: list[list[Chunk]] = [[] for _ in range(n_ranks)]
+    rank, room = 0, tokens_per_rank
+    for d, n in enumerate(lens):
+        if n <= room:
+            ranks[rank].append(Chunk(d, 0, n))
+            room -= n
+        else:
+            head, tail, left = 0, n, n
+            while left:
+                c = min(left, room)
+                h, tl = c // 2, c - c // 2
+                if h:
+                    ranks[rank].append(Chunk(d, head, head + h))
+                if tl:
+                    ranks[rank].append(Chunk(d, tail - tl, tail))
+                head, tail, left, room = head + h, tail - tl, left - c, room - c
+                if room == 0 and rank + 1 < n_ranks:
+                    rank, room = rank + 1, tokens_per_rank
+            continue
+        if room == 0 and rank + 1 < n_ranks:
+            rank, room = rank + 1, tokens_per_rank
     return Layout(ranks, lens)
 
 

@@ -1,4 +1,5 @@
-"""Nano-batches as per-document cuts: whole documents (the default) or documents cut between A and B.
+"""Nano-batches as per-document cuts: whole documents (the default) or documents cut between A and B,
+or DistCA's: two batches of sequences, each laid over all ranks (:func:`sequence_layout`).
 
 A cut ``c_d`` in ``[0, L_d]`` per document puts positions ``< c_d`` in nano-batch A and ``>= c_d`` in
 B (``c_d = L_d``: all in A, ``0``: all in B). A stays self-contained: every query of A attends to a
@@ -32,6 +33,7 @@ import numpy as np
 from ..core.cost import MIN_SHARD_TOKENS, causal_pairs
 from ..core.layout import Chunk, Layout
 from ..core.plan import Plan
+from ..data.packing import pack
 from . import scheduler
 
 
@@ -229,3 +231,37 @@ def schedule_nano(nb: NanoBatch, **kw) -> Plan:
 def imbalance_per_rank(a: NanoBatch, b: NanoBatch) -> np.ndarray:
     """Per rank ``|tokens of A - query tokens of B|``."""
     return np.abs(np.array([len(r) for r in a.rows]) - np.array([len(r) for r in b.rows]))
+
+
+def sequence_layout(seqs_a, seqs_b, n_ranks: int) -> Layout:
+    """DistCA's nano-batches as one layout: nano-batch A's documents (the sequences ``seqs_a``, ping)
+    laid over all ``n_ranks`` ranks as DistCA places them (:func:`cadlib.data.packing.pack`'s
+    ``distca``: in order, a document crossing ranks dealt out head and tail), then B's (``seqs_b``,
+    pong) the same way; rank ``r`` holds its A chunks, then its B chunks. Documents are numbered A's
+    first. Each half must split evenly over the ranks. No document is shared by A and B, so the
+    split is :func:`halves` of this layout (whole documents, no context)."""
+    docs_a = [int(n) for s in seqs_a for n in s]
+    docs_b = [int(n) for s in seqs_b for n in s]
+    for name, docs in (("seqs_a", docs_a), ("seqs_b", docs_b)):
+        if not docs or sum(docs) % n_ranks:
+            raise ValueError(f"{name} must hold tokens that split evenly over {n_ranks} ranks, got "
+                             f"{sum(docs)} tokens")
+    if sum(docs_a) != sum(docs_b):
+        raise ValueError(f"ping and pong must hold as many tokens: {sum(docs_a)} != {sum(docs_b)}")
+    la = pack(docs_a, n_ranks, sum(docs_a) // n_ranks, method="distca")
+    lb = pack(docs_b, n_ranks, sum(docs_b) // n_ranks, method="distca")
+    off = len(docs_a)
+    ranks = [list(a) + [Chunk(c.doc + off, c.start, c.end) for c in b] for a, b in zip(la.ranks, lb.ranks)]
+    return Layout(ranks, docs_a + docs_b)
+
+
+def halves(layout: Layout) -> tuple[NanoBatch, NanoBatch]:
+    """DistCA's nano-batches of a :func:`sequence_layout`: A the documents that make up the first half
+    of the tokens (in document order), B the rest; whole documents, each with its own layout."""
+    lens = np.asarray(layout.doc_lens, dtype=np.int64)
+    ends = np.cumsum(lens)
+    n_a = int(np.searchsorted(ends, ends[-1] // 2)) + 1 if lens.size else 0
+    if not lens.size or ends[-1] % 2 or ends[n_a - 1] != ends[-1] // 2:
+        raise ValueError("nano_split='distca' needs a batch of two halves of whole documents (sequences "
+                         "of ping, then of pong: cadlib.scheduling.recipes.batch_docs with a sequence_len)")
+    return build_nano_batches(layout, np.where(np.arange(lens.size) < n_a, lens, 0))
