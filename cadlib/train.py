@@ -61,7 +61,7 @@ from .runtime.pingpong import pingpong_layers
 from .runtime.stages import cad_attention, prepare
 from .runtime.streams import Streams, Timeline, spanned
 from .scheduling import scheduler
-from .scheduling.recipes import Recipe, batch_docs, cad_plan, nano_plans
+from .scheduling.recipes import NANO_SPLITS, Recipe, batch_docs, cad_plan, method_layout, nano_plans
 from .train_pp import PipelineRunner, check_config
 
 METHODS = names(trainable=True)
@@ -82,8 +82,7 @@ class Step:
     def __init__(self, method, docs, args, rank, world, group, device):
         self.method = method
         m = ALL_METHODS[method]
-        self.layout = pack(docs, world, args.tokens_per_rank, method=m.packing, model=args.model,
-                           cap=args.wlb_cap)
+        self.layout = method_layout(docs, world, args.recipe, m, model=args.model, cap=args.wlb_cap)
         spec, recipe = args.spec, args.recipe
         self.n_valid = sum(n - 1 for n in docs)
         self.context = None
@@ -217,6 +216,9 @@ def parse_args(argv=None):
     p.add_argument("--dist", default="pretrain", help="a cadlib.data.workload distribution or preset")
     p.add_argument("--doc-len", type=int, default=None, help="document length for --dist uniform")
     p.add_argument("--max-doc-len", type=int, default=None)
+    p.add_argument("--sequence-len", type=int, default=None,
+                   help="DistCA's batches: sequences of this many tokens from one document stream "
+                        "(cadlib.data.sequences); needed by --nano-split distca")
     p.add_argument("--steps", type=int, default=5, help="recorded steps (batches) per method")
     p.add_argument("--warmup", type=int, default=1, help="unrecorded steps before them")
     p.add_argument("--seed", type=int, default=0)
@@ -226,9 +228,11 @@ def parse_args(argv=None):
                    help="scheduler imbalance tolerance epsilon")
     p.add_argument("--min-shard", type=int, default=512, help="scheduler minimum shard tokens")
     p.add_argument("--nano-balance", default="tokens", choices=("tokens", "attention"))
-    p.add_argument("--nano-split", default=DEFAULT_NANO_SPLIT, choices=("whole", "docs"),
-                   help="cad-pingpong's nano-batches: documents may be cut between them (docs, the "
-                        "default; pieces >= --min-shard tokens) or stay whole")
+    p.add_argument("--nano-split", default=DEFAULT_NANO_SPLIT, choices=NANO_SPLITS,
+                   help="cad-pingpong's nano-batches: per-rank halves whose documents may be cut "
+                        "between them (docs; pieces >= --min-shard tokens) or stay whole (whole), or "
+                        "DistCA's (distca: the first half of the step's sequences and the rest, each "
+                        "over all ranks; needs --sequence-len)")
     p.add_argument("--wlb-cap", type=int, default=None, help="balanced packing's token cap per rank")
     p.add_argument("--ce-chunk", type=int, default=8192, help="tokens per chunk of the LM-head loss")
     p.add_argument("--mlp-recompute", action="store_true")

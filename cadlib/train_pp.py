@@ -31,7 +31,6 @@ from .core.methods import METHODS
 from .core.pipeline import lockstep, one_f_one_b, p2p_1f1b, p2p_lockstep
 from .core.spans import overlap, union
 from .cp.allgather import layout_attention
-from .data.packing import pack
 from .infra.groups import Grid, check_grid
 from .runtime.batches import positions, synthetic_tokens
 from .runtime.comm import AllToAll, SignalOnly
@@ -42,7 +41,7 @@ from .runtime.stages import cad_attention, prepare
 from .runtime.streams import Streams, Timeline
 from .scheduling import scheduler
 from .scheduling.pipeline import micro_nanos, tick_plans
-from .scheduling.recipes import micro_docs, micro_seed
+from .scheduling.recipes import method_layout, micro_docs, micro_seed
 
 
 def check_config(n_layers: int, world: int, pp: int, n_micro: int, dp: int | None = None,
@@ -68,10 +67,10 @@ def check_config(n_layers: int, world: int, pp: int, n_micro: int, dp: int | Non
 
 
 def micro_layouts(args, method: str, b: int, n_micro: int, dp: int) -> list[Layout]:
-    """The microbatches of batch ``b``, each packed over ``dp`` ranks (``wlb``: balanced packing)."""
-    packing = METHODS[method].packing
-    return [pack(micro_docs(args.recipe, b, m, n_micro, dp), dp, args.tokens_per_rank, method=packing,
-                 model=args.model, cap=args.wlb_cap) for m in range(n_micro)]
+    """The microbatches of batch ``b``, each laid over ``dp`` ranks as the method lays a batch
+    (:func:`cadlib.scheduling.recipes.method_layout`: ``wlb`` balanced, DistCA's ping and pong, ...)."""
+    return [method_layout(micro_docs(args.recipe, b, m, n_micro, dp), dp, args.recipe, METHODS[method],
+                          model=args.model, cap=args.wlb_cap) for m in range(n_micro)]
 
 
 class PipelineStep:

@@ -88,17 +88,22 @@ def test_timeline_batches_auto_picks_the_two_worst_stragglers():
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("sent_last", [False, True])
-@pytest.mark.parametrize("world", [2, 4])
-def test_methods_agree_on_loss_and_gradients(world, sent_last, tmp_path):
+@pytest.mark.parametrize("world,split,sent_last", [(2, "whole", False), (2, "whole", True), (4, "docs", False),
+                                                   (4, "docs", True), (2, "distca", False)])
+def test_methods_agree_on_loss_and_gradients(world, split, sent_last, tmp_path):
+    """Every nano-batch formation: per-rank halves of whole documents, halves that cut documents, and
+    DistCA's (ping and pong from separate sequences, each over all ranks)."""
     methods = ["colocated", "wlb", "cad", "cad-pingpong"]
-    split = "whole" if world == 2 else "docs"          # ping-pong's nano-batches: both forms
     own = ["--comm-ctas", "2"] if world == 4 else []    # CAD's all-to-alls on a group of their own
     if sent_last:                                       # donors' rows sent last (cadlib.scheduling.sentlast)
         methods, own = ["colocated", "cad", "cad-pingpong"], own + ["--sent-last"]
+    if split == "distca":                               # 4 sequences of 128 tokens a step, 2 for ping
+        own += ["--dist", "pile", "--sequence-len", "128"]
+    else:
+        own += ["--max-doc-len", "400"]
     df = ranks.run("cadlib.train", world,
                    own + ["--methods", ",".join(methods), "--nano-split", split,
-                          "--tokens-per-rank", "256", "--max-doc-len", "400", "--min-shard", "16",
+                          "--tokens-per-rank", "256", "--min-shard", "16",
                           "--steps", "5", "--warmup", "0", "--dtype", "fp32", "--dump-grads", str(tmp_path)])
     recs = [r for res in df.attrs["results"] for r in res["records"] if r["rank"] == 0]
     loss = {m: [r["loss"] for r in recs if r["method"] == m] for m in methods}

@@ -106,12 +106,15 @@ def distca_stream(sampler: str, seq_len: int, seed: int) -> list[int]:
 
 
 @lru_cache(maxsize=32)
-def _sequences(dist: str, seq_len: int, seed: int, part: int) -> tuple[tuple[int, ...], ...]:
-    """Part ``part`` of the sequences of ``dist`` (the stream drawn with seed ``seed + part``)."""
+def _sequences(dist: str, seq_len: int, seed: int, part: int, length: int | None) -> tuple[tuple[int, ...], ...]:
+    """Part ``part`` of the sequences of ``dist`` (the stream drawn with seed ``seed + part``; ``length``:
+    the documents of ``uniform``)."""
     if dist in SAMPLERS:
         stream = distca_stream(dist, seq_len, seed + part)
     else:
         kw = sample_kwargs(dist)
+        if kw["dist"] == "uniform":
+            kw["length"] = length or seq_len
         stream = sample_docs(kw.pop("dist"), SEQUENCES_PER_STREAM * seq_len, seed=seed + part, **kw)
     seqs = pack_sequences(stream, seq_len, DISTCA_SAMPLER["multiple_of"] if dist in SAMPLERS else 1)
     if len(seqs[-1]) and sum(seqs[-1]) < seq_len:
@@ -119,15 +122,18 @@ def _sequences(dist: str, seq_len: int, seed: int, part: int) -> tuple[tuple[int
     return tuple(tuple(s) for s in seqs)
 
 
-def step_sequences(dist: str, seq_len: int, n_seq: int, step: int, seed: int = 0) -> list[list[int]]:
+def step_sequences(dist: str, seq_len: int, n_seq: int, step: int, seed: int = 0,
+                   length: int | None = None) -> list[list[int]]:
     """The ``n_seq`` sequences of step ``step``: the stream's sequences ``[n_seq step, n_seq (step + 1))``,
-    continued by the next stream (next seed) where one runs out."""
+    continued by the next stream (next seed) where one runs out. ``length``: documents of ``uniform``."""
+    if dist not in SAMPLERS:
+        sample_kwargs(dist)                        # an unknown name fails here, naming the valid ones
     seq_len, n_seq = _positive_int("seq_len", seq_len), _positive_int("n_seq", n_seq)
     if isinstance(step, bool) or int(step) != step or step < 0:
         raise ValueError(f"step must be an integer >= 0, got {step!r}")
     first, out, part = n_seq * int(step), [], 0
     while len(out) < n_seq:
-        seqs = _sequences(dist, seq_len, int(seed), part)
+        seqs = _sequences(dist, seq_len, int(seed), part, length)
         if first < len(seqs):
             take = seqs[first:first + n_seq - len(out)]
             out += [list(s) for s in take]

@@ -255,6 +255,19 @@ def sequence_layout(seqs_a, seqs_b, n_ranks: int) -> Layout:
     return Layout(ranks, docs_a + docs_b)
 
 
+def distca_layout(doc_lens, n_ranks: int) -> Layout:
+    """:func:`sequence_layout` of a batch whose documents, in order, make up ping (the first half of the
+    tokens) and pong (the rest): a batch of sequences (:func:`cadlib.data.sequences.step_sequences`)."""
+    lens = [int(n) for n in doc_lens]
+    ends = np.cumsum(lens)
+    half = int(ends[-1]) // 2 if lens else 0
+    i = int(np.searchsorted(ends, half)) + 1 if lens else 0
+    if not lens or ends[-1] % 2 or ends[i - 1] != half:
+        raise ValueError("nano_split='distca' needs a batch of two halves of whole documents (sequences "
+                         "of ping, then of pong: a Recipe with a sequence_len)")
+    return sequence_layout([lens[:i]], [lens[i:]], n_ranks)
+
+
 def halves(layout: Layout) -> tuple[NanoBatch, NanoBatch]:
     """DistCA's nano-batches of a :func:`sequence_layout`: A the documents that make up the first half
     of the tokens (in document order), B the rest; whole documents, each with its own layout."""

@@ -10,13 +10,15 @@ from dataclasses import dataclass, fields
 from typing import Mapping
 
 from ..core.defaults import DEFAULT_NANO_SPLIT, DEFAULT_SENT_LAST, DEFAULT_TOLERANCE
+from ..data.packing import pack
+from ..data.sequences import step_sequences
 from ..data.workload import sample_docs, sample_kwargs
 from . import scheduler
-from .nanosplit import schedule_nano, split_nano_batches
+from .nanosplit import distca_layout, halves, schedule_nano, split_nano_batches
 from .sentlast import sent_last, sent_last_nanos
 
 NANO_BALANCES = ("tokens", "attention")
-NANO_SPLITS = ("whole", "docs")
+NANO_SPLITS = ("whole", "docs", "distca")
 
 
 @dataclass(frozen=True)
@@ -26,9 +28,14 @@ class Recipe:
     ``dist``: a :mod:`cadlib.data.workload` distribution or preset (``uniform``: documents of
     ``doc_len`` tokens, default an eighth of a rank's); ``tokens_per_rank`` tokens per rank;
     ``seed``: batch ``b`` is sampled with seed ``seed * 100003 + b``; ``max_doc_len`` clips the
-    documents. The scheduler's ``tolerance`` and ``min_shard``; ping-pong's nano-batches balance
-    ``nano_balance`` (tokens or attention) and may cut documents (``nano_split="docs"``) or not
-    (``"whole"``); ``sent_last``: CAD's plans re-ordered so that rows sent away come last."""
+    documents. ``sequence_len``: batches are DistCA's instead, sequences of that many tokens from one
+    stream of documents (:mod:`cadlib.data.sequences`; ``dist`` may then also be ``distca-pretrain`` or
+    ``distca-prolong``), step ``b`` the stream's ``b``-th group of ``world x tokens_per_rank /
+    sequence_len`` sequences. The scheduler's ``tolerance`` and ``min_shard``; ping-pong's
+    nano-batches are per-rank halves of one layout that balance ``nano_balance`` (tokens or attention)
+    and may cut documents (``nano_split="docs"``) or not (``"whole"``), or DistCA's (``"distca"``, which
+    needs a ``sequence_len``): the first half of the step's sequences and the rest, each laid over all
+    ranks; ``sent_last``: CAD's plans re-ordered so that rows sent away come last."""
 
     dist: str
     tokens_per_rank: int
@@ -40,6 +47,7 @@ class Recipe:
     nano_balance: str = "tokens"
     nano_split: str = DEFAULT_NANO_SPLIT
     sent_last: bool = DEFAULT_SENT_LAST
+    sequence_len: int | None = None
 
     def __post_init__(self):
         for f, lo in (("tokens_per_rank", 1), ("min_shard", 1), ("seed", 0)):
@@ -55,6 +63,12 @@ class Recipe:
             raise ValueError(f"Recipe.nano_split must be one of {', '.join(NANO_SPLITS)}, "
                              f"got {self.nano_split!r}")
         object.__setattr__(self, "sent_last", bool(self.sent_last))
+        s = self.sequence_len
+        if s is not None and (isinstance(s, bool) or int(s) != s or s < 1):
+            raise ValueError(f"Recipe.sequence_len must be an integer >= 1 or None, got {s!r}")
+        if self.nano_split == "distca" and s is None:
+            raise ValueError("Recipe.nano_split='distca' forms ping and pong from separate sequences: "
+                             "give Recipe.sequence_len (e.g. the MaxDocLen)")
 
     @classmethod
     def from_config(cls, config: Mapping, **base) -> "Recipe":
@@ -70,13 +84,42 @@ class Recipe:
 
 def batch_docs(recipe: Recipe, b: int, world: int) -> list[int]:
     """Document lengths of batch ``b`` over ``world`` ranks (the same on every rank and for every
-    method)."""
+    method); with a ``sequence_len``, its sequences' documents in order."""
+    if recipe.sequence_len is not None:
+        return [n for s in batch_sequences(recipe, b, world) for n in s]
     kw = sample_kwargs(recipe.dist)
     dist_name = kw.pop("dist")
     if dist_name == "uniform":
         kw["length"] = recipe.doc_len or max(1, recipe.tokens_per_rank // 8)
     return sample_docs(dist_name, world * recipe.tokens_per_rank, seed=recipe.seed * 100_003 + b,
                        max_doc_len=recipe.max_doc_len, **kw)
+
+
+def batch_sequences(recipe: Recipe, b: int, world: int) -> list[list[int]]:
+    """The sequences of step ``b`` over ``world`` ranks (:func:`cadlib.data.sequences.step_sequences`):
+    ``world x tokens_per_rank / sequence_len`` of them, an even number when ping and pong are DistCA's."""
+    if recipe.sequence_len is None:
+        raise ValueError("batch_sequences needs a Recipe with a sequence_len")
+    total = world * recipe.tokens_per_rank
+    n_seq, rem = divmod(total, recipe.sequence_len)
+    if rem or n_seq < 1 or (recipe.nano_split == "distca" and n_seq % 2):
+        what = "an even number of" if recipe.nano_split == "distca" else "a whole number of"
+        raise ValueError(f"world x tokens_per_rank = {total} tokens must be {what} sequences of "
+                         f"sequence_len={recipe.sequence_len} tokens")
+    return step_sequences(recipe.dist, recipe.sequence_len, n_seq, b, recipe.seed,
+                          length=recipe.doc_len)
+
+
+def method_layout(docs, world: int, recipe: Recipe, method, model=None, cap: int | None = None):
+    """The linear layout ``method`` (a :class:`cadlib.core.methods.Method`) gives a batch: WLB-LLM's
+    balanced packing (``cap``: its token cap per rank), DistCA's ping and pong laid over all ranks for
+    the CAD methods when ``recipe.nano_split == "distca"`` (:func:`cadlib.scheduling.nanosplit.distca_layout`;
+    one-stream CAD keeps the same chunks, as DistCA's "Single Stream" ablation does), else sequential."""
+    if method.packing == "balanced":
+        return pack(docs, world, recipe.tokens_per_rank, method="balanced", model=model, cap=cap)
+    if method.cad and recipe.nano_split == "distca":
+        return distca_layout(docs, world)
+    return pack(docs, world, recipe.tokens_per_rank)
 
 
 def micro_docs(recipe: Recipe, b: int, m: int, n_micro: int, dp: int) -> list[int]:
@@ -100,8 +143,11 @@ def cad_plan(layout, recipe: Recipe, spec):
 
 
 def nano_batches(layout, recipe: Recipe):
-    """``cad-pingpong``'s two nano-batches of a layout
+    """``cad-pingpong``'s two nano-batches of a layout: DistCA's halves of a
+    :func:`method_layout` (``nano_split="distca"``), else per-rank halves
     (:func:`cadlib.scheduling.nanosplit.split_nano_batches`)."""
+    if recipe.nano_split == "distca":
+        return halves(layout)
     return split_nano_batches(layout, recipe.nano_balance, split_docs=recipe.nano_split == "docs",
                               min_piece=recipe.min_shard)
 

@@ -17,6 +17,7 @@ from cadlib.core.cost import ModelSpec
 from cadlib.core.layout import Layout, global_rows
 from cadlib.data.packing import pack
 from cadlib.data.workload import sample_docs
+from cadlib.scheduling.nanosplit import distca_layout, halves
 from cadlib.runtime.stages import cad_attention
 from cadlib.scheduling import recipes
 from cadlib.scheduling.nanosplit import (
@@ -173,3 +174,13 @@ def test_pingpong_with_cut_documents_matches_colocated(world, tmp_path):
     for name, g in got.items():
         scale = float(ref[name].abs().max())
         assert torch.allclose(g, ref[name], rtol=1e-4, atol=1e-6 * scale), name
+
+
+def test_distca_nano_batches_are_separate_sequences_over_all_ranks():
+    lay = distca_layout([10, 6, 16, 16, 4, 12], 2).validate()             # ping 32 tokens, pong 32
+    a, b = halves(lay)
+    assert not b.has_context                                             # no document is in both
+    assert a.layout.doc_lens == [10, 6, 16] and b.layout.doc_lens == [16, 4, 12]
+    assert [len(r) for r in a.rows] == [16, 16] and [len(r) for r in b.rows] == [16, 16]
+    with pytest.raises(ValueError, match="two halves"):
+        distca_layout([10, 7, 15], 2)
