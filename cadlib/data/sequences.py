@@ -23,7 +23,7 @@ The pipeline (our code, written from reading DistCA's ``tests/test_e2e_combined.
    rounded up to a multiple of 16 tokens, fill sequences of ``seq_len`` tokens; a document that does not
    fit in what is left is cut there and its remainder opens the next sequence as a document of its own.
 3. **Steps** (:func:`step_sequences`): step ``b`` takes the next ``2B`` sequences; the first ``B`` form
-   nano-batch A (ping) and the rest B (pong) (:func:`cadlib.scheduling.nanosplit.sequence_nano_batches`).
+   nano-batch A (ping) and the rest B (pong) (:func:`cadlib.scheduling.nanosplit.distca_layout`).
 """
 from __future__ import annotations
 
