@@ -100,7 +100,7 @@ def phases(s: Setting, w: Work, times: dict, links: Links, backend: str, signal_
                   pre_bwd=lin["pre_bwd_ms"] + tp["pre_bwd"], post_bwd=lin["post_bwd_ms"] + tp["post_bwd"],
                   attn=attn_f, attn_bwd=attn_b, comm_in=coll["in"], comm_out=coll["out"],
                   comm_in_bwd=coll["in_bwd"], comm_out_bwd=coll["out_bwd"], head=head,
-                  optimizer=times[optimizer_key(spec, backend)]["ms"] * 1e-3,
+                  optimizer=times[optimizer_key(spec, backend)]["ms"] * 1e-3 if s.optimizer else 0.0,
                   allreduce=allreduce_seconds(s, links.dp))
 
 
@@ -129,8 +129,9 @@ def shard_params(spec: ModelSpec) -> int:
 
 def allreduce_seconds(s: Setting, link: Link) -> float:
     """The gradient all-reduce of a GPU's parameters (bf16) over the ``dp`` groups: a ring, ``2 (dp - 1)
-    / dp`` of the bytes sent and received."""
-    if s.dp == 1:
+    / dp`` of the bytes sent and received; none when the step skips the optimizer (``s.optimizer``
+    False: DistCA's timed iterations zero the gradients instead of reducing and applying them)."""
+    if s.dp == 1 or not s.optimizer:
         return 0.0
     b = shard_params(s.spec) * DTYPE_BYTES[DTYPE] * 2 * (s.dp - 1) / s.dp
     return float(link.seconds(np.array([b]))[0])

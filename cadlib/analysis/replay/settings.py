@@ -46,7 +46,7 @@ from ...data.workload import sample_docs, sample_kwargs, sample_lengths
 from ...dispatch.build import build_all
 from ...dispatch.meta import Dispatch
 from ...scheduling import scheduler
-from ...scheduling.recipes import Recipe, batch_docs, cad_plan, nano_plans
+from ...scheduling.recipes import Recipe, batch_docs, cad_plan, method_layout, nano_plans
 from ..model.idle import varlen_chunking
 from ..model.sim import Hardware
 from .times import DTYPE
@@ -64,7 +64,26 @@ class Setting:
     ``elongate`` and clipped to ``max_doc_len``. ``lengths``: a user's document lengths, sampled instead
     of ``dist`` (:func:`cadlib.data.workload.sample_lengths`, the same seeds). ``model``: a name or a
     :class:`ModelSpec`. ``config``: a committed end-to-end run's configuration, whose batches
-    (:func:`cadlib.scheduling.recipes.batch_docs`) are replayed instead of sampled."""
+    (:func:`cadlib.scheduling.recipes.batch_docs`) are replayed instead of sampled.
+
+    The protocol's choices (:mod:`cadlib.analysis.replay.protocol` names the paper's and our variants):
+
+    * ``sequence_len``: DistCA's batches, sequences of that many tokens (MaxDocLen) from one document
+      stream (:mod:`cadlib.data.sequences`); ``nano_split="distca"`` then forms ping and pong from
+      separate sequences. None: each batch sampled on its own, as our end-to-end runs do.
+    * WLB-ideal: ``wlb_packer`` ``"distca"`` (WLB-LLM's packer as DistCA runs it: whole documents,
+      longest first, capped at the mean) or ``"cut"`` (ours: a 1.25x token cap, costly documents cut
+      into pieces); ``wlb_gather`` ``"replica"`` (per-document CP all-gathers its replica's whole K, V,
+      as DistCA's) or ``"sharing"`` (only among the ranks that share a document); ``wlb_choice``
+      ``"setting"`` (one CP degree per setting, the best mean over the batches, as the paper reports)
+      or ``"batch"`` (ours: the best degree of each batch, an oracle).
+    * CAD: ``cad_planner`` ``"distca"`` (DistCA's released planner) or ``"ours"``; ``tolerance_rule``
+      ``"buffer"`` (DistCA's: the first tolerance from 0.05 up whose plans' all-to-alls fit a
+      ``buffer_gib`` communication buffer) or ``"fixed"`` (``tolerance``); ``backward`` ``"resend"``
+      (DistCA's stateless servers: O and LSE return in the forward, dO, O, LSE, Q, K, V go out again in
+      the backward) or ``"stateful"`` (ours: servers keep their inputs, the backward sends dO).
+    * ``optimizer``: whether a step ends with the gradient all-reduce and the optimizer (DistCA's timed
+      iterations skip the optimizer step)."""
 
     name: str
     dist: str
@@ -84,6 +103,15 @@ class Setting:
     tolerance: float = DEFAULT_TOLERANCE
     min_shard: int = 512
     nano_split: str = DEFAULT_NANO_SPLIT
+    sequence_len: int | None = None
+    wlb_packer: str = "cut"
+    wlb_gather: str = "sharing"
+    wlb_choice: str = "batch"
+    cad_planner: str = "ours"
+    tolerance_rule: str = "fixed"
+    buffer_gib: float = 2.0
+    backward: str = "stateful"
+    optimizer: bool = True
     config: dict | None = field(default=None, hash=False, compare=False)
     source: str | None = None
     lengths: np.ndarray | None = field(default=None, hash=False, compare=False, repr=False)
@@ -98,6 +126,10 @@ class Setting:
             raise ValueError(f"unknown method(s) {bad}; choose from: {', '.join(METHODS)}")
         if self.link not in LINK_NAMES:
             raise ValueError(f"unknown link {self.link!r}; choose one of: {', '.join(LINK_NAMES)}")
+        for f, valid in CHOICES.items():
+            if getattr(self, f) not in valid:
+                raise ValueError(f"Setting.{f} must be one of {', '.join(map(repr, valid))}, "
+                                 f"got {getattr(self, f)!r}")
 
     @property
     def spec(self) -> ModelSpec:
@@ -113,10 +145,16 @@ class Setting:
         run's ``config`` where it says, else this setting's fields."""
         return Recipe.from_config(self.config or {}, dist=self.dist, tokens_per_rank=self.tokens,
                                   seed=self.seed, max_doc_len=self.max_doc_len, tolerance=self.tolerance,
-                                  min_shard=self.min_shard, nano_split=self.nano_split)
+                                  min_shard=self.min_shard, nano_split=self.nano_split,
+                                  sequence_len=self.sequence_len)
 
 
 LINK_NAMES = ("ib", "ib-low", "nvlink", "inter-node-like")
+CHOICES = {"wlb_packer": ("cut", "distca"), "wlb_gather": ("sharing", "replica"),
+           "wlb_choice": ("batch", "setting"), "cad_planner": ("ours", "distca"),
+           "tolerance_rule": ("fixed", "buffer"), "backward": ("stateful", "resend"),
+           "optimizer": (True, False)}
+"""The values of a setting's protocol choices (the first of each: what the replay did before them)."""
 
 
 def paper_3d_settings(batches: int = 5, dists=("distca-pretrain", "prolong")) -> list[Setting]:
@@ -177,7 +215,7 @@ def allgather_settings(nodes=(2, 4, 8, 16, 32), tokens_per_node: int = TOKENS_PE
 
 def batch_lengths(s: Setting, b: int) -> list[int]:
     """Document lengths of batch ``b``: the committed run's (its seeds) or sampled for the setting."""
-    if s.config is not None:
+    if s.config is not None or s.sequence_len is not None:
         return batch_docs(s.recipe(), b, s.dp)
     if s.lengths is not None:
         return sample_lengths(s.lengths, s.dp * s.tokens, seed=s.seed * 100_003 + b, elongate=s.elongate,
@@ -249,7 +287,7 @@ def method_work(s: Setting, docs: list[int], method: str, cp: int = 1) -> Work:
     if method == "varlen":
         lay = varlen_chunking(docs, R, s.tokens, as_model(s.model), Hardware(attn_kernel="fa4"))
         return _colocated_work(method, lay, spec, {})
-    layout = pack(docs, R, s.tokens)
+    layout = method_layout(docs, R, recipe, METHODS[method])
     if method == "cad":
         plan = cad_plan(layout, recipe, spec)
         ds = build_all(plan)
