@@ -4,7 +4,7 @@ MaxDocLen tokens, and each step two batches of sequences (ping and pong).
 The pipeline (our code, written from reading DistCA's ``tests/test_e2e_combined.py`` and
 ``distca/simulator/optimizers/samples.py``; its parameters are :data:`cadlib.core.paper.DISTCA_SAMPLER`):
 
-1. **A document stream.** ``distca-pretrain`` and ``distca-prolong`` are DistCA's two samplers, applied to
+1. **A document stream.** ``pretrain-distca`` and ``prolong-distca`` are DistCA's two samplers, applied to
    a corpus that stands in for DistCA's length files: as many documents as those files hold
    (:data:`~cadlib.core.paper.DISTCA_CORPUS_DOCS`) drawn from the matching table of
    :mod:`cadlib.data.workload` (whose percentiles are the files'). With ``T`` the raw threshold, ``u``
@@ -34,7 +34,7 @@ import numpy as np
 from ..core.paper import DISTCA_CORPUS_DOCS, DISTCA_SAMPLER
 from .workload import sample_docs, sample_kwargs
 
-SAMPLERS = {"distca-pretrain": "pretrain", "distca-prolong": "prolong"}
+SAMPLERS = {"pretrain-distca": "pretrain", "prolong-distca": "prolong"}
 """DistCA's samplers by name, each with the workload table its corpus is drawn from."""
 SEQUENCES_PER_STREAM = 64
 """Sequences of one stream of independent draws (any other distribution), before the next seed's."""
@@ -97,7 +97,7 @@ def distca_stream(sampler: str, seq_len: int, seed: int) -> list[int]:
     short = short[:int(len(short) * c["filter_ratio"])]
     long_ = np.tile(long_, c["upsample"])
     rng = np.random.default_rng(seed)
-    if sampler == "distca-pretrain":
+    if sampler == "pretrain-distca":
         pool = np.concatenate([short, long_])
         return (rng.choice(pool, size=min(c["draw"], pool.size), replace=False) * e).tolist()
     change = rng.random(long_.size) < c["change_long_doc_ratio"]

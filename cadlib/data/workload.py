@@ -59,8 +59,9 @@ PRESETS: dict[str, dict] = {
     "distca-pretrain": {"dist": "pretrain", "upsample": 2.0,
                         "upsample_threshold": DEFAULT_UPSAMPLE_THRESHOLD},
 }
-"""Named keyword sets for ``sample_docs``. ``distca-pretrain`` is DistCA's "Pretrain" setting: the
-WLB-LLM distribution with documents >= 64K tokens drawn twice as often. Use it as
+"""Named keyword sets for ``sample_docs``. ``distca-pretrain`` is our reading of the paper's text on its
+"Pretrain" setting: the WLB-LLM distribution with documents >= 64K tokens drawn twice as often. DistCA's
+code samples otherwise (``pretrain-distca`` and ``prolong-distca`` of :mod:`cadlib.data.sequences`). Use it as
 ``sample_docs(total_tokens=N, seed=s, **PRESETS["distca-pretrain"])``; add ``elongate=...`` to
 stretch lengths for 256K/512K contexts."""
 

@@ -29,8 +29,8 @@ class Recipe:
     ``doc_len`` tokens, default an eighth of a rank's); ``tokens_per_rank`` tokens per rank;
     ``seed``: batch ``b`` is sampled with seed ``seed * 100003 + b``; ``max_doc_len`` clips the
     documents. ``sequence_len``: batches are DistCA's instead, sequences of that many tokens from one
-    stream of documents (:mod:`cadlib.data.sequences`; ``dist`` may then also be ``distca-pretrain`` or
-    ``distca-prolong``), step ``b`` the stream's ``b``-th group of ``world x tokens_per_rank /
+    stream of documents (:mod:`cadlib.data.sequences`; ``dist`` may then also be DistCA's samplers
+    ``pretrain-distca`` or ``prolong-distca``), step ``b`` the stream's ``b``-th group of ``world x tokens_per_rank /
     sequence_len`` sequences. The scheduler's ``tolerance`` and ``min_shard``; ping-pong's
     nano-batches are per-rank halves of one layout that balance ``nano_balance`` (tokens or attention)
     and may cut documents (``nano_split="docs"``) or not (``"whole"``), or DistCA's (``"distca"``, which

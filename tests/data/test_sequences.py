@@ -24,7 +24,7 @@ def test_pretrain_sampler_upsamples_raw_long_documents_and_elongates_everything(
     c = DISTCA_SAMPLER
     docs = S.corpus("pretrain", 0)
     raw_long = docs[docs >= c["filter_threshold"]]
-    stream = np.array(S.distca_stream("distca-pretrain", 131072, 0))
+    stream = np.array(S.distca_stream("pretrain-distca", 131072, 0))
     assert stream.size == c["draw"] and np.all(stream % 2 == 0)            # every length x 2 at 128K
     pool_long_share = (c["upsample"] * raw_long.size) / (c["upsample"] * raw_long.size
                                                          + int((docs < c["filter_threshold"]).sum() * c["filter_ratio"]))
@@ -37,7 +37,7 @@ def test_prolong_sampler_puts_long_documents_first_unshuffled():
     c = DISTCA_SAMPLER
     docs = S.corpus("prolong", 0)
     n_long = c["upsample"] * int((docs >= c["filter_threshold"]).sum())
-    stream = np.array(S.distca_stream("distca-prolong", 262144, 0))
+    stream = np.array(S.distca_stream("prolong-distca", 262144, 0))
     head, tail = stream[:n_long], stream[n_long:]
     assert np.all(head >= c["filter_threshold"]) and np.all(tail < c["filter_threshold"])
     set_to_ctx = float(np.mean(head == 4 * c["elongate_unit"]))
@@ -47,8 +47,8 @@ def test_prolong_sampler_puts_long_documents_first_unshuffled():
 
 
 def test_steps_take_consecutive_full_sequences_and_continue_past_a_stream():
-    a = S.step_sequences("distca-prolong", 131072, 8, 0)
-    b = S.step_sequences("distca-prolong", 131072, 8, 1)
+    a = S.step_sequences("prolong-distca", 131072, 8, 0)
+    b = S.step_sequences("prolong-distca", 131072, 8, 1)
     assert len(a) == len(b) == 8 and all(sum(s) == 131072 for s in a + b)
     assert a != b
     n = len(S._sequences("prolong", 4096, 0, 0, None))
