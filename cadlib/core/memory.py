@@ -67,7 +67,7 @@ GIB = 2 ** 30
 CAPACITY = DISTCA_GPU_MEMORY_GB * GIB
 """A DistCA GPU's memory in bytes: its "140GB" read as GiB (an H200 reports 140.4 GiB to torch)."""
 SWIGLU_BWD_ELEMS = 1 << 27
-"""Elements per fp32 row block of our SwiGLU backward (``cadlib.runtime.model.SWIGLU_BWD_ELEMS``)."""
+"""Elements per fp32 row block of our SwiGLU backward (``cadlib.runtime.blocks.SWIGLU_BWD_ELEMS``)."""
 SWIGLU_BWD_BLOCKS = 6
 """fp32 blocks alive at once in that loop (a, dY, sigmoid and three expression temporaries)."""
 
