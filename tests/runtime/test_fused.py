@@ -216,11 +216,18 @@ def test_gpu_offsets_past_two_to_the_31_and_a_real_vocabulary():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     dev, dt = torch.device("cuda"), torch.bfloat16
-    n, width = (1 << 31) // 4096 + 3, 4096
-    x = torch.randn(n, width, device=dev, dtype=dt)
+    n, width = (1 << 31) // 4096 + 4, 4096                    # even: viewed as rows of 8192 below
+    x = torch.randn(n, width, device=dev, dtype=dt, requires_grad=True)
     w = torch.ones(width, device=dev, dtype=dt)
     y = blocks.rms_norm(x, w, 1e-5, "fused")
-    torch.testing.assert_close(y[-3:], blocks.rms_norm(x[-3:], w, 1e-5, "reference"))
+    tail = x[-3:].detach().requires_grad_()
+    y_ref = blocks.rms_norm(tail, w, 1e-5, "reference")
+    torch.testing.assert_close(y[-3:], y_ref)
+    dy = torch.randn_like(y)
+    dx, = torch.autograd.grad(y, x, dy)
+    torch.testing.assert_close(dx[-3:], torch.autograd.grad(y_ref, tail, dy[-3:])[0])
+    del dx, dy
+    x = x.detach()
     a, b = x.view(-1, 8192), torch.ones(n // 2, 8192, device=dev, dtype=dt)
     torch.testing.assert_close(fused.SwiGLUFn.apply(a[: n // 2], b)[-2:], F.silu(a[n // 2 - 2: n // 2]))
     del x, y, a, b
