@@ -47,7 +47,7 @@ for st in $STAGES; do
     bench)
       [ -f results/bench_linear_h200.json ] && [ ! -f "$OUT/bench_linear_h200.json" ] \
         && cp results/bench_linear_h200.json "$OUT/bench_linear_h200.json"
-      B=${BENCH_BUDGET:-150}
+      B=${BENCH_BUDGET:-120}
       timeout $(( B + 90 )) $PY scripts/bench/bench_linear.py $BENCH --time-budget-s "$B" --merge \
         --out "$OUT/bench_linear_h200.json" 2>&1 | tail -80 | tee -a "$LOG" ;;
     time)
