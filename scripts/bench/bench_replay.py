@@ -69,7 +69,8 @@ def named(s, only: str) -> bool:
     return any(part in s.name for part in only.split(","))
 
 
-def settings(suites: list[str], batches: int | None, only: str = "", linear: str = "") -> list[replay.Setting]:
+def settings(suites: list[str], batches: int | None, only: str = "",
+             linear: str = "") -> list[replay.Setting]:
     """The settings of ``suites`` (``only``: those whose name contains it), composing the ``linear``
     variant's timings."""
     out = []
@@ -292,7 +293,6 @@ def cmd_time(a) -> int:
                              lambda: time_head(head, spec, n, device, max(2, a.iters), sp))):
                 if key not in times and not over():
                     times[key] = {**fn(), "linear": var or "reference", "tp": s.tp}
-            del sp
         key = replay_times.optimizer_key(spec, backend)
         if key not in times and not over():
             times[key] = time_optimizer(spec, device, dtype, 3)
@@ -440,7 +440,8 @@ def cmd_compose_4d(a, times, meta, rates, backend) -> int:
     if check is None:
         check = replay_results.kernel_model_check(replay.paper_3d_settings()[:3], times, cost, backend, rates)
     print(f"kernel table against the timed calls: {check}", flush=True)
-    todo = [replace(s, linear=a.linear) for s in replay4d.paper_4d_settings(a.batches or 3) if named(s, a.only)]
+    todo = [replace(s, linear=a.linear) for s in replay4d.paper_4d_settings(a.batches or 3)
+            if named(s, a.only)]
     jobs = [(s, times, rates, backend, cost, check["scale"]) for s in todo]
     out_dir, summary = Path(a.out), []
     with multiprocessing.get_context("spawn").Pool(max(1, min(a.workers, len(jobs)))) as pool:
@@ -484,9 +485,9 @@ def main(argv=None) -> int:
                     help="compose: where --backend was not timed, scale this backend's times (fitted ratio)")
     ap.add_argument("--device", default=None)
     ap.add_argument("--linear", default="", choices=tuple(replay_times.LINEAR_VARIANTS),
-                    help="time / compose: how the linear layers and head compute (cadlib.analysis.replay.times."
-                         "LINEAR_VARIANTS; '' the committed reference timings, fused-sp the fused blocks "
-                         "with sequence parallelism's norms on tokens / TP)")
+                    help="time / compose: how the linear layers and head compute (cadlib.analysis.replay."
+                         "times.LINEAR_VARIANTS; '' the committed reference timings, fused-sp the fused "
+                         "blocks with sequence parallelism's norms on tokens / TP)")
     ap.add_argument("--linear-only", action="store_true",
                     help="time: only the linear layers, head and optimizer, at every point of the grid")
     ap.add_argument("--retime", action="store_true",

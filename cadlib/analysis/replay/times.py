@@ -67,8 +67,9 @@ def attention_jobs(works, spec: ModelSpec, backend: str) -> dict[str, Dispatch]:
 LINEAR_VARIANTS = {
     "": "the reference blocks (cadlib.runtime.blocks), every token of the TP group through the norms "
         "and residuals: the committed timings",
-    "fused-sp": "the fused blocks (cadlib.runtime.fused, fused_head) under Megatron's sequence parallelism: "
-                "norms and residuals on tokens / tp, GEMMs on the group's tokens (cadlib.bench.shard.LocalSP)",
+    "fused-sp": "the fused blocks (cadlib.runtime.fused, fused_head) under Megatron's sequence "
+                "parallelism: norms and residuals on tokens / tp, GEMMs on the group's tokens "
+                "(cadlib.bench.shard.LocalSP)",
 }
 """How a timed layer and head computed: the key's variant. Both recompute the MLP, as DistCA's runs do."""
 
