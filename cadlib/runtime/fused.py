@@ -55,7 +55,8 @@ FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ELEMENTWISE_BLOCK = 1024
 """Elements per program of the SwiGLU kernels."""
 NORM_BWD_PROGRAMS = 512
-"""Programs of the RMSNorm backward; each sums ``dw`` over its rows in fp32 (then summed by torch)."""
+"""Programs of the RMSNorm backward (at most): each runs a contiguous block of rows and sums ``dw`` over
+them in fp32; torch sums the programs' partial sums."""
 
 
 def can_fuse(x: torch.Tensor) -> bool:
@@ -95,7 +96,7 @@ def mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if _OUT_DTYPE["mm"] and a.is_cuda:
         try:
             return torch.mm(a, b, out_dtype=torch.float32)
-        except (TypeError, RuntimeError, NotImplementedError):
+        except (TypeError, ValueError, RuntimeError, NotImplementedError):
             _OUT_DTYPE["mm"] = False
     return (a @ b).float()
 
@@ -110,7 +111,7 @@ def addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         try:
             torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
             return
-        except (TypeError, RuntimeError, NotImplementedError):
+        except (TypeError, ValueError, RuntimeError, NotImplementedError):
             _OUT_DTYPE["addmm"] = False
     acc += mm_f32(a, b)
 
@@ -133,15 +134,15 @@ if HAVE_TRITON:
         tl.store(R + row, r)
 
     @triton.jit
-    def _rms_bwd(DY, X, W, R, DX, DWP, stride, n_rows, N, BLOCK: tl.constexpr):
+    def _rms_bwd(DY, X, W, R, DX, DWP, stride, n_rows, rows_per, N, BLOCK: tl.constexpr):
         pid = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < N
         w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
         dw = tl.zeros([BLOCK], dtype=tl.float32)
-        off = pid.to(tl.int64) * stride                             # row offsets in int64, carried
-        step = tl.num_programs(0).to(tl.int64) * stride
-        for row in range(pid, n_rows, tl.num_programs(0)):
+        first = pid * rows_per                                      # this program's rows, in a run
+        off = first.to(tl.int64) * stride                           # row offsets in int64, carried
+        for row in range(first, tl.minimum(first + rows_per, n_rows)):
             x = tl.load(X + off + cols, mask=mask, other=0.0).to(tl.float32)
             dy = tl.load(DY + off + cols, mask=mask, other=0.0).to(tl.float32)
             r = tl.load(R + row)
@@ -150,7 +151,7 @@ if HAVE_TRITON:
             dx = r * (gw - xh * (tl.sum(gw * xh, axis=0) / N))
             tl.store(DX + off + cols, dx.to(DX.dtype.element_ty), mask=mask)
             dw += dy * xh.to(X.dtype.element_ty).to(tl.float32)
-            off += step
+            off += stride
         tl.store(DWP + pid.to(tl.int64) * N + cols, dw, mask=mask)
 
     @triton.jit
@@ -230,11 +231,12 @@ class RMSNormFn(torch.autograd.Function):
         n, width = x.shape
         dy = _rows(dy)
         dx = torch.empty_like(x)
-        programs = max(1, min(n, NORM_BWD_PROGRAMS))
+        rows_per = triton.cdiv(max(n, 1), NORM_BWD_PROGRAMS)
+        programs = triton.cdiv(max(n, 1), rows_per)
         part = torch.empty(programs, width, dtype=torch.float32, device=x.device)
         block = triton.next_power_of_2(width)
         if n:
-            _rms_bwd[(programs,)](dy, x, weight, r, dx, part, width, n, width, BLOCK=block,
+            _rms_bwd[(programs,)](dy, x, weight, r, dx, part, width, n, rows_per, width, BLOCK=block,
                                   num_warps=_warps(block))
         else:
             part.zero_()

@@ -81,6 +81,16 @@ def test_rms_norm(device, dtype, rows, width):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_rms_norm_backward_in_runs_of_rows(device, monkeypatch):
+    """Programs of the backward take a run of rows each (the last one shorter), summing ``dw`` over it."""
+    dev = _device(device)
+    monkeypatch.setattr(fused, "NORM_BWD_PROGRAMS", 3)
+    x = _randn(11, 32, device=dev, dtype=torch.float32, scale=2.0)
+    w = 1 + _randn(32, device=dev, dtype=torch.float32, scale=0.2, seed=1)
+    _check(lambda x, w, b: blocks.rms_norm(x, w, 1e-5, b), [x, w], (0, 1), torch.float32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads", [(4, 2, 8), (3, 1, 16), (2, 2, 4)])
 def test_qkv_with_rope(device, dtype, heads):
