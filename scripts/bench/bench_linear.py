@@ -15,9 +15,10 @@ Blocks (``n`` the group's tokens; ``q, kv, f, V`` the shard's widths, ``h`` the 
 
 ``gemm`` rows time the block's GEMMs alone (random inputs of the same shapes, bf16 out): pre one QKV GEMM
 forward and two backward; post O, gate, up, down forward and two each backward; head per chunk of
-``--ce-chunk`` tokens one forward, two backward. ``of_gemm`` = GEMM-only ms / the block's ms; ``of_peak``
-= TF/s / ``H200_MATMUL_TFLOPS`` (790). Each record also says whether FlashAttention-4 is installed
-(the linear layers do not use it; ``--merge`` keeps both runs' records).
+``--ce-chunk`` tokens one forward, two backward. ``of_gemm`` = GEMM-only ms / the block's ms;
+``of_peak`` = TF/s / ``H200_MATMUL_TFLOPS`` (790). Each record also says whether FlashAttention-4 is
+installed (the linear layers do not use it; ``--merge`` keeps both runs' records). ``--impls compiled``
+adds the references under ``torch.compile`` (pre and post; not by default: its compiles take minutes).
 
     python scripts/bench/bench_linear.py --out results/bench_linear_h200.json --merge --time-budget-s 200
     python scripts/bench/bench_linear.py --smoke --out /tmp/bench_linear.json   # CPU, tiny model, seconds
@@ -86,7 +87,11 @@ def block_phases(sh: Shapes, block: str, impl: str, recompute: str, chunk: int):
         params = [w, head]
         bwd = torch.Tensor.backward
     else:
-        layer = DecoderLayer(s, recompute=recompute, blocks=impl, dtype=dt, device=dev)
+        layer = DecoderLayer(s, recompute=recompute, blocks="reference" if impl == "compiled" else impl,
+                             dtype=dt, device=dev)
+        if impl == "compiled":              # the references under torch.compile (token counts dynamic)
+            layer.pre_attention = torch.compile(layer.pre_attention, dynamic=True)
+            layer.mlp = torch.compile(layer.mlp, dynamic=True)
         params = list(layer.parameters())
         with torch.no_grad():
             for p in params:
@@ -235,10 +240,12 @@ def cells(args, fused_ok: bool) -> list[tuple]:
                 if block in ("pre", "post", "head"):
                     out.append((n, tp, block, "gemm", "none"))
                     for impl in impls:
+                        if impl == "compiled" and block == "head":
+                            continue
                         for rc in (args.recomputes.split(",") if block == "post" else ["none"]):
                             out.append((n, tp, block, impl, rc))
                 elif block == "norm":
-                    out += [(n, tp, "norm", i, "none") for i in [*impls, "torch"]]
+                    out += [(n, tp, "norm", i, "none") for i in [*impls, "torch"] if i != "compiled"]
     return out
 
 
@@ -250,7 +257,8 @@ def parse_args(argv=None):
     p.add_argument("--tps", default="1,8")
     p.add_argument("--blocks", default="pre,post,head,norm,optimizer")
     p.add_argument("--impls", default="reference,fused",
-                   help="reference, fused (skipped where it cannot run)")
+                   help="reference, fused (skipped where it cannot run), compiled (the references' pre and "
+                        "MLP under torch.compile, dynamic token counts: minutes of compiling on a GPU)")
     p.add_argument("--recomputes", default="none,mlp", help="the post block's")
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
