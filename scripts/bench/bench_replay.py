@@ -272,7 +272,10 @@ def cmd_time(a) -> int:
     tokens: dict[str, list] = {s.name: [] for s in todo}
 
     def save():
-        cache["meta"] = environment_info()
+        if a.linear_only:                   # the attention calls' provenance stays the cache's meta
+            cache.setdefault("meta_linear", {})[a.linear or "reference"] = environment_info()
+        else:
+            cache["meta"] = environment_info()
         atomic_write_json(cache_path, cache)
 
     def over() -> bool:
