@@ -35,9 +35,11 @@ def _device(device: str) -> torch.device:
 
 
 def _err(got, truth) -> float:
-    """Largest absolute error relative to the truth's largest magnitude."""
+    """Largest absolute error relative to the truth's largest magnitude, or absolute where the truth is
+    (mathematically) zero: the input gradient of RMSNorm over one feature is 0 up to rounding, and two
+    roundings of 0 differ relatively by anything (seen on the H200: fp32, 3 rows of width 1)."""
     got, truth = got.detach(), truth.detach().double()
-    return float((got.double() - truth).abs().max() / truth.abs().max().clamp_min(1e-30))
+    return float((got.double() - truth).abs().max() / truth.abs().max().clamp_min(1e-6))
 
 
 def _check(fn, inputs, grads_of, dtype):
