@@ -175,9 +175,12 @@ def _supervise(procs: list[subprocess.Popen], consoles: list[Console], deadline:
             # an agent's output is complete at its pipes' end, or 2 s after it exited (a grandchild
             # that kept a pipe open must not hold the run)
             done.append(exited_at[i] is not None and (not open_streams[i] or now - exited_at[i] > 2.0))
-        failed = next((i for i, d in enumerate(done) if d and procs[i].returncode != 0), None)
-        if failed is not None or all(done):
-            return failed
+        # the first to exit non-zero; of those seen in one pass, an agent killed by a signal first (a
+        # dead agent is the cause, a peer that lost it the consequence)
+        failed = sorted((exited_at[i], procs[i].returncode > 0, i) for i, d in enumerate(done)
+                        if d and procs[i].returncode != 0)
+        if failed or all(done):
+            return failed[0][2] if failed else None
 
 
 def _stop(procs: list[subprocess.Popen], run_id: str) -> list[int]:
