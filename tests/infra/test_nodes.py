@@ -159,7 +159,7 @@ def test_a_node_whose_agent_dies_ends_the_run_and_nothing_survives(tmp_path, mon
     assert f"node 1 of 2: its torchrun agent (pid {killed['agent']}) was killed by SIGKILL" in str(err)
     assert re.search(r"\nnode 0 (was still running|had exited with -?\d+); stopped the run's \d+ processes",
                      str(err))
-    assert ended < proctree.KILL_GRACE_S + 5, ended       # seen within 0.1 s, stopped within the grace
+    assert ended < proctree.KILL_GRACE_S + 8, ended       # seen within 0.1 s, stopped within the grace
     run_id = str(err.run_dir.parent)
     every = {int(x) for p in pids.glob("pid*") for x in p.read_text().split()}
     assert len(every) == 6                                        # 4 workers and 2 agents
