@@ -333,7 +333,8 @@ def keep_timeline(timelines: dict, method: str, rows, args, i: int) -> None:
 def write_run(env, args, model, records, timelines, **extra) -> None:
     """This rank's result file (records, timelines, the configuration, the model), then tear down."""
     cuda = env.device.type == "cuda"
-    write_result({"rank": env.rank, "world": env.world, "device": str(env.device),
+    write_result({"rank": env.rank, "world": env.world, "device": str(env.device), "group_rank": env.node,
+                  "local_rank": env.local_rank, "local_world": env.local_world,
                   "device_name": torch.cuda.get_device_name(env.device) if cuda else "cpu",
                   "torch": torch.__version__, "records": records, "timelines": timelines, **extra,
                   "config": {k: v for k, v in vars(args).items() if k not in ("spec", "recipe")},
