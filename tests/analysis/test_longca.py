@@ -139,3 +139,12 @@ def test_cp_findings_and_the_claims_table(tmp_path, monkeypatch):
     assert bare["longca.hybrid_cp_best"]["why"] == paper.CLAIMS["longca.hybrid_cp_best"].gap
     assert bare["longca.hybrid_cp_best"]["why"].startswith("not at this scale: needs several GPUs, only one is lent")
     assert bare["longca.sparse_bwd_bottleneck"]["verdict"] == "not reproduced"
+
+
+def test_the_sparse_table_shows_the_longest_length_measured(sparse_dir):
+    rows, _ = kernels.load_rows(kernels.SPARSE_FILE, sparse_dir)
+    late = pd.DataFrame([{"kernel": "flex", "family": "uniform_block_sparse", "block": 64, "sparsity": 0.5,
+                          "seqlen": 131072, "heads": "64:8", "direction": d, "status": "-"} for d in ("fwd", "bwd")])
+    table = kernels.sparse_table(pd.concat([rows, late], ignore_index=True))
+    assert table.loc[("uniform_block_sparse", 64, "64:8", 0.5), ("fwd", "flex")] == "320"        # 32K, not 128K
+    assert kernels.sparse_table(late).loc[("uniform_block_sparse", 64, "64:8", 0.5), ("bwd", "flex")] == "-"

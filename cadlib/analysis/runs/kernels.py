@@ -44,10 +44,12 @@ def cell_text(rows: pd.DataFrame) -> pd.Series:
 
 
 def sparse_table(rows: pd.DataFrame, seqlen: int | None = None) -> pd.DataFrame:
-    """The block-sparse study at one length (default the longest measured): one row per (family, block,
-    heads, sparsity), one column per (direction, kernel), TF/s or the status symbol."""
+    """The block-sparse study at one length (default the longest with a measured cell: a time budget may
+    leave longer ones ``-``): one row per (family, block, heads, sparsity), one column per (direction,
+    kernel), TF/s or the status symbol."""
     if seqlen is None:
-        seqlen = int(rows.seqlen.max())
+        ok = rows[rows.status == "ok"]
+        seqlen = int((ok if len(ok) else rows).seqlen.max())
     sub = rows[rows.seqlen == seqlen]
     return (sub.assign(cell=cell_text(sub))
             .pivot_table(index=["family", "block", "heads", "sparsity"], columns=["direction", "kernel"],
