@@ -145,6 +145,14 @@ RULES: dict[str, dict] = {
     "small_ranks": {"min": 2},
     "compare_seeds": {"min": 1},
     "picture_docs": {"min": 1},
+    "sparse_total": {"min": 1024},
+    "sparse_corner": {"min": 1},
+    "sparse_pixels": {"min": 1},
+    "sparse_check_len": {"min": 64},
+    "ring_positions": {"min": 1},
+    "ring_window": {"min": 1},
+    "balance_world": {"choices": [8, 16]},              # the cases results/cp_balance.json holds
+    "balance_tokens": {"choices": [8192, 32768]},
 }
 RULE_KEYS = {"min", "max", "nonempty", "choices", "also", "check", "split"}
 
