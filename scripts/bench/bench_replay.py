@@ -46,6 +46,7 @@ import numpy as np
 import torch
 
 from cadlib.analysis.replay import phases as replay_phases
+from cadlib.analysis.replay import protocol
 from cadlib.analysis.replay import pipelined as replay4d
 from cadlib.analysis.replay import results as replay_results
 from cadlib.analysis.replay import settings as replay
@@ -61,7 +62,7 @@ from cadlib.runtime.device import to_device
 from cadlib.runtime.blocks import ChunkedCrossEntropy, RMSNorm
 from cadlib.runtime.model import DecoderLayer
 
-SUITES = ("validation", "3d", "idle", "allgather", "smoke", "4d")
+SUITES = ("validation", "3d", "paper3d", "waterfall3d", "changes3d", "idle", "allgather", "smoke", "4d")
 
 
 def named(s, only: str) -> bool:
@@ -79,6 +80,13 @@ def settings(suites: list[str], batches: int | None, only: str = "",
             out += [replay.e2e_setting(it) for it in load_committed() if it["variant"] == ""]
         elif s == "3d":
             out += replay.paper_3d_settings(batches or 5)
+        elif s in ("paper3d", "waterfall3d", "changes3d"):      # the paper's protocol, and our variants of it
+            base = [x for d in protocol.PAPER_DISTS for x in protocol.paper_3d(d, batches or protocol.PAPER_BATCHES_3D)]
+            if s == "paper3d":
+                out += base
+            else:
+                step = protocol.variant if s == "waterfall3d" else protocol.one_change
+                out += [step(x, v.name) for x in base if named(x, only) for v in protocol.VARIANTS]
         elif s == "idle":
             out += replay.idle_settings(batches or 5)
         elif s == "allgather":
