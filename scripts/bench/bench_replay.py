@@ -9,8 +9,9 @@ Two steps (:mod:`cadlib.analysis.replay.settings` says what a rank's work is):
   optimizer step. ``--linear`` says how the linear parts and head compute (``""``: the reference blocks
   on every token, the committed timings; ``fused-sp``: the fused blocks with sequence parallelism's
   norms on tokens / TP: :data:`cadlib.analysis.replay.times.LINEAR_VARIANTS`), under keys of their own;
-  ``--linear-only`` times just those (every point of the grid) and the optimizer, no attention. The cache (``--cache``, JSON) grows across runs; a run stops at ``--budget-s`` and
-  writes what it has, so the next one continues.
+  ``--linear-only`` times just those (every point of the grid) and the optimizer, no attention. The
+  cache (``--cache``, JSON) grows across runs; a run stops at ``--budget-s`` and writes what it has, so
+  the next one continues.
 * ``shapes4d`` (any machine): the 4D settings (Table 4) need thousands of distinct server calls per
   batch (1,900-8,300 for the 128K rows), more than a session's device time can time; this lists
   every distinct call of each setting's first batch and samples ``--sample`` per setting, in
@@ -81,7 +82,8 @@ def settings(suites: list[str], batches: int | None, only: str = "",
         elif s == "3d":
             out += replay.paper_3d_settings(batches or 5)
         elif s in ("paper3d", "waterfall3d", "changes3d"):      # the paper's protocol, and our variants of it
-            base = [x for d in protocol.PAPER_DISTS for x in protocol.paper_3d(d, batches or protocol.PAPER_BATCHES_3D)]
+            n = batches or protocol.PAPER_BATCHES_3D
+            base = [x for d in protocol.PAPER_DISTS for x in protocol.paper_3d(d, n)]
             if s == "paper3d":
                 out += base
             else:
