@@ -102,3 +102,30 @@ def test_a_replayed_setting_reports_its_one_degree_per_batch_and_in_the_summary(
     sp = summ["cad-pingpong"]
     assert sp["speedup_over_wlb"] == sp["speedup_over_wlb_ratio_of_means"] == pytest.approx(
         np.mean([r["step_s"] for r in wl]) / summ["cad-pingpong"]["step_s_mean"])
+
+
+def test_4d_wlb_as_distcas_4d_driver_packs_a_whole_step():
+    from cadlib.analysis.replay import pipelined as replay4d
+    s = replay4d.Setting4D("t", "distca-pretrain", 64, 16, 131072, batches=1, wlb_packer="distca-4d")
+    pp, dp, n_micro = next(c for c in s.configs() if c[0] == 2)            # 4 nodes a stage, 4 micro-batches
+    groups = replay4d.step_groups(s, 0, dp, n_micro)
+    docs = sorted(n for g in groups for n in g)
+    for packer in ("distca", "distca-4d"):
+        lays = replay4d.wlb_micro_layouts(replace(s, wlb_packer=packer), groups, dp, 2)
+        assert len(lays) == n_micro and all(lay.n_ranks == dp for lay in lays)
+        got = sorted(n for lay in lays for n in lay.doc_lens)
+        assert len(got) >= len(docs) and all(n in got for n in docs)   # every document whole (and dummies)
+    # the micro-batches are the buckets j // (dp / cp) of one packing over n_micro x dp / cp buckets
+    from cadlib.data.packing import wlb_distca_buckets
+    flat = [n for g in groups for n in g]
+    buckets, lens = wlb_distca_buckets(flat, n_micro * dp // 2, sum(flat) // (n_micro * dp // 2) // n_micro,
+                                       s.model)
+    lays = replay4d.wlb_micro_layouts(s, groups, dp, 2)
+    for m, lay in enumerate(lays):
+        want = sorted(lens[d] for b in buckets[m * dp // 2:(m + 1) * dp // 2] for d in b)
+        assert sorted(lay.doc_lens) == want
+    # the sweep's admissible degrees: 8 nodes // cp at most the sequences of a micro-batch (16 / 4)
+    assert replace(s, wlb_choice="setting").wlb_degrees(dp, n_micro) == (2, 4)
+    assert s.wlb_degrees(dp, n_micro) == (1, 2, 4)
+    with pytest.raises(ValueError, match="Setting4D.wlb_gather must be one of"):
+        replace(s, wlb_gather="ring")
