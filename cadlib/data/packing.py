@@ -390,15 +390,30 @@ def wlb_distca_layout(doc_lens: Sequence[int], n_ranks: int, cp: int, tokens_per
 def replica_gather_tokens(layout: Layout, cp: int) -> tuple[np.ndarray, np.ndarray]:
     """Per-document CP's all-gather as WLB-LLM's code runs it (``per_doc_cp_attn.py:126-153``), per
     rank in tokens ``(sent, received)``: every rank of a CP group (ranks ``g cp ... g cp + cp - 1``)
-    gathers the K, V of ALL the group's tokens, whether it shares their documents or not: it receives
-    ``T_g - own_r`` and sends its ``own_r`` to the ``cp - 1`` others (the backward's reduce-scatter
-    of dK, dV is the mirror: ``(received, sent)``)."""
+    gathers the K, V of every document its group holds, whether it holds a piece of it or not. With
+    whole documents per group (WLB-LLM's packer) that is the whole group's tokens: rank ``r``
+    receives ``T_g - own_r`` and sends its ``own_r`` to the ``cp - 1`` others. A document cut
+    over ``H_d`` groups (ours, ``balanced``) is gathered by all their ``cp H_d`` ranks:
+    ``received_r = sum_{d in g} len_d - own_r``, ``sent_r = sum_d own_{r,d} (cp H_d - 1)``; at
+    ``cp = 1`` this is :func:`per_doc_gather_tokens`. The backward's reduce-scatter of dK, dV is
+    the mirror, ``(received, sent)``."""
     cp = _check_int("cp", cp)
+    R = layout.n_ranks
+    if R % cp:
+        raise ValueError(f"cp={cp} must divide the layout's {R} ranks")
+    ch = layout.chunk_array()
+    if not ch.shape[0]:
+        return np.zeros(R, dtype=np.int64), np.zeros(R, dtype=np.int64)
+    lens = np.asarray(layout.doc_lens, dtype=np.int64)
     own = layout.tokens_per_rank().astype(np.int64)
-    if own.size % cp:
-        raise ValueError(f"cp={cp} must divide the layout's {own.size} ranks")
-    group = np.repeat(own.reshape(-1, cp).sum(1), cp)
-    return own * (cp - 1), group - own
+    G = R // cp
+    held = np.unique(ch[:, 0] * G + ch[:, 3] // cp)             # (document, group) pairs
+    doc, grp = held // G, held % G
+    group_docs = np.bincount(grp, weights=lens[doc], minlength=G).astype(np.int64)
+    groups_of = np.bincount(doc, minlength=lens.size)           # H_d
+    sent = np.bincount(ch[:, 3], weights=(ch[:, 2] - ch[:, 1]) * (cp * groups_of[ch[:, 0]] - 1),
+                       minlength=R).astype(np.int64)
+    return sent, np.repeat(group_docs, cp) - own
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -119,3 +119,19 @@ def test_layout_and_the_whole_replica_gather():
     assert lone.doc_lens == [6000, 1, 1] and len(wlb_distca_layout([6000], 4, 2).doc_lens) == 2   # a dummy
     with pytest.raises(ValueError, match="cp=3 must divide n_ranks=4"):
         wlb_distca_layout(docs, 4, 3)
+
+
+def test_the_replica_gather_of_documents_cut_over_replicas():
+    from cadlib.data.packing import wlb_layout
+    docs = [30_000, 500, 9_000, 700, 2_000, 1_184, 20_000]
+    for cp in (1, 2):
+        lay = wlb_layout(docs, 4, cp, 16_000)         # ours: costly documents cut over replicas
+        sent, recv = replica_gather_tokens(lay, cp)
+        ps, pr = per_doc_gather_tokens(lay)
+        assert sent.sum() == recv.sum() and (recv >= pr).all() and (sent >= ps).all()
+        if cp == 1:                                   # one rank a group: the sharing ranks' gather
+            assert np.array_equal(sent, ps) and np.array_equal(recv, pr)
+        ch = lay.chunk_array()
+        for r in range(4):                            # every token of every document of the group but its own
+            mine = {int(d) for d in ch[ch[:, 3] // cp == r // cp, 0]}
+            assert recv[r] == sum(docs[d] for d in mine) - lay.tokens_per_rank()[r]

@@ -286,7 +286,8 @@ def gather_bytes(layout: Layout, spec: ModelSpec, cp: int | None = None) -> dict
     """Per-document CP's collectives. ``cp`` None (``wlb_gather="sharing"``): the all-gather of shared
     documents' K, V among the ranks that share them before attention (and again before its backward),
     and the return of their dK, dV after it. ``cp`` (``"replica"``, WLB-LLM's code): every rank of a
-    CP group gathers the whole group's K, V (:func:`cadlib.data.packing.replica_gather_tokens`,
+    CP group gathers the K, V of all its group's documents, with WLB-LLM's packer the whole group's
+    tokens (:func:`cadlib.data.packing.replica_gather_tokens`,
     ``baseline/wlbllm_original/wlbllm/per_doc_cp_attn.py:126-153``), saved for the backward (L326-335,
     so no second gather), and dK, dV are reduce-scattered after the backward's attention (L468-475)."""
     sent, recv = per_doc_gather_tokens(layout) if cp is None else replica_gather_tokens(layout, cp)
