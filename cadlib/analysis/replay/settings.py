@@ -27,8 +27,10 @@ Methods: ``colocated`` (sequential packing, per-document CP for documents split 
 (WLB-ideal: balanced packing over ``dp / c`` replicas with per-document CP of degree ``c`` inside
 each, at the degrees of :meth:`Setting.wlb_degrees`), ``cad``, ``cad-pingpong`` and ``signal-only``
 (ping-pong with every collective cut to its latency). By default the per-document all-gather is
-counted among the ranks that hold a document (:func:`cadlib.data.packing.per_doc_gather_tokens`),
-which favours the baselines over WLB-LLM's all-gather of the whole group (``wlb_gather="replica"``).
+counted among the ranks that hold a document (:func:`cadlib.data.packing.per_doc_gather_tokens`) and
+repeated before the backward; WLB-LLM's code gathers its CP group's whole K, V once and keeps them for
+the backward (``wlb_gather="replica"``). WLB's per-document CP puts a piece of nearly every document on
+every rank of its group, so the two gather the same bytes: what differs is the backward's second gather.
 """
 from __future__ import annotations
 
