@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from cadlib.core.paper import DISTCA_WLB_BREAKPOINT, DISTCA_WLB_EMPTY_PAD
-from cadlib.data.packing import (per_doc_cp_layout, per_doc_gather_tokens, replica_gather_tokens, wlb_breakpoint,
-                                 wlb_distca_buckets, wlb_distca_layout)
+from cadlib.data.packing import (per_doc_cp_layout, per_doc_gather_tokens, replica_gather_tokens,
+                                 wlb_breakpoint, wlb_distca_buckets, wlb_distca_layout)
 
 
 def _reference(docs, n, cap, bk):
@@ -113,7 +113,8 @@ def test_layout_and_the_whole_replica_gather():
     own = lay.tokens_per_rank()
     assert (sent == own).all() and (recv == own.reshape(2, 2)[:, ::-1].ravel()).all()
     # every document on every rank of its group: the replica's gather is the sharing ranks' gather
-    assert all(np.array_equal(a, b) for a, b in zip(replica_gather_tokens(lay, 2), per_doc_gather_tokens(lay)))
+    pairs = zip(replica_gather_tokens(lay, 2), per_doc_gather_tokens(lay))
+    assert all(np.array_equal(a, b) for a, b in pairs)
     lone = wlb_distca_layout([6000, 1, 1], 4, 2)     # a 1-token document lies on one rank of its group
     assert replica_gather_tokens(lone, 2)[1].sum() > per_doc_gather_tokens(lone)[1].sum()
     assert lone.doc_lens == [6000, 1, 1] and len(wlb_distca_layout([6000], 4, 2).doc_lens) == 2   # a dummy

@@ -168,7 +168,8 @@ def _best_wlb(out: dict[str, Composed]) -> dict[str, Composed]:
 
 def wlb_means(batches: list[dict[str, Composed]]) -> dict[int, float]:
     """Per CP degree composed in every batch, its mean step over the batches."""
-    common = set.intersection(*({k for k in b if k.startswith("wlb/")} for b in batches)) if batches else set()
+    common = set.intersection(*({k for k in b if k.startswith("wlb/")} for b in batches)) if batches \
+        else set()
     return {int(k.split("/")[1]): float(np.mean([b[k].step for b in batches])) for k in sorted(common)}
 
 

@@ -15,8 +15,8 @@ import numpy as np
 
 from ...core.methods import METHODS
 from ...infra.results import find_results, load_result
-from .phases import (NCCL_LATENCY_S, TP_COLLECTIVES, Links, batch_work, choose_wlb, compose_work, model_compose,
-                     phases)
+from .phases import (NCCL_LATENCY_S, TP_COLLECTIVES, Links, batch_work, choose_wlb, compose_work,
+                     model_compose, phases)
 from .settings import Setting, Work
 from .times import LINEAR_GRID, attention_jobs, grid_points, head_key, linear_key, optimizer_key, scaled
 

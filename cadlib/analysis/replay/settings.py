@@ -303,15 +303,16 @@ def _colocated_work(method: str, layout: Layout, spec: ModelSpec, meta: dict, ga
                     ) -> Work:
     plan = scheduler.colocated(layout)
     ds = build_all(plan)
-    return Work(method, layout.tokens_per_rank().astype(np.int64), [ds], gather_bytes(layout, spec, gather_cp),
-                [[_served(plan, r) for r in range(layout.n_ranks)]], {**meta, "imbalance": plan.imbalance()})
+    return Work(method, layout.tokens_per_rank().astype(np.int64), [ds],
+                gather_bytes(layout, spec, gather_cp), [[_served(plan, r) for r in range(layout.n_ranks)]], {**meta, "imbalance": plan.imbalance()})
 
 
 def wlb_work(s: Setting, docs: list[int], cp: int) -> Work:
     """WLB-ideal's work at CP degree ``cp``: the layout of ``s.wlb_packer`` (``"cut"``:
     :func:`cadlib.data.packing.wlb_layout`; ``"distca"``: :func:`cadlib.data.packing.wlb_distca_layout`,
     ``Lmax`` = a replica's ``cp x tokens``) and the all-gather of ``s.wlb_gather`` (:func:`gather_bytes`)."""
-    layout = (wlb_distca_layout if s.wlb_packer == "distca" else wlb_layout)(docs, s.dp, cp, s.tokens, s.model)
+    lay_of = wlb_distca_layout if s.wlb_packer == "distca" else wlb_layout
+    layout = lay_of(docs, s.dp, cp, s.tokens, s.model)
     return _colocated_work("wlb", layout, s.spec, {"cp": cp}, cp if s.wlb_gather == "replica" else None)
 
 
