@@ -101,6 +101,19 @@ puts the long ones first and does not shuffle. The elongation factor is MaxDocLe
 tokens are filled in order, every document rounded up to a multiple of ``multiple_of`` and cut where a
 sequence ends (``batch_documents``); a step draws two batches of sequences, ping the first, pong the
 second (``test_e2e_combined.py``)."""
+DISTCA_WLB_BREAKPOINT = {"llama3-8b": 64_000, "llama-34b": 131_072}
+"""WLB-LLM's ``ATTN_LINEAR_BREAKPOINT`` per model, tokens: the document length at which its packer's
+workload ``(l / Bk)^2 + l / Bk`` counts attention as much as the linear layers. DistCA's run scripts
+set it in their ``model_config`` (``deepseek-ai/DeepSeek-R1-Distill-Llama-8B 64000 32``,
+``codellama/CodeLlama-34b-hf 131072 48``, e.g.
+``benchmarks/_250918_large_scale_v11_dpcp/salloc_srun.sweep-bigbatch-pretrain-8b.sh`` at 9bcf02a) and
+``distca/planner/wlb_planner.py:16-20`` reads it from the environment."""
+DISTCA_WLB_BREAKPOINT_DEFAULT = 131_072
+"""``ATTN_LINEAR_BREAKPOINT`` when the environment sets none (``distca/planner/wlb_planner.py:16``,
+``128 * K``): the value for a model of ours DistCA did not run."""
+DISTCA_WLB_EMPTY_PAD = 128
+"""Tokens of the dummy document WLB-LLM's packer gives a replica it left empty
+(``distca/planner/wlb_planner.py:109-113``)."""
 DISTCA_FIG3_ALLGATHER = {2: 2.7, 4: 6.0, 8: 13.5, 16: 26.5, 32: 39.7}
 """Figure 3a, per-document CP all-gather latency share of the step (%) by number of nodes, Llama-8B,
 every document 32K tokens: read off the chart (the text: "from merely 3% on 2 nodes to nearly 40% on

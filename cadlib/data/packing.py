@@ -6,6 +6,9 @@
   under a token cap.
 * :func:`per_doc_zigzag_layout` is per-document context parallelism's layout: every document in ``2R``
   pieces, rank ``r`` holding a head and a tail;
+* :func:`wlb_layout` is WLB-ideal's (ours: ``balanced`` replicas, every chunk in ``2 cp`` pieces) and
+  :func:`wlb_distca_layout` WLB-LLM's as DistCA runs it (whole documents to replicas,
+  :func:`wlb_distca_buckets`; every document in ``2 cp`` shards, :func:`per_doc_cp_layout`);
 * :func:`rank_costs` gives each rank's linear and attention load when every chunk runs where it lives.
 """
 from __future__ import annotations
@@ -18,6 +21,7 @@ import numpy as np
 
 from ..core.cost import ModelSpec, as_model, causal_pairs
 from ..core.layout import Chunk, Layout
+from ..core.paper import DISTCA_WLB_BREAKPOINT, DISTCA_WLB_BREAKPOINT_DEFAULT, DISTCA_WLB_EMPTY_PAD
 
 PACK_METHODS: tuple[str, ...] = ("sequential", "balanced", "distca")
 DEFAULT_CAP_FACTOR = 1.25
@@ -275,6 +279,141 @@ def wlb_layout(doc_lens: Sequence[int], n_ranks: int, cp: int, tokens_per_rank: 
     rows = np.stack([np.broadcast_to(ch[:, 0, None, None], shape), start, end,
                      np.broadcast_to(rank, shape)], axis=-1).reshape(-1, 4)
     return Layout.from_chunks(rows[rows[:, 2] > rows[:, 1]], lens, n_ranks)
+
+
+def wlb_breakpoint(model: ModelSpec | str | None = None) -> int:
+    """WLB-LLM's ``ATTN_LINEAR_BREAKPOINT`` for ``model`` (a tensor-parallel shard counts as its model):
+    ``DISTCA_WLB_BREAKPOINT``, else the code's default ``DISTCA_WLB_BREAKPOINT_DEFAULT``."""
+    return DISTCA_WLB_BREAKPOINT.get(as_model(model).name.split("/")[0], DISTCA_WLB_BREAKPOINT_DEFAULT)
+
+
+def wlb_distca_buckets(doc_lens: Sequence[int], n_buckets: int, cap: int | None = None,
+                       model: ModelSpec | str | None = None) -> tuple[list[list[int]], list[int]]:
+    """WLB-LLM's variable-length packing as DistCA runs it (``balance_data_for_wlbllm``,
+    ``distca/planner/wlb_planner.py:36-126``, without deferred execution): whole documents to
+    ``n_buckets`` buckets (replicas). With ``x = l / Bk`` (``Bk``: :func:`wlb_breakpoint`) a bucket's
+    workload is ``W = sum (x^2 + x)`` over its documents (L13-25) and ``Lmax = cap`` (default: the
+    total over ``n_buckets``, floored, L73):
+
+    1. documents longest first (L76-77); each goes to the bucket of least ``W`` if its tokens stay
+       ``<= Lmax``, else to the bucket of fewest tokens if they stay ``<= Lmax``, else is deferred
+       (L84-97; ties: the first bucket);
+    2. deferred documents, in order, to the bucket of least ``W`` with no cap (L100-104);
+    3. a bucket left empty gets a dummy document of ``DISTCA_WLB_EMPTY_PAD`` (128) tokens (L109-113).
+
+    One bucket holds every document in the given order (L121-124). Returns ``(buckets, lens)``:
+    per bucket the indices of its documents in placement order, into ``lens`` = ``doc_lens`` followed
+    by the dummies (a replica runs a dummy like any document, as DistCA's does). DistCA's 4D driver
+    passes ``n_buckets = dp x micro-batches`` with the 3D ``Lmax`` (``tests/test_wlb_e2e.py:517-523``),
+    i.e. ``cap`` = the mean over ``micro-batches``: step 1 then places little and step 2 most."""
+    lens = _check_docs(doc_lens)
+    n = _check_int("n_buckets", n_buckets)
+    if n == 1:
+        return [list(range(len(lens)))], list(lens)
+    cap = sum(lens) // n if cap is None else _check_int("cap", cap)
+    bk = float(wlb_breakpoint(model))
+    buckets: list[list[int]] = [[] for _ in range(n)]
+    work, size = [0.0] * n, [0] * n
+
+    def put(r: int, d: int) -> None:
+        x = lens[d] / bk
+        buckets[r].append(d)
+        work[r] += x ** 2 + x                  # summed in placement order, as DistCA's sum() is
+        size[r] += lens[d]
+
+    deferred = []
+    for d in sorted(range(len(lens)), key=lambda d: -lens[d]):
+        least_work = min(range(n), key=work.__getitem__)
+        fewest = min(range(n), key=size.__getitem__)
+        if size[least_work] + lens[d] <= cap:
+            put(least_work, d)
+        elif size[fewest] + lens[d] <= cap:
+            put(fewest, d)
+        else:
+            deferred.append(d)
+    for d in deferred:
+        put(min(range(n), key=work.__getitem__), d)
+    out = list(lens)
+    for b in buckets:
+        if not b:
+            b.append(len(out))
+            out.append(DISTCA_WLB_EMPTY_PAD)
+    return buckets, out
+
+
+def per_doc_cp_layout(buckets: Sequence[Sequence[int]], doc_lens: Sequence[int], cp: int) -> Layout:
+    """Per-document CP as WLB-LLM's code shards it (``compute_per_doc_cp_shard_doc_len``,
+    ``baseline/wlbllm_original/wlbllm/utils.py:29-78``): bucket ``j`` (documents by index into
+    ``doc_lens``) runs on ranks ``j cp ... j cp + cp - 1``; every one of its documents, however
+    short, is cut into ``K = 2 cp`` consecutive shards of ``l // K`` tokens, its ``l mod K``
+    remaining tokens dealt one each to shards ``c, c + 1, ...`` (mod ``K``), ``c`` a counter that
+    runs on over the bucket's documents; rank ``g`` of the group holds shards ``g`` and ``K - 1 - g``
+    (its local order: shard ``g`` of every document, then shard ``K - 1 - g``; empty shards dropped).
+    Ranks hold the same tokens to within one per document."""
+    cp = _check_int("cp", cp)
+    lens = np.asarray(_check_docs(doc_lens), dtype=np.int64)
+    K = 2 * cp
+    rows = []
+    for j, bucket in enumerate(buckets):
+        docs = np.asarray(bucket, dtype=np.int64)
+        n = lens[docs]
+        rem = n % K
+        first = (np.cumsum(rem) - rem) % K                  # the counter where each remainder starts
+        size = n[:, None] // K + (((np.arange(K)[None, :] - first[:, None]) % K) < rem[:, None])
+        end = np.cumsum(size, axis=1)
+        for g in range(cp):
+            for i in (g, K - 1 - g):
+                rows.append(np.stack([docs, end[:, i] - size[:, i], end[:, i],
+                                      np.full(docs.size, j * cp + g)], axis=1))
+    rows = np.concatenate(rows) if rows else np.zeros((0, 4), dtype=np.int64)
+    return Layout.from_chunks(rows[rows[:, 2] > rows[:, 1]], lens.tolist(), len(buckets) * cp)
+
+
+def wlb_distca_layout(doc_lens: Sequence[int], n_ranks: int, cp: int, tokens_per_rank: int | None = None,
+                      model: ModelSpec | str | None = None, cap: int | None = None) -> Layout:
+    """WLB-ideal as DistCA's 3D driver runs WLB-LLM (``tests/test_e2e_combined.py:857-927``): the
+    documents whole over ``n_ranks / cp`` replicas (:func:`wlb_distca_buckets`, ``Lmax`` = ``cap``,
+    default ``cp x tokens_per_rank``, the replica's share, or the mean when ``tokens_per_rank`` is
+    None), then per-document CP of degree ``cp`` in each (:func:`per_doc_cp_layout`), replica-major
+    like :func:`wlb_layout`. A replica's dummy document (its bucket was empty) is a document of the
+    layout after ``doc_lens``'. Not modelled: the driver's padding of a replica's documents to the DP
+    size with 512-token ones and of its total to a multiple of ``16 cp`` (L883-893)."""
+    n_ranks, cp = _check_int("n_ranks", n_ranks), _check_int("cp", cp)
+    if n_ranks % cp:
+        raise ValueError(f"cp={cp} must divide n_ranks={n_ranks}")
+    if cap is None and tokens_per_rank is not None:
+        cap = cp * _check_int("tokens_per_rank", tokens_per_rank)
+    buckets, lens = wlb_distca_buckets(doc_lens, n_ranks // cp, cap, model)
+    return per_doc_cp_layout(buckets, lens, cp)
+
+
+def replica_gather_tokens(layout: Layout, cp: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per-document CP's all-gather as WLB-LLM's code runs it (``per_doc_cp_attn.py:126-153``), per
+    rank in tokens ``(sent, received)``: every rank of a CP group (ranks ``g cp ... g cp + cp - 1``)
+    gathers the K, V of every document its group holds, whether it holds a piece of it or not. With
+    whole documents per group (WLB-LLM's packer) that is the whole group's tokens: rank ``r``
+    receives ``T_g - own_r`` and sends its ``own_r`` to the ``cp - 1`` others. A document cut
+    over ``H_d`` groups (ours, ``balanced``) is gathered by all their ``cp H_d`` ranks:
+    ``received_r = sum_{d in g} len_d - own_r``, ``sent_r = sum_d own_{r,d} (cp H_d - 1)``; at
+    ``cp = 1`` this is :func:`per_doc_gather_tokens`. The backward's reduce-scatter of dK, dV is
+    the mirror, ``(received, sent)``."""
+    cp = _check_int("cp", cp)
+    R = layout.n_ranks
+    if R % cp:
+        raise ValueError(f"cp={cp} must divide the layout's {R} ranks")
+    ch = layout.chunk_array()
+    if not ch.shape[0]:
+        return np.zeros(R, dtype=np.int64), np.zeros(R, dtype=np.int64)
+    lens = np.asarray(layout.doc_lens, dtype=np.int64)
+    own = layout.tokens_per_rank().astype(np.int64)
+    G = R // cp
+    held = np.unique(ch[:, 0] * G + ch[:, 3] // cp)             # (document, group) pairs
+    doc, grp = held // G, held % G
+    group_docs = np.bincount(grp, weights=lens[doc], minlength=G).astype(np.int64)
+    groups_of = np.bincount(doc, minlength=lens.size)           # H_d
+    sent = np.bincount(ch[:, 3], weights=(ch[:, 2] - ch[:, 1]) * (cp * groups_of[ch[:, 0]] - 1),
+                       minlength=R).astype(np.int64)
+    return sent, np.repeat(group_docs, cp) - own
 
 
 # ---------------------------------------------------------------------------------------------------

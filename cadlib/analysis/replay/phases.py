@@ -139,7 +139,8 @@ def allreduce_seconds(s: Setting, link: Link) -> float:
 
 def compose_work(s: Setting, works: dict[str, Work], times: dict, links: Links, backend: str
                  ) -> dict[str, Composed]:
-    """Every method of a batch composed (WLB: its best CP degree, with the others under ``wlb/c``)."""
+    """Every method of a batch composed, WLB at each degree under ``wlb/c`` and, when ``s.wlb_choice``
+    is ``"batch"``, its best degree as ``wlb`` (``"setting"``: :func:`choose_wlb` over the batches)."""
     L = s.spec.n_layers
     out = {}
     for key, w in works.items():
@@ -147,16 +148,47 @@ def compose_work(s: Setting, works: dict[str, Work], times: dict, links: Links, 
                            phases(s, w, times, links, backend, signal_only=key == "signal-only"), L)
         if key == "signal-only":
             out[key] = replace(out[key], method="signal-only")
-    return _best_wlb(out)
+    return _best_wlb(out) if s.wlb_choice == "batch" else out
+
+
+def _wlb_as(out: dict[str, Composed], cp: int) -> Composed:
+    c = out[f"wlb/{cp}"]
+    return replace(c, breakdown={**c.breakdown, "cp": cp})
 
 
 def _best_wlb(out: dict[str, Composed]) -> dict[str, Composed]:
-    """WLB-ideal: the fastest of the composed CP degrees (``wlb/c``), as ``wlb``."""
+    """WLB-ideal per batch (``wlb_choice="batch"``, ours: an oracle): the fastest of the batch's composed
+    CP degrees (``wlb/c``), as ``wlb``."""
     wl = {k: v for k, v in out.items() if k.startswith("wlb/")}
     if wl:
         best = min(wl, key=lambda k: wl[k].step)
-        out["wlb"] = replace(wl[best], breakdown={**wl[best].breakdown, "cp": int(best.split("/")[1])})
+        out["wlb"] = _wlb_as(out, int(best.split("/")[1]))
     return out
+
+
+def wlb_means(batches: list[dict[str, Composed]]) -> dict[int, float]:
+    """Per CP degree composed in every batch, its mean step over the batches."""
+    common = set.intersection(*({k for k in b if k.startswith("wlb/")} for b in batches)) if batches \
+        else set()
+    return {int(k.split("/")[1]): float(np.mean([b[k].step for b in batches])) for k in sorted(common)}
+
+
+def choose_wlb(s: Setting, batches: list[dict[str, Composed]], cp: int | None = None) -> int | None:
+    """WLB-ideal as the paper reports it (``wlb_choice="setting"``): ONE CP degree for the setting, the
+    one of least mean step over ``batches`` (each :func:`compose_work`'s or :func:`model_compose`'s,
+    DistCA's ``table.ipy.py:86-98`` at 9bcf02a, ``min`` of the runs' average durations), or ``cp`` when
+    given; every batch's ``wlb`` becomes that degree's step (in place). Returns the degree (None under
+    ``"batch"``, where each batch already holds its own best)."""
+    if s.wlb_choice == "batch":
+        return None
+    if cp is None:
+        means = wlb_means(batches)
+        if not means:
+            return None
+        cp = min(means, key=means.get)
+    for b in batches:
+        b["wlb"] = _wlb_as(b, cp)
+    return cp
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -208,20 +240,21 @@ def model_compose(s: Setting, works: dict[str, Work], links: Links) -> dict[str,
         sig = key == "signal-only"
         ph = model_phases(s, w, links, signal_only=sig)
         out[key] = replace(compose("cad-pingpong" if sig else w.method, ph, L), method=key)
-    return _best_wlb(out)
+    return _best_wlb(out) if s.wlb_choice == "batch" else out
 
 
 def batch_work(s: Setting, b: int, rates: dict | None = None) -> dict[str, Work]:
-    """Every method's work for batch ``b``, WLB once per CP degree (keyed ``wlb/c``): with ``rates``
-    (:func:`link_rates`), only the ``wlb_top`` degrees the simulator ranks fastest on this batch
-    (:func:`model_compose`), the ones worth timing. ``signal-only`` shares ``cad-pingpong``'s work
-    (its collectives cut to their latency by :func:`phases`)."""
+    """Every method's work for batch ``b``, WLB once per CP degree of :meth:`Setting.wlb_degrees`
+    (keyed ``wlb/c``); under ``wlb_choice="batch"`` with ``rates`` (:func:`link_rates`), only the
+    ``wlb_top`` degrees the simulator ranks fastest on this batch (:func:`model_compose`), the ones
+    worth timing (``"setting"`` composes the same degrees in every batch). ``signal-only`` shares
+    ``cad-pingpong``'s work (its collectives cut to their latency by :func:`phases`)."""
     docs = batch_lengths(s, b)
     out = {}
     for m in s.methods:
         if m == "wlb":
-            wl = {f"wlb/{c}": method_work(s, docs, "wlb", c) for c in s.cp_degrees()}
-            if rates is not None and len(wl) > s.wlb_top:
+            wl = {f"wlb/{c}": method_work(s, docs, "wlb", c) for c in s.wlb_degrees()}
+            if s.wlb_choice == "batch" and rates is not None and len(wl) > s.wlb_top:
                 sim = model_compose(s, wl, Links.of(s, rates))
                 wl = {k: wl[k] for k in sorted(wl, key=lambda k: sim[k].step)[:s.wlb_top]}
             out.update(wl)

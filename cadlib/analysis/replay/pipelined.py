@@ -12,7 +12,9 @@ documents. Per configuration ``(pp, dp)`` and method:
   CP of degree ``c``, :func:`wlb_micro_layouts`): Megatron's 1F1B (:func:`cadlib.analysis.model.compose.one_f_one_b`) of
   per-(stage, microbatch) op durations, each the composition of the stage's layers over its
   data-parallel ranks (:func:`~cadlib.analysis.model.compose.compose_pass`), plus the point-to-point
-  activation (forward) or gradient (backward) of the op, the LM head on the last stage.
+  activation (forward) or gradient (backward) of the op, the LM head on the last stage. WLB as DistCA's
+  4D driver runs it is a choice of :class:`Setting4D` (:data:`WLB_CHOICES_4D`: its packer over all
+  replicas and micro-batches, the whole-replica all-gather, its sweep's admissible CP degrees).
 * ``cad-pingpong`` and ``signal-only``: DistCA's lock-step ticks (:func:`cadlib.core.pipeline.lockstep`),
   each tick's CA-tasks of all stages' current microbatches scheduled together over all GPUs
   (:mod:`cadlib.scheduling.pipeline`); a dummy stage's GPUs serve. The backward resends Q, O, dO, LSE
@@ -46,7 +48,7 @@ from ...core.methods import METHODS, names
 from ...core.paper import DISTCA_TABLE4_8B, DISTCA_TP
 from ...core.pipeline import lockstep
 from ...core.precision import DTYPE_BYTES
-from ...data.packing import pack, wlb_layout
+from ...data.packing import pack, per_doc_cp_layout, wlb_distca_buckets, wlb_layout
 from ...scheduling import scheduler
 from ...scheduling.pipeline import micro_nanos, tick_plans
 from ..model.compose import Phases, compose_lockstep, compose_pass, one_f_one_b
@@ -92,6 +94,15 @@ class Setting4D:
     min_shard: int = 512
     nano_split: str = DEFAULT_NANO_SPLIT
     linear: str = ""
+    wlb_packer: str = "cut"
+    wlb_gather: str = "sharing"
+    wlb_choice: str = "batch"
+
+    def __post_init__(self):
+        for f, valid in WLB_CHOICES_4D.items():
+            if getattr(self, f) not in valid:
+                raise ValueError(f"Setting4D.{f} must be one of {', '.join(map(repr, valid))}, "
+                                 f"got {getattr(self, f)!r}")
 
     @property
     def nodes(self) -> int:
@@ -120,12 +131,34 @@ class Setting4D:
             out.append((pp, dp, self.total_tokens // per))
         return out
 
+    def wlb_degrees(self, dp: int, n_micro: int) -> tuple[int, ...]:
+        """WLB-ideal's CP degrees at a configuration of ``dp`` nodes per stage and ``n_micro``
+        micro-batches: every degree of ``wlb_cp`` dividing ``dp``; with ``wlb_choice="setting"`` only
+        those DistCA's 4D sweep admits (``9bcf02a:benchmarks/_250923_test_pp_34b/zconfig_gen.py:79-84``:
+        ``nodes // cp`` at most the sequences of a micro-batch, ``batch / n_micro``; its ``nodes``
+        counts every stage). Both then take each method's configuration of least mean step
+        (:func:`summarise_4d`), as the paper does."""
+        out = tuple(c for c in self.wlb_cp if dp % c == 0)
+        if self.wlb_choice == "setting":
+            out = tuple(c for c in out if (self.nodes // c) * n_micro <= self.batch)
+        return out
+
     def base(self, dp: int) -> Setting:
         """The 3D setting whose helpers (durations, links) one stage's ``dp`` ranks use."""
         return Setting(f"{self.name}_dp{dp}", self.dist, dp, tokens=self.micro_tokens,
                        max_doc_len=self.max_doc_len, elongate=self.elongate, tp=self.tp, model=self.model,
                        batches=self.batches, seed=self.seed, link=self.link, tolerance=self.tolerance,
                        min_shard=self.min_shard, nano_split=self.nano_split, linear=self.linear)
+
+
+WLB_CHOICES_4D = {"wlb_packer": ("cut", "distca", "distca-4d"), "wlb_gather": ("sharing", "replica"),
+                  "wlb_choice": ("batch", "setting")}
+"""The values of a 4D setting's WLB choices (the first of each: what the replay did before them).
+``wlb_packer``: ``"cut"`` ours (:func:`wlb_micro_layouts`), ``"distca"`` WLB-LLM's packer over all of a
+step's replicas and micro-batches with ``Lmax`` = the mean, ``"distca-4d"`` the same as DistCA's 4D
+driver calls it, ``Lmax`` = the mean over the micro-batches (spec: its 3D ``Lmax`` with ``dp x
+micro-batches`` buckets). ``wlb_gather`` and ``wlb_choice``: as the 3D :class:`Setting`'s (the choice:
+:meth:`Setting4D.wlb_degrees`)."""
 
 
 def paper_4d_settings(batches: int = 3, dists=("distca-pretrain", "prolong")) -> list[Setting4D]:
@@ -165,12 +198,33 @@ def wlb_micro_layouts(s: Setting4D, groups, dp: int, cp: int) -> list[Layout]:
     balanced over its replicas with per-document CP of degree ``cp`` (:func:`wlb_layout`); a
     microbatch over its cap holds more tokens per rank (the memory the paper's WLB runs out of)."""
     docs = [n for g in groups for n in g]
+    if s.wlb_packer != "cut":
+        return wlb_distca_micro_layouts(s, docs, len(groups), dp, cp)
     bins = varlen_chunking(docs, len(groups), dp * s.micro_tokens, as_model(s.model), Hardware(attn_kernel="fa4"))
     out = []
     for chunks in bins.ranks:
         lens = [bins.doc_lens[c.doc] for c in chunks]
         per = -(-sum(lens) // dp)
         out.append(wlb_layout(lens, dp, cp, per, s.model))
+    return out
+
+
+def wlb_distca_micro_layouts(s: Setting4D, docs: list[int], n_micro: int, dp: int, cp: int) -> list[Layout]:
+    """WLB-LLM's micro-batches as DistCA's 4D driver forms them (``tests/test_wlb_e2e.py:503-523``): the
+    step's documents whole over ``n_micro x dp / cp`` buckets (:func:`cadlib.data.packing.wlb_distca_buckets`,
+    ``Lmax`` = the mean, or for ``"distca-4d"`` the mean over ``n_micro`` as that driver passes it),
+    bucket ``j`` the replica ``j mod (dp / cp)`` of micro-batch ``j // (dp / cp)`` (L511), each
+    replica with per-document CP of degree ``cp`` (:func:`cadlib.data.packing.per_doc_cp_layout`)."""
+    n_rep = dp // cp
+    cap = sum(docs) // (n_micro * n_rep)
+    buckets, lens = wlb_distca_buckets(docs, n_micro * n_rep, cap // n_micro if s.wlb_packer == "distca-4d"
+                                       else cap, s.model)
+    out = []
+    for m in range(n_micro):
+        mine = buckets[m * n_rep:(m + 1) * n_rep]
+        ids = [d for b in mine for d in b]
+        pos = {d: i for i, d in enumerate(ids)}
+        out.append(per_doc_cp_layout([[pos[d] for d in b] for b in mine], [lens[d] for d in ids], cp))
     return out
 
 
@@ -277,8 +331,10 @@ def _ends(s: Setting4D, pp: int, times: dict, backend: str):
 # ---------------------------------------------------------------------------------------------------
 
 def pipeline_1f1b(s: Setting4D, lays: list[Layout], pp: int, dp: int, times, links: Links, price,
-                  backend: str, method: str) -> dict:
-    """Colocated or WLB under 1F1B: each op is its stage's layers over the microbatch's ``dp`` ranks."""
+                  backend: str, method: str, gather_cp: int | None = None) -> dict:
+    """Colocated or WLB under 1F1B: each op is its stage's layers over the microbatch's ``dp`` ranks
+    (``gather_cp``: per-document CP's all-gather over whole CP groups of that degree,
+    :func:`cadlib.analysis.replay.settings.gather_bytes`)."""
     base, spec = s.base(dp), s.spec
     L = spec.n_layers // pp
     opt, head = _ends(s, pp, times, backend)
@@ -288,7 +344,7 @@ def pipeline_1f1b(s: Setting4D, lays: list[Layout], pp: int, dp: int, times, lin
         tok = lay.tokens_per_rank().astype(np.float64)
         plan = scheduler.colocated(lay)
         af, ab = _attention([plan], price, dp)
-        g = gather_bytes(lay, spec)
+        g = gather_bytes(lay, spec, gather_cp)
         lin = _linear(base, tok, times, links, backend)
         ph = Phases(**lin, attn=af[0], attn_bwd=ab[0], comm_in=links.dp.seconds(*g["in"]),
                     comm_out=links.dp.seconds(*g["out"]), comm_in_bwd=links.dp.seconds(*g["in_bwd"]),
@@ -366,11 +422,12 @@ def replay_setting_4d(s: Setting4D, times: dict, rates: dict, backend: str, pric
             common = dict(batch=b, pp=pp, dp=dp, n_micro=n_micro)
             rows.append({**common, "method": "colocated", "cp": 1, "max_tokens_per_rank": s.micro_tokens,
                          **pipeline_1f1b(s, base, pp, dp, times, links, price, backend, "colocated")})
-            for c in (c for c in s.wlb_cp if dp % c == 0):
+            for c in s.wlb_degrees(dp, n_micro):
                 lays = wlb_micro_layouts(s, groups, dp, c)
                 top = int(max(lay.tokens_per_rank().max() for lay in lays))
                 rows.append({**common, "method": "wlb", "cp": c, "max_tokens_per_rank": top,
-                             **pipeline_1f1b(s, lays, pp, dp, times, links, price, backend, "wlb")})
+                             **pipeline_1f1b(s, lays, pp, dp, times, links, price, backend, "wlb",
+                                             c if s.wlb_gather == "replica" else None)})
             for m in names(pingpong=True):
                 rows.append({**common, "method": m, "cp": 1, "max_tokens_per_rank": s.micro_tokens,
                              **pipeline_lockstep(s, base, pp, dp, times, links, price, backend,

@@ -15,7 +15,8 @@ import numpy as np
 
 from ...core.methods import METHODS
 from ...infra.results import find_results, load_result
-from .phases import NCCL_LATENCY_S, TP_COLLECTIVES, Links, batch_work, compose_work, model_compose, phases
+from .phases import (NCCL_LATENCY_S, TP_COLLECTIVES, Links, batch_work, choose_wlb, compose_work,
+                     model_compose, phases)
 from .settings import Setting, Work
 from .times import LINEAR_GRID, attention_jobs, grid_points, head_key, linear_key, optimizer_key, scaled
 
@@ -81,13 +82,19 @@ def replay_setting(s: Setting, times: dict, rates: dict, backend: str) -> dict |
     measured = _measured_steps(s)
     dev = device_ratio(s) if measured else None
     on_run_gpu = scaled(times, dev["ratio"]) if dev else None
-    rows, ranks = [], []
+    rows, ranks, composed = [], [], []
     for b in range(s.batches):
         works = batch_work(s, b, rates)
         if missing_times(s, works, times, backend):
             return None
         got, sim = compose_work(s, works, times, links, backend), model_compose(s, works, links)
         dev_steps = compose_work(s, works, on_run_gpu, links, backend) if dev else {}
+        composed.append((works, got, sim, dev_steps))
+    cp = choose_wlb(s, [c[1] for c in composed])            # "setting": one degree, its least mean step
+    sim_cp = choose_wlb(s, [c[2] for c in composed])        # the simulator's own choice, by its means
+    if dev:
+        choose_wlb(s, [c[3] for c in composed], cp)
+    for b, (works, got, sim, dev_steps) in enumerate(composed):
         for key, c in got.items():
             w = works.get(key) or works[f"wlb/{c.breakdown['cp']}"]
             ph = phases(s, w, times, links, backend, signal_only=key == "signal-only")
@@ -99,6 +106,8 @@ def replay_setting(s: Setting, times: dict, rates: dict, backend: str) -> dict |
                    "sim_idle_fraction": sim[key].idle_fraction}
             if "cp" in c.breakdown:
                 row["cp"] = c.breakdown["cp"]
+            if key == "wlb" and sim_cp is not None:
+                row["sim_cp"] = sim_cp
             if (key, b) in measured:
                 row["measured_step_s"] = measured[(key, b)]
                 if key in dev_steps:
@@ -115,9 +124,19 @@ def replay_setting(s: Setting, times: dict, rates: dict, backend: str) -> dict |
     return out
 
 
+SPEEDUP_DEFINITIONS = {"batch": "mean_of_ratios", "setting": "ratio_of_means"}
+"""Which speedup ``speedup_over_<base>`` is, per ``wlb_choice``: ours, the mean over batches of the
+per-batch ratios of steps; the paper's, the ratio of the mean steps ("the average duration of the runs
+of WLB-LLM over DistCA", Figures 9 and 10)."""
+
+
 def summarise(s: Setting, rows: list[dict]) -> list[dict]:
-    """Per method: mean (and per-batch) speedup over colocated and over WLB-ideal, the simulator's,
-    the replay's error against a measured run, the batch count."""
+    """Per method: speedups over colocated and over WLB-ideal, each both as the mean of per-batch
+    ratios (``..._mean_of_ratios``) and as the ratio of mean steps (``..._ratio_of_means``), with
+    ``speedup_over_<base>`` the one of ``s.wlb_choice`` (:data:`SPEEDUP_DEFINITIONS`), the per-batch
+    ratios and the simulator's; the replay's error against a measured run; the batch count; for WLB
+    the CP degree of each batch and, under ``"setting"``, the degree chosen (the replay's and the
+    simulator's) and every composed degree's mean step."""
     by = {(r["method"], r["batch"]): r for r in rows}
     methods = sorted({r["method"] for r in rows if "/" not in r["method"]}, key=list(METHODS).index)
     batches = sorted({r["batch"] for r in rows})
@@ -127,13 +146,20 @@ def summarise(s: Setting, rows: list[dict]) -> list[dict]:
                "tokens_per_group": s.tokens, "method": m, "batches": len(batches),
                "ranks": s.dp, "step_s_mean": float(np.mean([by[(m, b)]["step_s"] for b in batches])),
                "idle_fraction_mean": float(np.mean([by[(m, b)]["idle_fraction"] for b in batches]))}
+        definition = SPEEDUP_DEFINITIONS[s.wlb_choice]
         for base in ("colocated", "wlb"):
             if (base, batches[0]) in by:
-                sp = [by[(base, b)]["step_s"] / by[(m, b)]["step_s"] for b in batches]
-                spm = [by[(base, b)]["sim_step_s"] / by[(m, b)]["sim_step_s"] for b in batches]
-                rec[f"speedup_over_{base}"] = float(np.mean(sp))
-                rec[f"speedup_over_{base}_per_batch"] = [float(x) for x in sp]
-                rec[f"sim_speedup_over_{base}"] = float(np.mean(spm))
+                for pre, f in (("", "step_s"), ("sim_", "sim_step_s")):
+                    steps = np.array([[by[(k, b)][f] for b in batches] for k in (base, m)])
+                    sp = steps[0] / steps[1]
+                    got = {"mean_of_ratios": float(np.mean([float(x) for x in sp])),
+                           "ratio_of_means": float(steps[0].mean() / steps[1].mean())}
+                    rec[f"{pre}speedup_over_{base}"] = got[definition]
+                    if not pre:
+                        rec[f"speedup_over_{base}_per_batch"] = [float(x) for x in sp]
+                    for name, v in got.items():
+                        rec[f"{pre}speedup_over_{base}_{name}"] = v
+        rec["speedup_definition"] = definition
         sim_err = [by[(m, b)]["sim_step_s"] / by[(m, b)]["step_s"] - 1 for b in batches]
         rec["sim_vs_replay_step_err_mean"] = float(np.mean(sim_err))
         for field_, name in (("step_s", "replay_vs_measured"), ("step_s_on_run_gpu", "on_run_gpu")):
@@ -144,6 +170,13 @@ def summarise(s: Setting, rows: list[dict]) -> list[dict]:
                 rec[f"{name}_err_of_mean"] = float(got.mean() / ref.mean() - 1)
         if m == "wlb":
             rec["cp_chosen"] = [by[(m, b)].get("cp") for b in batches]
+            if s.wlb_choice == "setting":
+                rec["wlb_cp"], rec["sim_wlb_cp"] = by[(m, batches[0])]["cp"], by[(m, batches[0])]["sim_cp"]
+                for pre, f in (("", "step_s"), ("sim_", "sim_step_s")):
+                    rec[f"{pre}wlb_step_s_mean_by_cp"] = {
+                        k.split("/")[1]: float(np.mean([by[(k, b)][f] for b in batches]))
+                        for k in sorted({r["method"] for r in rows if r["method"].startswith("wlb/")},
+                                        key=lambda k: int(k.split("/")[1]))}
         out.append(rec)
     return out
 

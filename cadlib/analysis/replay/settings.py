@@ -25,10 +25,12 @@ reduce-scatters cross NVLink. The replay times that shard: per-GPU times, not a 
 
 Methods: ``colocated`` (sequential packing, per-document CP for documents split between ranks), ``wlb``
 (WLB-ideal: balanced packing over ``dp / c`` replicas with per-document CP of degree ``c`` inside
-each, the best ``c`` of ``wlb_cp``), ``cad``, ``cad-pingpong`` and ``signal-only`` (ping-pong with every
-collective cut to its latency). The per-document all-gather is counted among the ranks that hold a
-document (:func:`cadlib.data.packing.per_doc_gather_tokens`), which favours the baselines over an
-all-gather of the whole group.
+each, at the degrees of :meth:`Setting.wlb_degrees`), ``cad``, ``cad-pingpong`` and ``signal-only``
+(ping-pong with every collective cut to its latency). By default the per-document all-gather is
+counted among the ranks that hold a document (:func:`cadlib.data.packing.per_doc_gather_tokens`) and
+repeated before the backward; WLB-LLM's code gathers its CP group's whole K, V once and keeps them for
+the backward (``wlb_gather="replica"``). WLB's per-document CP puts a piece of nearly every document on
+every rank of its group, so the two gather the same bytes: what differs is the backward's second gather.
 """
 from __future__ import annotations
 
@@ -41,7 +43,7 @@ from ...core.defaults import DEFAULT_NANO_SPLIT, DEFAULT_TOLERANCE
 from ...core.layout import Layout
 from ...core.methods import METHODS, names
 from ...core.paper import DISTCA_TABLE3_8B, DISTCA_TP
-from ...data.packing import pack, per_doc_gather_tokens, wlb_layout
+from ...data.packing import pack, per_doc_gather_tokens, replica_gather_tokens, wlb_distca_layout, wlb_layout
 from ...data.workload import sample_docs, sample_kwargs, sample_lengths
 from ...dispatch.build import build_all
 from ...dispatch.meta import Dispatch
@@ -140,6 +142,28 @@ class Setting:
 
     def cp_degrees(self) -> tuple[int, ...]:
         return tuple(c for c in self.wlb_cp if self.dp % c == 0)
+
+    def sequences_per_step(self) -> int:
+        """MaxDocLen-long sequences in a step (Table 3's batch size): ``dp x tokens`` over
+        ``sequence_len`` (DistCA's batches) or else ``max_doc_len``; ``dp`` when neither is set."""
+        n = self.sequence_len or self.max_doc_len
+        return self.dp * self.tokens // n if n else self.dp
+
+    def wlb_degrees(self) -> tuple[int, ...]:
+        """The CP degrees WLB-ideal is composed at. ``wlb_choice="batch"``: every degree of ``wlb_cp``
+        dividing ``dp`` (:meth:`cp_degrees`; the replay times the simulator's ``wlb_top`` of each batch).
+        ``"setting"``, DistCA's 3D sweep (``9bcf02a:benchmarks/_250918_large_scale_v11_dpcp/
+        salloc_srun.sweep-bigbatch-pretrain-8b.sh:121-146``: CP from 32 down, skipped if above the
+        nodes or if ``nodes / CP`` exceeds the step's sequences, stopped after two runs): the
+        ``wlb_top`` largest of those degrees with ``dp / c <= sequences_per_step()``, at least one
+        sequence per replica (without sequences, a replica holds at least ``max_doc_len`` tokens)."""
+        if self.wlb_choice == "batch":
+            return self.cp_degrees()
+        ok = sorted((c for c in self.cp_degrees() if self.dp // c <= self.sequences_per_step()), reverse=True)
+        if not ok:
+            raise ValueError(f"Setting.wlb_cp={self.wlb_cp} holds no CP degree dividing dp={self.dp} with "
+                             f"dp / cp <= {self.sequences_per_step()} sequences per step; add larger degrees")
+        return tuple(ok[:self.wlb_top])
 
     def recipe(self) -> Recipe:
         """How its batches are sampled and planned (:mod:`cadlib.scheduling.recipes`): a committed
@@ -261,21 +285,36 @@ def _cad_bytes(ds: list[Dispatch], spec: ModelSpec) -> dict:
     return {"in": send, "out": (qr * qb, qs * qb), "out_bwd": (qs * qb, qr * qb), "in_bwd": back}
 
 
-def gather_bytes(layout: Layout, spec: ModelSpec) -> dict:
-    """Per-document CP: the all-gather of shared documents' K, V before attention (and again before its
-    backward), and the return of their dK, dV after it."""
-    sent, recv = per_doc_gather_tokens(layout)
+def gather_bytes(layout: Layout, spec: ModelSpec, cp: int | None = None) -> dict:
+    """Per-document CP's collectives. ``cp`` None (``wlb_gather="sharing"``): the all-gather of shared
+    documents' K, V among the ranks that share them before attention (and again before its backward),
+    and the return of their dK, dV after it. ``cp`` (``"replica"``, WLB-LLM's code): every rank of a
+    CP group gathers the K, V of all its group's documents, with WLB-LLM's packer the whole group's
+    tokens (:func:`cadlib.data.packing.replica_gather_tokens`,
+    ``baseline/wlbllm_original/wlbllm/per_doc_cp_attn.py:126-153``), saved for the backward (L326-335,
+    so no second gather), and dK, dV are reduce-scattered after the backward's attention (L468-475)."""
+    sent, recv = per_doc_gather_tokens(layout) if cp is None else replica_gather_tokens(layout, cp)
     kvb = spec.kv_bytes(DTYPE)
     g = (sent * kvb, recv * kvb)
     zero = (np.zeros_like(g[0]), np.zeros_like(g[0]))
-    return {"in": g, "out": zero, "out_bwd": g, "in_bwd": (g[1], g[0])}
+    return {"in": g, "out": zero, "out_bwd": g if cp is None else zero, "in_bwd": (g[1], g[0])}
 
 
-def _colocated_work(method: str, layout: Layout, spec: ModelSpec, meta: dict) -> Work:
+def _colocated_work(method: str, layout: Layout, spec: ModelSpec, meta: dict, gather_cp: int | None = None
+                    ) -> Work:
     plan = scheduler.colocated(layout)
     ds = build_all(plan)
-    return Work(method, layout.tokens_per_rank().astype(np.int64), [ds], gather_bytes(layout, spec),
-                [[_served(plan, r) for r in range(layout.n_ranks)]], {**meta, "imbalance": plan.imbalance()})
+    return Work(method, layout.tokens_per_rank().astype(np.int64), [ds],
+                gather_bytes(layout, spec, gather_cp), [[_served(plan, r) for r in range(layout.n_ranks)]], {**meta, "imbalance": plan.imbalance()})
+
+
+def wlb_work(s: Setting, docs: list[int], cp: int) -> Work:
+    """WLB-ideal's work at CP degree ``cp``: the layout of ``s.wlb_packer`` (``"cut"``:
+    :func:`cadlib.data.packing.wlb_layout`; ``"distca"``: :func:`cadlib.data.packing.wlb_distca_layout`,
+    ``Lmax`` = a replica's ``cp x tokens``) and the all-gather of ``s.wlb_gather`` (:func:`gather_bytes`)."""
+    lay_of = wlb_distca_layout if s.wlb_packer == "distca" else wlb_layout
+    layout = lay_of(docs, s.dp, cp, s.tokens, s.model)
+    return _colocated_work("wlb", layout, s.spec, {"cp": cp}, cp if s.wlb_gather == "replica" else None)
 
 
 def method_work(s: Setting, docs: list[int], method: str, cp: int = 1) -> Work:
@@ -284,7 +323,7 @@ def method_work(s: Setting, docs: list[int], method: str, cp: int = 1) -> Work:
     if method == "colocated":
         return _colocated_work(method, pack(docs, R, s.tokens), spec, {})
     if method == "wlb":
-        return _colocated_work(method, wlb_layout(docs, R, cp, s.tokens, s.model), spec, {"cp": cp})
+        return wlb_work(s, docs, cp)
     if method == "varlen":
         lay = varlen_chunking(docs, R, s.tokens, as_model(s.model), Hardware(attn_kernel="fa4"))
         return _colocated_work(method, lay, spec, {})
