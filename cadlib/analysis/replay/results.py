@@ -15,6 +15,7 @@ import numpy as np
 
 from ...core.methods import METHODS
 from ...infra.results import find_results, load_result
+from ...scheduling.buffer import RECORD_KEYS
 from .phases import NCCL_LATENCY_S, TP_COLLECTIVES, Links, batch_work, compose_work, model_compose, phases
 from .settings import Setting, Work
 from .times import LINEAR_GRID, attention_jobs, grid_points, head_key, linear_key, optimizer_key, scaled
@@ -98,6 +99,7 @@ def replay_setting(s: Setting, times: dict, rates: dict, backend: str) -> dict |
                    "sim_idle_fraction": sim[key].idle_fraction}
             if "cp" in c.breakdown:
                 row["cp"] = c.breakdown["cp"]
+            row.update({k: w.meta[k] for k in RECORD_KEYS if k in w.meta})   # CAD's tolerance rule
             if (key, b) in measured:
                 row["measured_step_s"] = measured[(key, b)]
                 if key in dev_steps:
