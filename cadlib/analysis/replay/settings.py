@@ -79,8 +79,9 @@ class Setting:
       ``"setting"`` (one CP degree per setting, the best mean over the batches, as the paper reports)
       or ``"batch"`` (ours: the best degree of each batch, an oracle).
     * CAD: ``cad_planner`` ``"distca"`` (DistCA's released planner) or ``"ours"``; ``tolerance_rule``
-      ``"buffer"`` (DistCA's: the first tolerance from 0.05 up whose plans' all-to-alls fit a
-      ``buffer_gib`` communication buffer) or ``"fixed"`` (``tolerance``); ``backward`` ``"resend"``
+      ``"buffer"`` (DistCA's: the first of its tolerances from ``tolerance`` up, 0.05 in its runs, whose
+      plans' all-to-alls fit a ``buffer_gib`` communication buffer per GPU, else 1.0 and a larger buffer;
+      :func:`cad_plans`) or ``"fixed"`` (``tolerance``); ``backward`` ``"resend"``
       (DistCA's stateless servers: O and LSE return in the forward, dO, O, LSE, Q, K, V go out again in
       the backward) or ``"stateful"`` (ours: servers keep their inputs, the backward sends dO).
     * ``optimizer``: whether a step ends with the gradient all-reduce and the optimizer (DistCA's timed
