@@ -145,8 +145,8 @@ def test_cad_bytes_stateful_and_resend_by_hand():
     # Q 2, KV 5
     fwd = ([5 * 1024 + 13 * 512, 0, 0], [0, 3 * 1024 + 8 * 512, 2 * 1024 + 5 * 512])
     st = {k: tuple(x.tolist() for x in v) for k, v in replay._cad_bytes(ds, spec).items()}
-    assert st == {"in": fwd, "out": ([0, 3072, 2048], [5120, 0, 0]), "out_bwd": ([5120, 0, 0], [0, 3072, 2048]),
-                  "in_bwd": fwd[::-1]}
+    assert st == {"in": fwd, "out": ([0, 3072, 2048], [5120, 0, 0]),
+                  "out_bwd": ([5120, 0, 0], [0, 3072, 2048]), "in_bwd": fwd[::-1]}
     # DistCA's resend: O + LSE back (1040 a token); out again dO, O, LSE, Q (3088 a token) and the KV
     rs = {k: tuple(x.tolist() for x in v) for k, v in replay._cad_bytes(ds, spec, resend=True).items()}
     assert rs == {"in": fwd, "out": ([0, 3 * 1040, 2 * 1040], [5 * 1040, 0, 0]),

@@ -2,8 +2,8 @@
 import numpy as np
 import pytest
 
-from cadlib.core.cost import (ATTN_BWD_MULT, CAD_A2A, CAD_A2A_TO_SERVERS, ModelSpec, attention_tflops, causal_pairs,
-                              shard_efficiency)
+from cadlib.core.cost import (ATTN_BWD_MULT, CAD_A2A, CAD_A2A_TO_SERVERS, ModelSpec, attention_tflops,
+                              causal_pairs, shard_efficiency)
 
 
 def test_causal_pairs_hand_cases():
@@ -36,7 +36,8 @@ def test_llama3_8b_linear_flops():
 
 def test_cad_all_to_all_bytes_per_token_follow_the_backward():
     m = ModelSpec.from_name("llama3-8b").shard(8)           # 4 query heads, 1 KV head of 128
-    assert m.cad_a2a_bytes() == {"in": (1024, 512), "out": (1024, 0), "out_bwd": (1024, 0), "in_bwd": (1024, 512)}
+    assert m.cad_a2a_bytes() == {"in": (1024, 512), "out": (1024, 0), "out_bwd": (1024, 0),
+                                 "in_bwd": (1024, 512)}
     # DistCA's get_per_token_bytes with resend: query part (3 hq + lse) x 2 bytes, lse = 4 heads x fp32
     # in bf16 elements (8): (3 x 512 + 8) x 2 = 3088; the forward's return O + LSE, (512 + 8) x 2
     r = m.cad_a2a_bytes(resend=True)
