@@ -47,6 +47,8 @@ from .core.cost import MODELS, as_model
 from .core.defaults import DEFAULT_NANO_SPLIT, DEFAULT_TOLERANCE
 from .core.methods import METHODS as ALL_METHODS, names
 from .core.precision import TRAIN_DTYPES
+from .core.recompute import CHOICES as RECOMPUTE_CHOICES
+from .core.recompute import least_recompute
 from .core.spans import overlap
 from .cp.allgather import layout_attention
 from .data.packing import pack
@@ -55,6 +57,7 @@ from .infra.groups import allreduce_grads, comm_group, destroy, init_from_env, m
 from .infra.progress import log, report_progress, write_result
 from .runtime.batches import positions, synthetic_tokens
 from .runtime.comm import AllToAll, SignalOnly
+from .runtime.fused import HAVE_TRITON
 from .runtime.kernels import TORCH_DTYPES
 from .runtime.model import ChunkedCrossEntropy, Decoder
 from .runtime.pingpong import pingpong_layers
@@ -239,7 +242,11 @@ def parse_args(argv=None):
                         "over all ranks; needs --sequence-len)")
     p.add_argument("--wlb-cap", type=int, default=None, help="balanced packing's token cap per rank")
     p.add_argument("--ce-chunk", type=int, default=8192, help="tokens per chunk of the LM-head loss")
-    p.add_argument("--mlp-recompute", action="store_true")
+    p.add_argument("--recompute", default="auto", choices=("auto", *RECOMPUTE_CHOICES),
+                   help="what the backward computes again: nothing, the MLP, or (auto, the default) the "
+                        "least with which the memory model fits this GPU (cadlib.core.recompute); the "
+                        "result's config records the choice")
+    p.add_argument("--mlp-recompute", action="store_true", help="the same as --recompute mlp")
     p.add_argument("--attn-backend", default=None)
     p.add_argument("--pg-backend", default=None)
     p.add_argument("--comm-ctas", type=int, default=None,
@@ -273,6 +280,9 @@ def parse_args(argv=None):
         if m not in METHODS:
             p.error(f"unknown method {m!r} in --methods; choose from: {', '.join(METHODS)}")
     args.methods = methods
+    if args.mlp_recompute and args.recompute not in ("auto", "mlp"):
+        p.error(f"--mlp-recompute contradicts --recompute {args.recompute}; give one of them")
+    args.recompute = "mlp" if args.mlp_recompute else args.recompute
     try:
         args.spec = as_model(args.model, **({"n_layers": args.layers} if args.layers else {}))
         sample_kwargs(args.dist)
@@ -327,7 +337,8 @@ def keep_timeline(timelines: dict, method: str, rows, args, i: int) -> None:
 def write_run(env, args, model, records, timelines, **extra) -> None:
     """This rank's result file (records, timelines, the configuration, the model), then tear down."""
     cuda = env.device.type == "cuda"
-    write_result({"rank": env.rank, "world": env.world, "device": str(env.device),
+    write_result({"rank": env.rank, "world": env.world, "device": str(env.device), "group_rank": env.node,
+                  "local_rank": env.local_rank, "local_world": env.local_world,
                   "device_name": torch.cuda.get_device_name(env.device) if cuda else "cpu",
                   "torch": torch.__version__, "records": records, "timelines": timelines, **extra,
                   "config": {k: v for k, v in vars(args).items() if k not in ("spec", "recipe")},
@@ -335,6 +346,22 @@ def write_run(env, args, model, records, timelines, **extra) -> None:
                             "stage_layers": list(model.layer_ids),
                             "params": sum(p.numel() for p in model.parameters())}})
     destroy()
+
+
+def layer_settings(args, device, world: int) -> None:
+    """How the layers compute, into ``args`` (so the result's config records it): ``linear_blocks``, the
+    fused kernels on a GPU with triton, else the plain references (``Decoder(blocks="auto")``); and for
+    ``--recompute auto`` the least recompute the memory model fits in this GPU's memory
+    (:func:`cadlib.core.recompute.least_recompute`; none on the CPU), its peaks in ``recompute_auto``."""
+    cuda = device.type == "cuda"
+    args.linear_blocks = "fused" if cuda and HAVE_TRITON else "reference"
+    if args.recompute == "auto":
+        cap = torch.cuda.get_device_properties(device).total_memory if cuda else None
+        args.recompute_auto = least_recompute(args.spec, args.methods, args.tokens_per_rank, world, cap,
+                                              pp=args.pp, n_micro=args.microbatches, ce_chunk=args.ce_chunk,
+                                              fused=args.linear_blocks == "fused")
+        args.recompute = args.recompute_auto["recompute"]
+    args.mlp_recompute = args.recompute == "mlp"
 
 
 def start_step(tl: Timeline, env) -> None:
@@ -377,8 +404,9 @@ def main(argv=None) -> int:
     grid = make_grid(env, args.pp, dp)                   # one stage: the world is the data-parallel group
     cad_group = comm_group(env.group, args.comm_ctas)   # CAD's all-to-alls; per-document CP keeps env.group
     torch.manual_seed(args.seed)
-    model = Decoder(args.spec, dtype=TORCH_DTYPES[args.dtype], device=env.device,
-                    mlp_recompute=args.mlp_recompute, seed=args.seed, stage=(grid.stage, grid.pp))
+    layer_settings(args, env.device, env.world)
+    model = Decoder(args.spec, dtype=TORCH_DTYPES[args.dtype], device=env.device, recompute=args.recompute,
+                    seed=args.seed, stage=(grid.stage, grid.pp))
     init = {k: v.detach().clone() for k, v in model.state_dict().items()}
     runner = (PipelineRunner if args.pipeline else Runner)(model, args, env, grid, cad_group)
     cuda = env.device.type == "cuda"

@@ -240,7 +240,8 @@ def main(argv=None) -> int:
             log(f"FAILED: no case was checked ({len(results)} skipped: "
                 f"{sorted({r.get('skipped', '') for r in results})}); nothing verifies CAD here")
     cuda = env.device.type == "cuda"
-    write_result({"rank": env.rank, "world": env.world, "device": str(env.device),
+    write_result({"rank": env.rank, "world": env.world, "device": str(env.device), "group_rank": env.node,
+                  "local_rank": env.local_rank, "local_world": env.local_world,
                   "device_name": torch.cuda.get_device_name(env.device) if cuda else "cpu",
                   "torch": torch.__version__, "rtol": rtol, "passed": ok, "checked": checked,
                   "cases": results,

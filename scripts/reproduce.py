@@ -11,6 +11,9 @@
 Every override and profile entry is checked against the notebooks' ``parameters`` cells before
 anything runs: a name no selected notebook defines, or a value of the wrong type or outside its rule,
 stops the run with a message naming the notebook, the parameter and what is valid (exit status 2).
+Before that, a package the reproduction needs and this Python lacks (:data:`NEEDS`, and
+:data:`NEEDS_HTML` without ``--no-html``) is named in one line with the command that installs it
+(exit status 2).
 
 Executed notebooks land in runs/<timestamp>-<profile>/ with their HTML (every plotly figure drawn;
 plotly.js loaded from plotly.min.js beside them; maths as MathML), report.md, a self-contained
@@ -25,6 +28,7 @@ from __future__ import annotations
 import argparse
 import ast
 import importlib
+import importlib.util
 import io
 import json
 import os
@@ -34,11 +38,39 @@ import sys
 import time
 import tokenize
 
-from cadlib.analysis.figures import static as figures_html
-from cadlib.analysis.report import claims, evidence, metrics, writer
-from cadlib.infra.results import atomic_write_text, environment_info, new_run_dir
-
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+NEEDS = {"cadlib": "cadlib", "numpy": "numpy", "torch": "torch", "pandas": "pandas", "plotly": "plotly",
+         "papermill": "papermill", "nbformat": "nbformat", "ipykernel": "ipykernel", "IPython": "ipython",
+         "tqdm": "tqdm", "ipywidgets": "ipywidgets"}
+"""What the reproduction imports, by module, with its pip name: cadlib and the notebooks extra of
+pyproject.toml (papermill runs the notebooks on the ``python3`` kernel of ipykernel)."""
+NEEDS_HTML = {"nbconvert": "nbconvert", "latex2mathml": "latex2mathml"}
+"""What the HTML export adds (skipped with ``--no-html``): nbconvert writes the pages (jupyterlab brings
+it), latex2mathml the maths; plotly.js is copied from the plotly package, so no network is needed."""
+
+
+def missing_dependencies(html: bool = True) -> list[str]:
+    """The pip names of what this Python lacks among :data:`NEEDS` (and :data:`NEEDS_HTML`)."""
+    need = {**NEEDS, **(NEEDS_HTML if html else {})}
+    return [pip for module, pip in need.items() if importlib.util.find_spec(module) is None]
+
+
+def check_dependencies(argv: list[str]) -> None:
+    """Exit 2 with one line naming what is missing and how to install it; run before anything is
+    imported, so that a missing package is not a traceback from deep inside an import."""
+    missing = missing_dependencies(html="--no-html" not in argv)
+    if missing:
+        print(f"reproduce.py: missing {', '.join(missing)}; install with `make venv` in {ROOT}, or "
+              f"`{sys.executable} -m pip install -e '{ROOT}[notebooks]'`", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    check_dependencies(sys.argv[1:])
+
+from cadlib.analysis.figures import static as figures_html  # noqa: E402 (after the check above)
+from cadlib.analysis.report import claims, evidence, metrics, writer  # noqa: E402
+from cadlib.infra.results import atomic_write_text, environment_info, new_run_dir  # noqa: E402
 
 # Parameter profiles: per-notebook overrides on top of each notebook's own defaults (the defaults are the
 # CPU profile). Keys are substrings of notebook paths under notebooks/ ("*": every notebook that defines
@@ -113,6 +145,14 @@ RULES: dict[str, dict] = {
     "small_ranks": {"min": 2},
     "compare_seeds": {"min": 1},
     "picture_docs": {"min": 1},
+    "sparse_total": {"min": 1024},
+    "sparse_corner": {"min": 1},
+    "sparse_pixels": {"min": 1},
+    "sparse_check_len": {"min": 64},
+    "ring_positions": {"min": 1},
+    "ring_window": {"min": 1},
+    "balance_world": {"choices": [8, 16]},              # the cases results/cp_balance.json holds
+    "balance_tokens": {"choices": [8192, 32768]},
 }
 RULE_KEYS = {"min", "max", "nonempty", "choices", "also", "check", "split"}
 

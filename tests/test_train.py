@@ -149,3 +149,19 @@ def test_signal_only_receives_real_values_not_zeros():
     assert half.dtype == k.dtype and torch.equal(half, k[torch.arange(4)])
     with pytest.raises(ValueError, match="fill must pack rows like send"):
         received_like(send, 3, partial(cycled_rows, [k], [k[:0]]))
+
+
+def test_recompute_flag_and_the_auto_choice():
+    """``--recompute auto`` (the default) asks the memory model; ``--mlp-recompute`` still means mlp; on
+    the CPU there is no device memory to fit, so auto keeps everything."""
+    from cadlib.train import layer_settings, parse_args
+    args = parse_args(["--model", "tiny"])
+    assert args.recompute == "auto"
+    layer_settings(args, torch.device("cpu"), 2)
+    assert (args.recompute, args.mlp_recompute, args.linear_blocks) == ("none", False, "reference")
+    assert args.recompute_auto["capacity_gib"] is None
+    assert parse_args(["--mlp-recompute"]).recompute == "mlp"
+    with pytest.raises(SystemExit):
+        parse_args(["--mlp-recompute", "--recompute", "none"])
+    with pytest.raises(SystemExit):
+        parse_args(["--recompute", "full"])

@@ -30,7 +30,8 @@ buffer; ``x`` the nano-batch whose backward runs, ``n_x`` its tokens)::
 
     mlp   last layer's MLP backward: A + N s b (dY of every nano-batch, N their tokens) + n_x ({mlp:
           s b + 4 + 5 f b | none: 2 f b | full: linear_none + attn + 2 f b}) + the SwiGLU's fp32 row
-          blocks (ours: 6 blocks of min(n_x, 2^27 / f) f 4 bytes); Megatron/TE: n_x (h b + 6 f b)
+          blocks (ours, reference blocks: 6 blocks of min(n_x, 2^27 / f) f 4 bytes; fused: none);
+          Megatron/TE: n_x (h b + 6 f b)
           (the input re-gathered under SP; fc1's output, its activation and their gradients)
     head  LM-head backward (last stage, one head per nano-batch, x's last): A + N (s b + 4) (final norms)
           + (N - n_x) h b (dH of the heads done) + (H - 1) V h b (their dW) + n_x (2 h b + 4) (input, lse,
@@ -54,7 +55,7 @@ allocator's reserve is not counted, as the runs did not count it).
 from __future__ import annotations
 
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Sequence
 
@@ -67,7 +68,7 @@ GIB = 2 ** 30
 CAPACITY = DISTCA_GPU_MEMORY_GB * GIB
 """A DistCA GPU's memory in bytes: its "140GB" read as GiB (an H200 reports 140.4 GiB to torch)."""
 SWIGLU_BWD_ELEMS = 1 << 27
-"""Elements per fp32 row block of our SwiGLU backward (``cadlib.runtime.model.SWIGLU_BWD_ELEMS``)."""
+"""Elements per fp32 row block of our SwiGLU backward (``cadlib.runtime.blocks.SWIGLU_BWD_ELEMS``)."""
 SWIGLU_BWD_BLOCKS = 6
 """fp32 blocks alive at once in that loop (a, dY, sigmoid and three expression temporaries)."""
 
@@ -81,7 +82,8 @@ class Profile:
     (Megatron's distributed optimizer). ``grads_persist``: one grad buffer for the whole step
     (Megatron's ``main_grad``), else grads appear in the backward (ours, ``zero_grad(set_to_none)``).
     ``sequence_parallel``: TP shards the hidden-sized activations. ``fused_swiglu``: TE's SwiGLU
-    backward (no fp32 row blocks; the input re-gathered under SP). ``head``: ``chunked`` (ours) or
+    backward (no fp32 row blocks; the input re-gathered under SP). ``swiglu_blocks``: our reference
+    SwiGLU backward's fp32 row blocks (the fused kernel has none). ``head``: ``chunked`` (ours) or
     ``logits`` (Megatron's vocab-parallel cross-entropy). ``cp_keeps_kv``: per-document CP keeps
     the gathered K, V for the backward. ``stateful_servers``: CAD's servers keep their inputs.
     ``comm_buffer``: bytes of a fixed communication buffer (DistCA's NVSHMEM buffer)."""
@@ -97,6 +99,7 @@ class Profile:
     grads_persist: bool = False
     sequence_parallel: bool = False
     fused_swiglu: bool = False
+    swiglu_blocks: bool = True
     head: str = "chunked"
     cp_keeps_kv: bool = False
     stateful_servers: bool = True
@@ -106,7 +109,12 @@ class Profile:
 OURS = Profile("cadlib", weight=2, init_copy=2, grad=2, master=0, state=4, opt_tmp=2)
 """``cadlib.train``: bf16 weights, bf16 grads made in the backward, ``torch.optim.AdamW`` on the bf16
 weights (its two moments bf16, no master copy; the foreach step's sqrt of the second moment is one
-more bf16 copy), the initial weights kept on the GPU, chunked LM-head loss, K, V re-gathered."""
+more bf16 copy), the initial weights kept on the GPU, chunked LM-head loss, K, V re-gathered; the
+reference blocks (``cadlib.runtime.blocks``), as every committed run."""
+OURS_FUSED = replace(OURS, name="cadlib-fused", swiglu_blocks=False)
+"""``cadlib.train`` with the fused blocks (``cadlib.runtime.fused``, a GPU with triton): the same
+activations (``Decoder.saved_bytes_per_token`` holds for both), no fp32 SwiGLU row blocks; the fused
+head keeps ``dH`` and ``dW`` from its forward, within the chunked head's count."""
 MEGATRON = Profile("megatron", weight=2, init_copy=0, grad=4, master=4, state=8, opt_tmp=4,
                    shard_optimizer=True, grads_persist=True, sequence_parallel=True, fused_swiglu=True,
                    head="logits", cp_keeps_kv=True, stateful_servers=False, comm_buffer=2 * GIB)
@@ -115,7 +123,7 @@ MEGATRON = Profile("megatron", weight=2, init_copy=0, grad=4, master=4, state=8,
 ``EXPERIMENT_NVSHMEM_BUFFER_SIZE_GB=2``): fp32 main grads, fp32 master and moments sharded over DP x CP,
 TE's fused kernels, vocab-parallel cross-entropy on fp32 logits, per-document CP keeping the gathered
 K, V, stateless attention servers."""
-PROFILES = {p.name: p for p in (OURS, MEGATRON)}
+PROFILES = {p.name: p for p in (OURS, OURS_FUSED, MEGATRON)}
 
 
 @dataclass(frozen=True)
@@ -263,6 +271,7 @@ def estimate(spec, nanos: Sequence[Rows], *, recompute: str = "mlp", profile=OUR
             extra, blocks = sh.hidden * b + (6 if recompute == "mlp" else 3) * f * b, 0
         else:
             blocks = SWIGLU_BWD_BLOCKS * min(n, SWIGLU_BWD_ELEMS // f) * f * 4 if n else 0
+            blocks = blocks if pr.swiglu_blocks else 0
         return keep + n * (s * b + extra) + blocks + (tot - n) * s * b     # + the others' pending dY
 
     def attn(r: Rows) -> int:                 # the last layer's attention backward

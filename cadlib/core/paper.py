@@ -320,7 +320,7 @@ LONGCA_DRAWS = 30
 """Independent draws of each document-type mask, reported as median with 20/80% quantiles."""
 _LONGCA_QUOTED = ("as stated in issue 34 from the paper; the paper's text (arXiv 2510.17896) could not be read "
                   "from a source available here")
-_GAP_MULTI_GPU = "CP timings need several GPUs; one GPU is lent now, so the CP table's new rows are not run yet"
+_GAP_MULTI_GPU = "not at this scale: needs several GPUs, only one is lent"
 
 CLAIMS_LIST = CLAIMS_LIST + (
     Claim("longca.sparse_bwd_bottleneck", "In block-sparse attention the backward pass is the bottleneck of "
@@ -333,14 +333,16 @@ CLAIMS_LIST = CLAIMS_LIST + (
           "is the best mechanism overall.", None, "", LONGCA_ARXIV + ", context parallelism",
           "the five CP mechanisms on full, causal and document masks (scripts/bench/bench_cp.py, fastest fwd+bwd per "
           "case)", _LONGCA_QUOTED, "04_benchmarks/03_context_parallel.ipynb", "measured",
-          text="USP/LoongTrain best overall", gap=_GAP_MULTI_GPU),
+          text="USP/LoongTrain best overall", gap=_GAP_MULTI_GPU + " (the CP timings; on 2 GPUs USP is Ulysses "
+          "and LoongTrain the ring, so a hybrid needs 4 or more)"),
     Claim("longca.ring_fluctuates_docs", "Ring P2P's throughput fluctuates on document masks (it depends on "
           "how the documents fall on the zigzag), unlike on the full and causal masks.", None, "",
           LONGCA_ARXIV + ", context parallelism", "ring on causal_document and full_document over "
           f"{LONGCA_DRAWS} draws (scripts/bench/bench_cp.py --draws {LONGCA_DRAWS}: the q20-q80 spread); its "
           "dispatch's max/mean area across the draws (results/cp_balance.json) is the computed cause",
           _LONGCA_QUOTED, "04_benchmarks/03_context_parallel.ipynb", "measured",
-          text="ring P2P fluctuates on document masks", gap=_GAP_MULTI_GPU),
+          text="ring P2P fluctuates on document masks", gap=_GAP_MULTI_GPU + f" (the ring's timings over "
+          f"{LONGCA_DRAWS} draws of the document masks)"),
     Claim("longca.heads_first", "Partition heads first: head parallelism balances any mask (every rank computes "
           "the whole sequence for its heads), so a hybrid should use as much of it as the heads allow before "
           "cutting the sequence.", None, "x max/mean area", LONGCA_ARXIV + ", context parallelism",

@@ -18,12 +18,17 @@ from .progress import launched_by_torchrun
 
 
 class Dist(NamedTuple):
-    """What a rank needs to know: its rank, the world size, the process group, its device."""
+    """What a rank needs to know: its rank, the world size, the process group, its device, and the node
+    layout as the launcher gave it (torchrun's ``GROUP_RANK``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``:
+    this rank's node, its rank on that node, the node's rank count), never assumed."""
 
     rank: int
     world: int
     group: Any  # torch.distributed.ProcessGroup (the default group); passed explicitly, never global
     device: torch.device
+    node: int = 0
+    local_rank: int = 0
+    local_world: int = 1
 
     @property
     def pg_backend(self) -> str:
@@ -41,10 +46,16 @@ def init_from_env(pg_backend: str | None = None) -> Dist:
 
     Under torchrun: ``init_process_group(backend)`` over ``env://``. Without torchrun: a one-rank
     group over an in-memory ``HashStore``. If a default group already exists it is reused.
-    The device is ``cuda:$LOCAL_RANK`` under NCCL (made current), else ``cpu``.
+    The device is ``cuda:$LOCAL_RANK`` under NCCL (made current), else ``cpu``; a ValueError when the
+    node has fewer GPUs than ``$LOCAL_RANK`` needs.
     """
     name = resolve_pg_backend(pg_backend)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if name == "nccl" and local_rank >= torch.cuda.device_count():
+        raise ValueError(f"LOCAL_RANK {local_rank} needs GPU cuda:{local_rank}, but this node sees "
+                         f"{torch.cuda.device_count()} (LOCAL_WORLD_SIZE={local_world}): start at most that "
+                         f"many processes per node (torchrun --nproc-per-node)")
     device = torch.device("cuda", local_rank) if name == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -55,7 +66,8 @@ def init_from_env(pg_backend: str | None = None) -> Dist:
         else:
             dist.init_process_group(name, store=dist.HashStore(), rank=0, world_size=1, **extra)
     group = dist.group.WORLD
-    return Dist(dist.get_rank(group), dist.get_world_size(group), group, device)
+    return Dist(dist.get_rank(group), dist.get_world_size(group), group, device,
+                int(os.environ.get("GROUP_RANK", "0")), local_rank, local_world)
 
 
 def comm_group(group, max_ctas: int | None = None):

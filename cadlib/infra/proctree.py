@@ -3,13 +3,15 @@
 torchrun's workers run in their own sessions, so a group kill of the launcher alone would orphan
 them. :func:`terminate_tree` sends SIGTERM to the whole tree, waits ``grace`` seconds, then SIGKILLs
 what is left. Processes are identified by (pid, start time) so a recycled pid is never signalled.
+A worker whose agent died is no one's descendant any more; :func:`marked` finds it by a variable of
+the environment every process of a run inherits, and :func:`terminate` stops such ones with the trees.
 """
 from __future__ import annotations
 
 import os
 import signal
 import time
-from typing import Mapping
+from typing import Callable, Iterable, Mapping
 
 KILL_GRACE_S = 5.0
 """Seconds between SIGTERM and SIGKILL when a run is stopped (timeout or Ctrl-C)."""
@@ -89,28 +91,76 @@ def _signal_all(procs: Mapping[int, float], sig: int) -> None:
             pass
 
 
-def terminate_tree(root_pid: int, grace: float = KILL_GRACE_S) -> list[int]:
-    """Stop ``root_pid`` and all its descendants: SIGTERM, then SIGKILL what is left after ``grace`` s.
+def marked(key: str, value: str) -> dict[int, float]:
+    """Every live process whose environment (as it started) holds ``key=value``, as ``{pid: start}``:
+    the processes of one run, those whose parent died included."""
+    out = {}
+    if _HAVE_PROC:
+        needle = f"{key}={value}".encode()
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry.name}/environ", "rb") as f:
+                    found = needle in f.read().split(b"\0")
+            except OSError:          # gone, or another user's
+                continue
+            if found and (start := _identity(int(entry.name))) is not None:
+                out[int(entry.name)] = start
+        return out
+    try:
+        import psutil
+    except ImportError:              # neither /proc nor psutil: only the process trees are known
+        return out
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get(key) == value and p.status() != psutil.STATUS_ZOMBIE:
+                out[p.pid] = p.create_time()
+        except psutil.Error:
+            continue
+    return out
 
-    The tree is read before the first signal (workers are reparented once the launcher dies) and
-    re-read while waiting. Returns the pids that were signalled.
+
+def terminate_tree(root_pid: int, grace: float = KILL_GRACE_S) -> list[int]:
+    """Stop ``root_pid`` and all its descendants (:func:`terminate` of one root)."""
+    return terminate([root_pid], grace)
+
+
+def terminate(roots: Iterable[int], grace: float = KILL_GRACE_S,
+              extra: Callable[[], Mapping[int, float]] | None = None) -> list[int]:
+    """Stop the ``roots``, all their descendants and the processes ``extra()`` names: SIGTERM, then
+    SIGKILL what is left after ``grace`` s.
+
+    The trees are read before the first signal (workers are reparented once the launcher dies) and
+    re-read while waiting, ``extra`` too. Returns the pids that were signalled.
     """
-    start = _identity(root_pid)
-    known = {root_pid: start if start is not None else 0.0, **_descendants(root_pid)}
+    roots = list(roots)
+
+    def scan() -> dict[int, float]:
+        found = dict(extra()) if extra is not None else {}
+        for r in roots:
+            found.update(_descendants(r))
+        return found
+
+    known = {r: (s if (s := _identity(r)) is not None else 0.0) for r in roots}
+    known.update(scan())
     _signal_all(known, signal.SIGTERM)
     try:
         end = time.monotonic() + grace
         while time.monotonic() < end:
-            known.update(_descendants(root_pid))
+            for pid, start in scan().items():
+                if pid not in known:             # started since: it gets the SIGTERM too
+                    known[pid] = start
+                    _signal_all({pid: start}, signal.SIGTERM)
             if not any(_alive(p, s) for p, s in known.items()):
                 break
             time.sleep(0.05)
     finally:  # also when a second Ctrl-C arrives while waiting
         # Workers first, so that a launcher still alive reaps them (no zombies under a container's
-        # non-reaping PID 1); then, after a moment for it to exit on its own, the launcher.
-        _signal_all({p: s for p, s in known.items() if p != root_pid}, signal.SIGKILL)
+        # non-reaping PID 1); then, after a moment for it to exit on its own, the launchers.
+        _signal_all({p: s for p, s in known.items() if p not in roots}, signal.SIGKILL)
         end = time.monotonic() + 1.0
-        while _alive(root_pid, known[root_pid]) and time.monotonic() < end:
+        while any(_alive(r, known[r]) for r in roots) and time.monotonic() < end:
             time.sleep(0.02)
         _signal_all(known, signal.SIGKILL)
     return sorted(known)

@@ -14,7 +14,9 @@ Per layer (pre-norm residual blocks)::
     x = x + W2 (silu(W1 rms(x)) * W3 rms(x))                       # ... SwiGLU MLP
 
 and the loss is the summed token cross-entropy of ``lm_head(rms(x))``, computed in chunks of tokens
-so that the ``[tokens, vocab]`` logits never exist at once (:class:`ChunkedCrossEntropy`).
+so that the ``[tokens, vocab]`` logits never exist at once (:class:`ChunkedCrossEntropy`). Each block
+(norm, QKV with RoPE, SwiGLU MLP, the head's loss) is a plain torch reference or, on a GPU, fused
+kernels of the same result (:mod:`cadlib.runtime.blocks`, :mod:`cadlib.runtime.fused`).
 
 A step's inputs (positions restarting at every document, synthetic tokens and targets from a layout)
 and a reference core attention over whole documents are in :mod:`cadlib.runtime.batches`.
@@ -22,19 +24,17 @@ and a reference core attention over whole documents are in :mod:`cadlib.runtime.
 from __future__ import annotations
 
 import zlib
-from typing import Callable
+from typing import Callable, Protocol
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..core.cost import ModelSpec, as_model
 from ..core.pipeline import split_layers
-
-IGNORE_INDEX = -100
-"""Target id that contributes nothing to the loss (each document's last token)."""
+from .blocks import IGNORE_INDEX, ChunkedCrossEntropy, RMSNorm, qkv_rope, swiglu_mlp
+from .fused import BLOCKS
 
 INIT_STD = 0.02
 """Standard deviation of every weight matrix at initialisation (norm weights start at 1)."""
@@ -44,208 +44,99 @@ CoreAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.
 
 
 # ---------------------------------------------------------------------------------------------------
-# Building blocks
+# One layer
 # ---------------------------------------------------------------------------------------------------
 
-def _up(x: torch.Tensor) -> torch.Tensor:
-    """``x`` in at least fp32 (fp64 stays fp64)."""
-    return x.to(torch.promote_types(x.dtype, torch.float32))
+RECOMPUTE = ("none", "mlp")
+"""What a layer computes again in its backward: nothing, or its MLP (norm and SwiGLU MLP keep only their
+input). The memory model's ``full`` (the whole layer, attention included) is not offered: attention
+under CAD runs on other GPUs, and recomputing it would send its inputs again."""
 
 
-class _RMSNormFn(torch.autograd.Function):
-    """``y = (x * r).to(dtype) * w`` with ``r = 1 / sqrt(mean(x^2) + eps)`` in fp32; saves only ``x``
-    and ``r`` (autograd of the plain expression would also keep fp32 copies of ``x``). Backward, with
-    ``xh = x r`` and ``gw = dy * w`` (fp32): ``dx = r (gw - xh mean(gw * xh))``, ``dw = sum_i dy_i xh_i``."""
+class SequenceParallel(Protocol):
+    """Megatron's sequence parallelism inside a tensor-parallel group: the norms and residuals run on
+    the rank's ``n / tp`` tokens, the GEMMs on the group's ``n``. ``gather([n/tp, h]) -> [n, h]``
+    (all-gather; its backward a reduce-scatter), ``scatter([n, h]) -> [n/tp, h]`` (reduce-scatter of the
+    row-parallel GEMMs' partial sums; its backward an all-gather). :class:`cadlib.bench.shard.LocalSP`
+    stands in for them on one GPU."""
 
-    @staticmethod
-    def forward(ctx, x, weight, eps: float):
-        xf = _up(x)
-        r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-        ctx.save_for_backward(x, weight, r)
-        return (xf * r).to(x.dtype) * weight
+    def gather(self, x: torch.Tensor) -> torch.Tensor: ...
 
-    @staticmethod
-    def backward(ctx, dy):
-        x, weight, r = ctx.saved_tensors
-        xh = _up(x) * r
-        gw = _up(dy) * _up(weight)
-        dx = r * (gw - xh * (gw * xh).mean(-1, keepdim=True))
-        dw = (_up(dy) * _up(xh.to(x.dtype))).reshape(-1, x.shape[-1]).sum(0)
-        return dx.to(x.dtype), dw.to(weight.dtype), None
-
-
-class RMSNorm(nn.Module):
-    """``y = x / sqrt(mean(x^2) + eps) * w`` over the last dimension, computed in fp32."""
-
-    def __init__(self, dim: int, eps: float = 1e-5, *, dtype=None, device=None):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _RMSNormFn.apply(x, self.weight, self.eps)
-
-
-SWIGLU_BWD_ELEMS = 1 << 27
-"""The SwiGLU backward works in fp32 on row blocks of at most this many elements (512 MiB each), not on
-the whole ``[n, ffn]`` at once (at 128K tokens x 14336 that would be 7 GiB per temporary)."""
-
-
-class _SwiGLUFn(torch.autograd.Function):
-    """``silu(a) * b`` with ``silu(a) = a sigmoid(a)``, keeping only ``a`` and ``b`` for backward
-    (autograd of the plain expression also keeps ``silu(a)``). With ``s = sigmoid(a)``:
-    ``da = dy b s (1 + a (1 - s))``, ``db = dy silu(a)`` (fp32)."""
-
-    @staticmethod
-    def forward(ctx, a, b):
-        ctx.save_for_backward(a, b)
-        return F.silu(a) * b
-
-    @staticmethod
-    def backward(ctx, dy):
-        a, b = ctx.saved_tensors
-        da, db = torch.empty_like(a), torch.empty_like(b)
-        rows = max(1, SWIGLU_BWD_ELEMS // max(1, a.shape[-1]))
-        for i in range(0, a.shape[0], rows):                 # fp32 temporaries of bounded size
-            af, g = _up(a[i:i + rows]), _up(dy[i:i + rows])
-            s = torch.sigmoid(af)
-            da[i:i + rows] = g * _up(b[i:i + rows]) * s * (1 + af * (1 - s))
-            db[i:i + rows] = g * af * s
-        return da, db
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary position embedding, rotate-half convention, on ``x [n, H, D]`` with ``cos, sin [n, D]``::
-
-        rope(x)_m = x_m * cos(m theta) + rotate_half(x_m) * sin(m theta)
-
-    i.e. each pair ``(x_i, x_{i + D/2})`` is rotated by the angle ``m * theta_i`` of its token's
-    position ``m``, so ``rope(q)_m . rope(k)_n`` depends on positions only through ``m - n``.
-    ``rotate_half([x1, x2]) = [-x2, x1]`` (halves of the last dimension)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos[:, None, :] + torch.cat((-x2, x1), dim=-1) * sin[:, None, :]
+    def scatter(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
 class DecoderLayer(nn.Module):
     """One pre-norm Llama block, split around core attention: :meth:`pre_attention` gives the
-    layer's ``q, k, v``; :meth:`post_attention` takes the attention output ``o`` back."""
+    layer's ``q, k, v``; :meth:`post_attention` takes the attention output ``o`` back. ``blocks``
+    picks the fused kernels or the plain references (:mod:`cadlib.runtime.blocks`); ``recompute``
+    one of :data:`RECOMPUTE`. ``sp`` (a :class:`SequenceParallel`, or None): the layer is one
+    tensor-parallel rank's shard (``spec`` is :meth:`ModelSpec.shard`'s) under sequence parallelism."""
 
-    def __init__(self, spec: ModelSpec, *, mlp_recompute: bool = False, dtype=None, device=None):
+    def __init__(self, spec: ModelSpec, *, mlp_recompute: bool = False, recompute: str | None = None,
+                 blocks: str = "auto", dtype=None, device=None):
         super().__init__()
         kw = dict(bias=False, dtype=dtype, device=device)
         h, d = spec.hidden, spec.head_dim
         self.n_heads, self.n_kv_heads, self.head_dim = spec.n_heads, spec.n_kv_heads, d
-        self.mlp_recompute = mlp_recompute
-        self.attn_norm = RMSNorm(h, dtype=dtype, device=device)
+        self.recompute, self.blocks = _recompute(recompute, mlp_recompute), _blocks(blocks)
+        self.attn_norm = RMSNorm(h, blocks=blocks, dtype=dtype, device=device)
         self.wq = nn.Linear(h, spec.n_heads * d, **kw)       # weight [Hq*D, hidden]
         self.wk = nn.Linear(h, spec.n_kv_heads * d, **kw)    # weight [Hkv*D, hidden]
         self.wv = nn.Linear(h, spec.n_kv_heads * d, **kw)
         self.wo = nn.Linear(spec.n_heads * d, h, **kw)       # weight [hidden, Hq*D]
-        self.mlp_norm = RMSNorm(h, dtype=dtype, device=device)
+        self.mlp_norm = RMSNorm(h, blocks=blocks, dtype=dtype, device=device)
         self.w1 = nn.Linear(h, spec.ffn, **kw)               # gate, weight [ffn, hidden]
         self.w3 = nn.Linear(h, spec.ffn, **kw)               # up,   weight [ffn, hidden]
         self.w2 = nn.Linear(spec.ffn, h, **kw)               # down, weight [hidden, ffn]
 
-    def pre_attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """``h = rms(x)``; ``q = rope(Wq h)``, ``k = rope(Wk h)``, ``v = Wv h`` as ``[n, heads, D]``."""
-        n = x.shape[0]
-        h = self.attn_norm(x)
-        q = self.wq(h).view(n, self.n_heads, self.head_dim)
-        k = self.wk(h).view(n, self.n_kv_heads, self.head_dim)
-        v = self.wv(h).view(n, self.n_kv_heads, self.head_dim)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+    @property
+    def mlp_recompute(self) -> bool:
+        return self.recompute == "mlp"
 
-    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+    def pre_attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      sp: SequenceParallel | None = None):
+        """``h = rms(x)``; ``q = rope(Wq h)``, ``k = rope(Wk h)``, ``v = Wv h`` as ``[n, heads, D]``
+        (under ``sp``: ``x`` holds ``n / tp`` tokens, ``h`` is gathered to ``n``)."""
+        h = self.attn_norm(x)
+        if sp is not None:
+            h = sp.gather(h)
+        return qkv_rope(h, self.wq.weight, self.wk.weight, self.wv.weight, cos, sin, self.n_heads,
+                        self.n_kv_heads, self.blocks)
+
+    def mlp(self, x: torch.Tensor, sp: SequenceParallel | None = None) -> torch.Tensor:
         """SwiGLU on the normed input: ``W2 (silu(W1 rms(x)) * W3 rms(x))``, ``silu(a) = a sigmoid(a)``."""
         h = self.mlp_norm(x)
-        return self.w2(_SwiGLUFn.apply(self.w1(h), self.w3(h)))
+        if sp is not None:
+            h = sp.gather(h)
+        y = swiglu_mlp(h, self.w1.weight, self.w3.weight, self.w2.weight, self.blocks)
+        return y if sp is None else sp.scatter(y)
 
-    def post_attention(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-        """``x = x + Wo o``, then ``x = x + mlp(x)``. With ``mlp_recompute`` the norm and MLP keep only
+    def post_attention(self, x: torch.Tensor, o: torch.Tensor,
+                       sp: SequenceParallel | None = None) -> torch.Tensor:
+        """``x = x + Wo o``, then ``x = x + mlp(x)``. With ``recompute="mlp"`` the norm and MLP keep only
         their input for backward and run again there (``torch.utils.checkpoint``, non-reentrant)."""
-        x = x + self.wo(o.flatten(1))
-        if self.mlp_recompute and torch.is_grad_enabled():
-            return x + checkpoint(self.mlp, x, use_reentrant=False)
-        return x + self.mlp(x)
+        y = self.wo(o.flatten(1))
+        x = x + (y if sp is None else sp.scatter(y))
+        if self.recompute == "mlp" and torch.is_grad_enabled():
+            return x + checkpoint(self.mlp, x, sp, use_reentrant=False)
+        return x + self.mlp(x, sp)
 
 
-# ---------------------------------------------------------------------------------------------------
-# Chunked cross-entropy with the LM head
-# ---------------------------------------------------------------------------------------------------
-
-_MM_OUT_DTYPE = [True]   # whether torch.mm(..., out_dtype=float32) works here; cleared on first failure
-
-
-def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` as fp32: low-precision inputs are multiplied with fp32 accumulation and fp32 output
-    where torch supports it (``mm(out_dtype=)`` on CUDA), else the low-precision product is upcast."""
-    if a.dtype == torch.float32:
-        return a @ b
-    if _MM_OUT_DTYPE[0] and a.is_cuda:
-        try:
-            return torch.mm(a, b, out_dtype=torch.float32)
-        except (TypeError, RuntimeError, NotImplementedError):
-            _MM_OUT_DTYPE[0] = False
-    return (a @ b).float()
+def _recompute(recompute: str | None, mlp_recompute: bool) -> str:
+    """``recompute``, or ``mlp``/``none`` from the older flag ``mlp_recompute``."""
+    if recompute is None:
+        return "mlp" if mlp_recompute else "none"
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"unknown recompute {recompute!r}; choose one of: {', '.join(RECOMPUTE)}")
+    if mlp_recompute and recompute != "mlp":
+        raise ValueError(f"mlp_recompute=True contradicts recompute={recompute!r}; give one of them")
+    return recompute
 
 
-class ChunkedCrossEntropy(torch.autograd.Function):
-    """``sum_i [lse_i - z_{i, t_i}]`` over tokens with ``t_i != -100``, ``z_i = W h_i`` (fp32),
-    ``lse_i = log sum_v exp(z_{i, v})``; chunk by chunk of ``chunk`` tokens.
-
-    Forward keeps only ``hidden``, ``targets`` and the per-token ``lse`` (fp32 ``[n]``) for backward;
-    backward recomputes each chunk's logits and uses ``dL/dz_i = g (softmax(z_i) - onehot(t_i))``::
-
-        dh_i = (dL/dz_i) W,    dW = sum_i (dL/dz_i)^T h_i
-
-    Peak extra memory is about two ``[chunk, vocab]`` fp32 buffers (logits and their exp), never
-    ``[n, vocab]``; backward also holds dW as fp32 ``[vocab, hidden]`` (and, for a low-precision W,
-    one more such buffer for each chunk's product): ~2 GiB each at llama3-8b's vocabulary."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk: int):
-        n = hidden.shape[0]
-        lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        valid = targets != IGNORE_INDEX
-        safe = torch.where(valid, targets, torch.zeros_like(targets))
-        wt = weight.t()
-        for s in range(0, n, chunk):
-            e = min(s + chunk, n)
-            z = _mm_f32(hidden[s:e], wt)                                  # [c, V] fp32
-            lse[s:e] = torch.logsumexp(z, dim=-1)
-            zt = z.gather(1, safe[s:e, None]).squeeze(1)
-            total += ((lse[s:e] - zt) * valid[s:e]).sum()
-            del z
-        ctx.save_for_backward(hidden, weight, targets, lse)
-        ctx.chunk = chunk
-        return total
-
-    @staticmethod
-    def backward(ctx, grad):
-        hidden, weight, targets, lse = ctx.saved_tensors
-        chunk, n = ctx.chunk, hidden.shape[0]
-        valid = targets != IGNORE_INDEX
-        safe = torch.where(valid, targets, torch.zeros_like(targets))
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        dh = torch.empty_like(hidden) if need_h else None
-        dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        wt = weight.t()
-        for s in range(0, n, chunk):
-            e = min(s + chunk, n)
-            h = hidden[s:e]
-            p = _mm_f32(h, wt).sub_(lse[s:e, None]).exp_()                # softmax, [c, V] fp32
-            p.scatter_add_(1, safe[s:e, None], -torch.ones(e - s, 1, dtype=p.dtype, device=p.device))
-            p.mul_((valid[s:e].to(p.dtype) * grad)[:, None])              # dL/dz, zero on ignored rows
-            g = p.to(hidden.dtype)
-            del p
-            if need_h:
-                dh[s:e] = g @ weight
-            if need_w and g.dtype == torch.float32:
-                dw.addmm_(g.t(), h)                                       # in place, no [V, hidden] temp
-            elif need_w:
-                dw += _mm_f32(g.t(), h)
-        return dh, (dw.to(weight.dtype) if need_w else None), None, None
+def _blocks(blocks: str) -> str:
+    if blocks not in BLOCKS:
+        raise ValueError(f"unknown blocks {blocks!r}; choose one of: {', '.join(BLOCKS)}")
+    return blocks
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -265,11 +156,15 @@ class Decoder(nn.Module):
     ``stage=(s, pp)``: only pipeline stage ``s`` of ``pp``: its block of ``n_layers / pp`` layers
     (``layer_ids``), the embedding on the first stage, the final norm and LM head on the last
     (absent modules are None). Parameters keep the whole model's names (:meth:`global_name`), so a
-    stage's weights are those of the same layers of the whole model."""
+    stage's weights are those of the same layers of the whole model.
+
+    ``recompute`` (:data:`RECOMPUTE`; or the older ``mlp_recompute=True`` for ``"mlp"``) and ``blocks``
+    (``auto``: the fused kernels on CUDA, the plain references elsewhere; :mod:`cadlib.runtime.blocks`)
+    change how the layers compute, never what: the same weights give the same loss."""
 
     def __init__(self, spec: "ModelSpec | str", n_layers: int | None = None, *, dtype=torch.float32,
-                 device=None, mlp_recompute: bool = False, rope_theta: float = 500000.0, seed: int = 0,
-                 stage: tuple[int, int] | None = None):
+                 device=None, mlp_recompute: bool = False, recompute: str | None = None, blocks: str = "auto",
+                 rope_theta: float = 500000.0, seed: int = 0, stage: tuple[int, int] | None = None):
         super().__init__()
         spec = as_model(spec)
         if n_layers is not None:
@@ -282,6 +177,7 @@ class Decoder(nn.Module):
         if not rope_theta > 0:
             raise ValueError(f"rope_theta must be > 0; got {rope_theta}")
         self.spec, self.rope_theta, self.seed = spec, float(rope_theta), int(seed)
+        self.blocks, recompute = _blocks(blocks), _recompute(recompute, mlp_recompute)
         s, pp = (0, 1) if stage is None else stage
         self.layer_ids = split_layers(spec.n_layers, pp)[s] if 0 <= s < pp else None
         if self.layer_ids is None:
@@ -290,9 +186,9 @@ class Decoder(nn.Module):
         device = torch.device(device) if device is not None else torch.device("cpu")
         meta = dict(dtype=dtype, device="meta")
         self.embed = nn.Embedding(spec.vocab, spec.hidden, **meta) if self.first else None   # [vocab, hidden]
-        self.layers = nn.ModuleList(DecoderLayer(spec, mlp_recompute=mlp_recompute, **meta)
+        self.layers = nn.ModuleList(DecoderLayer(spec, recompute=recompute, blocks=blocks, **meta)
                                     for _ in self.layer_ids)
-        self.norm = RMSNorm(spec.hidden, **meta) if self.last else None
+        self.norm = RMSNorm(spec.hidden, blocks=blocks, **meta) if self.last else None
         self.lm_head = nn.Linear(spec.hidden, spec.vocab, bias=False, **meta) if self.last else None
         self.to_empty(device=device)
         self._init_weights()
@@ -322,8 +218,12 @@ class Decoder(nn.Module):
         return self.layers[0].wq.weight.dtype
 
     @property
+    def recompute(self) -> str:
+        return self.layers[0].recompute
+
+    @property
     def mlp_recompute(self) -> bool:
-        return all(layer.mlp_recompute for layer in self.layers)
+        return self.recompute == "mlp"
 
     def parameter_count(self) -> int:
         """Number of parameters (embedding and LM head included)."""
@@ -333,10 +233,11 @@ class Decoder(nn.Module):
         """Bytes one layer's linear part keeps for backward per token, core attention's own excluded
         (it adds ``q, k, v, o`` and an fp32 lse with a flash kernel). ``b`` = bytes per element::
 
-            plain:          (4 hidden + Hq D + 3 ffn) b + 2 * 4   (norm inputs and outputs, Wo input,
-                                                                    gate, up, SwiGLU output; 2 fp32 rstd)
-            mlp_recompute:  (3 hidden + Hq D) b + 4                 (the MLP keeps only its input)
-        """
+            none:  (4 hidden + Hq D + 3 ffn) b + 2 * 4   (norm inputs and outputs, Wo input,
+                                                           gate, up, SwiGLU output; 2 fp32 rstd)
+            mlp:   (3 hidden + Hq D) b + 4                 (the MLP keeps only its input)
+
+        The same for the fused blocks and the references (``tests/runtime/test_model.py``)."""
         sp, b = self.spec, torch.empty(0, dtype=self.dtype).element_size()
         if self.mlp_recompute:
             return (3 * sp.hidden + sp.q_dim) * b + 4
@@ -393,7 +294,8 @@ class Decoder(nn.Module):
             if bool(bad.any()):
                 raise ValueError(f"targets must be in [0, {self.spec.vocab}) or {IGNORE_INDEX}; got "
                                  f"{targets[bad][0].item()}")
-        loss_sum = ChunkedCrossEntropy.apply(hidden, self.lm_head.weight, targets, int(chunk_tokens))
+        loss_sum = ChunkedCrossEntropy.apply(hidden, self.lm_head.weight, targets, int(chunk_tokens),
+                                             self.blocks)
         return loss_sum, int((targets != IGNORE_INDEX).sum())
 
 

@@ -40,7 +40,9 @@ def run_setting(args, tokens: int, dist: str, link: str) -> dict:
         train_args += ["--doc-len", str(args.uniform_len)]
     if args.max_doc_len:
         train_args += ["--max-doc-len", str(args.max_doc_len)]
-    if args.mlp_recompute:
+    if args.recompute:
+        train_args += ["--recompute", args.recompute]
+    elif args.mlp_recompute:
         train_args += ["--mlp-recompute"]
     if args.sent_last:
         train_args += ["--sent-last"]
@@ -83,6 +85,9 @@ def main(argv=None) -> int:
                     help="cad-pingpong's nano-batches: documents cut between them (docs, the default) or "
                          "whole documents ('whole' appends _wholedocs to each file name)")
     ap.add_argument("--mlp-recompute", action="store_true", default=True)
+    ap.add_argument("--recompute", default=None, choices=("auto", "none", "mlp"),
+                    help="python -m cadlib.train --recompute (instead of --mlp-recompute, which the "
+                         "committed runs used): auto takes the least recompute the memory model fits")
     ap.add_argument("--sent-last", action=argparse.BooleanOptionalAction, default=defaults.DEFAULT_SENT_LAST,
                     help="python -m cadlib.train --sent-last: CAD's rows sent to other servers last in each "
                          "rank's token order (cadlib.scheduling.sentlast; a run other than "

@@ -6,8 +6,12 @@ Two steps (:mod:`cadlib.analysis.replay.settings` says what a rank's work is):
   one GPU, every distinct kernel shape the steps need that the cache does not hold yet: each rank's
   attention-server call (the serve stage, forward and backward, on random buffers of the dispatch's
   sizes), one decoder layer's linear parts and the LM head on a grid of token counts, and one
-  optimizer step. The cache (``--cache``, JSON) grows across runs; a run stops at ``--budget-s`` and
-  writes what it has, so the next one continues.
+  optimizer step. ``--linear`` says how the linear parts and head compute (``""``: the reference blocks
+  on every token, the committed timings; ``fused-sp``: the fused blocks with sequence parallelism's
+  norms on tokens / TP: :data:`cadlib.analysis.replay.times.LINEAR_VARIANTS`), under keys of their own;
+  ``--linear-only`` times just those (every point of the grid) and the optimizer, no attention. The
+  cache (``--cache``, JSON) grows across runs; a run stops at ``--budget-s`` and writes what it has, so
+  the next one continues.
 * ``shapes4d`` (any machine): the 4D settings (Table 4) need thousands of distinct server calls per
   batch (1,900-8,300 for the 128K rows), more than a session's device time can time; this lists
   every distinct call of each setting's first batch and samples ``--sample`` per setting, in
@@ -22,6 +26,9 @@ Two steps (:mod:`cadlib.analysis.replay.settings` says what a rank's work is):
     python scripts/bench/bench_replay.py shapes4d --sample 40        # Table 4: a sample of its server calls
     python scripts/bench/bench_replay.py time --suite 4d --cache $OUT/replay_times.json      # time the sample
     python scripts/bench/bench_replay.py compose --suite 4d --workers 2   # Table 4: PP, attention scaled
+    python scripts/bench/bench_replay.py time --suite 3d --only prolong_128k --linear fused-sp --linear-only \
+        --cache $OUT/replay_times.json                       # the TP=8 shard's layers, fused, SP's norms
+    python scripts/bench/bench_replay.py compose --suite validation,3d --linear fused-sp --tag _fused_sp
     python scripts/bench/bench_replay.py time --smoke --cache /tmp/t.json && \
         python scripts/bench/bench_replay.py compose --smoke --cache /tmp/t.json --out /tmp/replay     # CPU
 """
@@ -40,20 +47,23 @@ import numpy as np
 import torch
 
 from cadlib.analysis.replay import phases as replay_phases
+from cadlib.analysis.replay import protocol
 from cadlib.analysis.replay import pipelined as replay4d
 from cadlib.analysis.replay import results as replay_results
 from cadlib.analysis.replay import settings as replay
 from cadlib.analysis.replay import times as replay_times
 from cadlib.analysis.runs.e2e import load_committed
 from cadlib.bench.inputs import ServeCall, rand
+from cadlib.bench.shard import LocalSP
 from cadlib.bench.timer import WARMUP, time_phases, time_samples
 from cadlib.core.measured import MeasuredCost
 from cadlib.infra.results import RESULTS_DIR, atomic_write_json, environment_info, load_result, save_result
 from cadlib.runtime import kernels
 from cadlib.runtime.device import to_device
-from cadlib.runtime.model import ChunkedCrossEntropy, DecoderLayer, RMSNorm
+from cadlib.runtime.blocks import ChunkedCrossEntropy, RMSNorm
+from cadlib.runtime.model import DecoderLayer
 
-SUITES = ("validation", "3d", "idle", "allgather", "smoke", "4d")
+SUITES = ("validation", "3d", "paper3d", "waterfall3d", "changes3d", "idle", "allgather", "smoke", "4d")
 
 
 def named(s, only: str) -> bool:
@@ -61,14 +71,24 @@ def named(s, only: str) -> bool:
     return any(part in s.name for part in only.split(","))
 
 
-def settings(suites: list[str], batches: int | None, only: str = "") -> list[replay.Setting]:
-    """The settings of ``suites`` (``only``: those whose name contains it)."""
+def settings(suites: list[str], batches: int | None, only: str = "",
+             linear: str = "") -> list[replay.Setting]:
+    """The settings of ``suites`` (``only``: those whose name contains it), composing the ``linear``
+    variant's timings."""
     out = []
     for s in suites:
         if s == "validation":
             out += [replay.e2e_setting(it) for it in load_committed() if it["variant"] == ""]
         elif s == "3d":
             out += replay.paper_3d_settings(batches or 5)
+        elif s in ("paper3d", "waterfall3d", "changes3d"):      # the paper's protocol, and our variants of it
+            n = batches or protocol.PAPER_BATCHES_3D
+            base = [x for d in protocol.PAPER_DISTS for x in protocol.paper_3d(d, n)]
+            if s == "paper3d":
+                out += base
+            else:
+                step = protocol.variant if s == "waterfall3d" else protocol.one_change
+                out += [step(x, v.name) for x in base if named(x, only) for v in protocol.VARIANTS]
         elif s == "idle":
             out += replay.idle_settings(batches or 5)
         elif s == "allgather":
@@ -80,7 +100,7 @@ def settings(suites: list[str], batches: int | None, only: str = "") -> list[rep
                                    model="tiny", batches=2, wlb_cp=(1, 2), min_shard=32, link="nvlink")]
         else:
             raise SystemExit(f"unknown suite {s!r}; choose from: {', '.join(SUITES)}")
-    out = [s for s in out if named(s, only)]
+    out = [replace(s, linear=linear) for s in out if named(s, only)]
     if not out and "4d" not in suites:
         raise SystemExit(f"no setting of {suites} is named like {only!r}")
     return out
@@ -95,11 +115,24 @@ def time_attention(d, spec, device, dtype, backend, gen, iters: int) -> dict:
     return {"fwd_ms": float(np.median(fw)), "bwd_ms": float(np.median(bw)), "iters": iters, "warmup": WARMUP}
 
 
-def time_linear(layer, spec, n, device, dtype, iters: int) -> dict:
+def blocks_of(variant: str) -> str:
+    """The blocks a linear variant runs (:data:`cadlib.analysis.replay.times.LINEAR_VARIANTS`)."""
+    return "fused" if variant == "fused-sp" else "reference"
+
+
+def sp_of(variant: str, tp: int, n: int, spec, device, dtype):
+    """Sequence parallelism's stand-in for one GPU of ``tp`` at ``n`` tokens (None: every token
+    through the norms, the committed timings, or ``tp = 1``)."""
+    return LocalSP(tp, n, spec.hidden, device, dtype) if variant == "fused-sp" and tp > 1 else None
+
+
+def time_linear(layer, spec, n, device, dtype, iters: int, sp=None) -> dict:
     """One decoder layer's linear parts at ``n`` tokens: pre-attention (norm, QKV, RoPE) and
     post-attention (O projection, MLP with recompute), each forward and backward; the median of
-    ``iters`` timed runs after as many untimed ones (a new token count allocates)."""
-    x = torch.randn(n, spec.hidden, device=device, dtype=dtype, requires_grad=True)
+    ``iters`` timed runs after as many untimed ones (a new token count allocates). With ``sp``
+    (:class:`cadlib.bench.shard.LocalSP`) the norms and residuals run on its ``n / tp`` tokens."""
+    rows = n if sp is None else sp.local
+    x = torch.randn(rows, spec.hidden, device=device, dtype=dtype, requires_grad=True)
     pos = torch.arange(n, device=device) % 8192
     inv = 1.0 / (500000.0 ** (torch.arange(0, spec.head_dim, 2, device=device, dtype=torch.float32)
                               / spec.head_dim))
@@ -108,14 +141,14 @@ def time_linear(layer, spec, n, device, dtype, iters: int) -> dict:
     o = torch.randn(n, spec.n_heads, spec.head_dim, device=device, dtype=dtype, requires_grad=True)
     gq = torch.randn(n, spec.n_heads, spec.head_dim, device=device, dtype=dtype)
     gk = torch.randn(n, spec.n_kv_heads, spec.head_dim, device=device, dtype=dtype)
-    gy = torch.randn(n, spec.hidden, device=device, dtype=dtype)
+    gy = torch.randn(rows, spec.hidden, device=device, dtype=dtype)
 
     def reset():
         x.grad = o.grad = None
         layer.zero_grad(set_to_none=True)
-    phases = [lambda: layer.pre_attention(x, cos, sin),
+    phases = [lambda: layer.pre_attention(x, cos, sin, sp),
               lambda qkv: torch.autograd.backward(qkv, (gq, gk, gk)),
-              lambda _: layer.post_attention(x, o),
+              lambda _: layer.post_attention(x, o, sp),
               lambda y: y.backward(gy)]
     ms = time_phases(phases, device, iters=iters, warmup=iters, after=reset)
     return {k: float(np.median(v)) for k, v in zip(("pre_ms", "pre_bwd_ms", "post_ms", "post_bwd_ms"), ms)}
@@ -125,23 +158,27 @@ class Head(torch.nn.Module):
     """The model's ends (:class:`cadlib.runtime.model.Decoder`'s embedding, final norm and LM head),
     with random weights made on the device."""
 
-    def __init__(self, spec, device, dtype):
+    def __init__(self, spec, device, dtype, blocks: str = "reference"):
         super().__init__()
         w = {"device": device, "dtype": dtype}
+        self.blocks = blocks
         self.embed = torch.nn.Embedding(spec.vocab, spec.hidden, **w)
-        self.norm = RMSNorm(spec.hidden, **w)
+        self.norm = RMSNorm(spec.hidden, blocks=blocks, **w)
         self.lm_head = torch.nn.Linear(spec.hidden, spec.vocab, bias=False, **w)
 
 
-def time_head(head, spec, n, device, iters: int) -> dict:
+def time_head(head, spec, n, device, iters: int, sp=None) -> dict:
     """Embedding, final norm, LM head and its chunked loss at ``n`` tokens, forward and backward; the
-    median of ``iters`` timed runs after as many untimed ones."""
+    median of ``iters`` timed runs after as many untimed ones. With ``sp`` the embedding's output is
+    scattered to ``n / tp`` tokens (vocabulary-parallel) and the final norm's gathered."""
     tok = torch.randint(0, spec.vocab, (n,), device=device)
     tgt = torch.randint(0, spec.vocab, (n,), device=device)
 
     def run():
-        h = head.norm(head.embed(tok))
-        ChunkedCrossEntropy.apply(h, head.lm_head.weight, tgt, 8192).backward()
+        e = head.embed(tok)
+        h = head.norm(e if sp is None else sp.scatter(e))
+        h = h if sp is None else sp.gather(h)
+        ChunkedCrossEntropy.apply(h, head.lm_head.weight, tgt, 8192, head.blocks).backward()
     ms = time_samples(run, device, iters=iters, warmup=iters, after=lambda: head.zero_grad(set_to_none=True))
     return {"ms": float(np.median(ms))}
 
@@ -230,8 +267,11 @@ def cmd_time(a) -> int:
         return time_4d(a, cache, save4d, device, dtype)
     rates = replay_phases.link_rates(load_result("comm_overlap_probe_2xh200_nvlink.json"),
                                      load_result("comm_overlap_probe_2xh200_inter-node-like.json"))
-    todo = settings(a.suite.split(","), a.batches, a.only)
-    backends = {s.name: kernels.resolve_backend(a.backend, device, dtype, s.spec.head_dim) for s in todo}
+    todo = settings(a.suite.split(","), a.batches, a.only, a.linear)
+    if a.linear_only:                       # no attention runs: the backend only labels the keys
+        backends = {s.name: a.backend or "fa4" for s in todo}
+    else:
+        backends = {s.name: kernels.resolve_backend(a.backend, device, dtype, s.spec.head_dim) for s in todo}
     by_name = {s.name: s for s in todo}
     tasks = [(s, b, rates, backends[s.name]) for s in todo for b in range(s.batches)]
     gen = torch.Generator(device=device).manual_seed(0)
@@ -242,31 +282,46 @@ def cmd_time(a) -> int:
     tokens: dict[str, list] = {s.name: [] for s in todo}
 
     def save():
-        cache["meta"] = environment_info()
+        if a.linear_only:                   # the attention calls' provenance stays the cache's meta
+            cache.setdefault("meta_linear", {})[a.linear or "reference"] = environment_info()
+        else:
+            cache["meta"] = environment_info()
         atomic_write_json(cache_path, cache)
 
     def over() -> bool:
         return time.perf_counter() - t_start > a.budget_s
 
-    def finish(s):
-        """The linear layers, the head and the optimizer of setting ``s``'s shard."""
-        spec, backend = s.spec, backends[s.name]
-        grid = replay_times.grid_points(np.concatenate(tokens[s.name]))
-        layer = DecoderLayer(spec, mlp_recompute=True, dtype=dtype, device=device)
-        head = Head(spec, device, dtype)
+    def finish(s, grid=None):
+        """The linear layers, the head and the optimizer of setting ``s``'s shard (at ``grid``'s token
+        counts; by default those its batches need), computed the ``s.linear`` way."""
+        spec, backend, var = s.spec, backends[s.name], s.linear
+        grid = replay_times.grid_points(np.concatenate(tokens[s.name])) if grid is None else grid
+        layer = DecoderLayer(spec, recompute="mlp", blocks=blocks_of(var), dtype=dtype, device=device)
+        head = Head(spec, device, dtype, blocks_of(var))
         for n in grid:
-            for key, fn in ((replay_times.linear_key(spec, backend, n),
-                             lambda: time_linear(layer, spec, n, device, dtype, max(2, a.iters))),
-                            (replay_times.head_key(spec, backend, n),
-                             lambda: time_head(head, spec, n, device, max(2, a.iters)))):
+            sp = sp_of(var, s.tp, n, s.spec, device, dtype)
+            for key, fn in ((replay_times.linear_key(spec, backend, n, var, s.tp),
+                             lambda: time_linear(layer, spec, n, device, dtype, max(2, a.iters), sp)),
+                            (replay_times.head_key(spec, backend, n, var, s.tp),
+                             lambda: time_head(head, spec, n, device, max(2, a.iters), sp))):
                 if key not in times and not over():
-                    times[key] = fn()
+                    times[key] = {**fn(), "linear": var or "reference", "tp": s.tp}
         key = replay_times.optimizer_key(spec, backend)
         if key not in times and not over():
             times[key] = time_optimizer(spec, device, dtype, 3)
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
+    if a.linear_only:                       # every grid point of each distinct shard, no attention
+        seen = set()
+        for s in todo:
+            if (s.spec, s.tp) not in seen:
+                seen.add((s.spec, s.tp))
+                finish(s, replay_times.LINEAR_GRID)
+                save()
+                print(f"[{time.perf_counter() - t_start:6.0f} s] {s.name}'s shard: linear grid "
+                      f"({a.linear or 'reference'}) timed", flush=True)
+        return 0 if not over() else 3
     # the host plans batches in worker processes (started before CUDA) while this one times
     with multiprocessing.get_context("fork").Pool(max(1, min(a.workers, len(tasks)))) as pool:
         left = {s.name: s.batches for s in todo}
@@ -317,7 +372,7 @@ def cmd_compose(a) -> int:
         model_check = replay_results.kernel_model_check(replay.paper_3d_settings()[:3], cache["times"], cost,
                                                         backend, rates)
         print(f"kernel table against the timed calls: {model_check}")
-    for s in settings(a.suite.split(","), a.batches, a.only):
+    for s in settings(a.suite.split(","), a.batches, a.only, a.linear):
         if model_check is not None:
             for b in range(s.batches):
                 works = replay_phases.batch_work(s, b, rates).values()
@@ -398,7 +453,8 @@ def cmd_compose_4d(a, times, meta, rates, backend) -> int:
     if check is None:
         check = replay_results.kernel_model_check(replay.paper_3d_settings()[:3], times, cost, backend, rates)
     print(f"kernel table against the timed calls: {check}", flush=True)
-    todo = [s for s in replay4d.paper_4d_settings(a.batches or 3) if named(s, a.only)]
+    todo = [replace(s, linear=a.linear) for s in replay4d.paper_4d_settings(a.batches or 3)
+            if named(s, a.only)]
     jobs = [(s, times, rates, backend, cost, check["scale"]) for s in todo]
     out_dir, summary = Path(a.out), []
     with multiprocessing.get_context("spawn").Pool(max(1, min(a.workers, len(jobs)))) as pool:
@@ -441,6 +497,12 @@ def main(argv=None) -> int:
     ap.add_argument("--derive-from", default=None,
                     help="compose: where --backend was not timed, scale this backend's times (fitted ratio)")
     ap.add_argument("--device", default=None)
+    ap.add_argument("--linear", default="", choices=tuple(replay_times.LINEAR_VARIANTS),
+                    help="time / compose: how the linear layers and head compute (cadlib.analysis.replay."
+                         "times.LINEAR_VARIANTS; '' the committed reference timings, fused-sp the fused "
+                         "blocks with sequence parallelism's norms on tokens / TP)")
+    ap.add_argument("--linear-only", action="store_true",
+                    help="time: only the linear layers, head and optimizer, at every point of the grid")
     ap.add_argument("--retime", action="store_true",
                     help="time: only the cached calls whose times look like a compile "
                          "(cadlib.analysis.replay.times.compile_suspects), again, with a warm-up")

@@ -198,7 +198,10 @@ def test_report_opens_with_the_answer(tmp_path):
                                 "cpu", results_dir=tmp_path)
     lines = headline.headline_rows(table)
     assert 4 <= len(lines) <= 6 and lines[0]["verdict"] == "within" and lines[1]["verdict"] == "holds"
-    assert lines[-1]["verdict"] == "not reproduced" and "64+ GPUs" in lines[-1]["question"]
+    assert lines[-1]["verdict"] == "not reproduced" and "need more GPUs than lent" in lines[-1]["question"]
+    assert "speedup_4d_34b_pretrain" in lines[-1]["question"] and "hybrid_cp_best" in lines[-1]["question"]
+    assert lines[-1]["why"] == ("a 34B model at long context needs more GPUs than the measured 2; not at this "
+                                "scale: needs several GPUs, only one is lent")
     pts = {p["claim"]: p for p in headline.hero_points(table)}
     assert set(pts) == {"distca.idle_dp8", "distca.scheduler_bytes"}
     assert pts["distca.idle_dp8"]["ratio"] == 1.0

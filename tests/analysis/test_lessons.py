@@ -95,3 +95,19 @@ def test_picker_shows_one_figure_at_a_time():
     assert [b.label for b in fig.layout.updatemenus[0].buttons] == ["a", "b"]
     with pytest.raises(ValueError, match="at least one figure"):
         plots.with_picker({})
+
+
+def test_block_sparse_pictures_and_areas():
+    from cadlib.data import sparse
+
+    m = sparse.variable_block_sparse(1024, 256, 0.5, heads=2, min_block=16)
+    assert np.array_equal(toys.block_picture(m, 1, 1024), sparse.dense_reference(m, 1))   # one pixel a token
+    u = sparse.uniform_block_sparse(4096, 64, 0.3, heads=1)
+    assert np.array_equal(toys.block_picture(u, 0, 64), u.blocks[0])                       # one pixel a block
+    assert np.array_equal(toys.block_picture(u, 0, 16, span=1024), u.blocks[0][:16, :16])
+    with pytest.raises(ValueError, match="span in 1..4096"):
+        toys.block_picture(u, 0, 16, span=5000)
+    areas = toys.sparse_areas(4096, (0.1, 0.5), {sparse.UNIFORM: (64,), sparse.VARIABLE: (512,)}, heads=4)
+    uni, var = areas[areas.family == sparse.UNIFORM], areas[areas.family == sparse.VARIABLE]
+    assert np.allclose(uni["area / T^2"], uni["k / N"]) and (uni["kept k"] == [6, 32]).all()
+    assert (var["head min"] < var["head max"]).all()          # random block sizes: each head its own area

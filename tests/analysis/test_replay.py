@@ -75,6 +75,40 @@ def test_time_and_compose_on_the_cpu(tmp_path):
     assert all(r["sim_step_s"] > 0 for r in rows)
 
 
+def test_linear_variants_have_keys_of_their_own_and_compose_from_them(tmp_path):
+    """The committed keys keep their form; the fused, sequence-parallel timings live under keys of their
+    own, and a setting composes the variant it names (here the smoke's times, halved, under fused-sp)."""
+    spec = ModelSpec.from_name("llama3-8b").shard(8)
+    sk = replay_times.spec_key(spec, "fa4")
+    assert replay_times.linear_key(spec, "fa4", 4096) == f"linear|{sk}|4096"
+    assert replay_times.head_key(spec, "fa4", 4096, "fused-sp", 8) == f"head@fused-sp/tp8|{sk}|4096"
+    with pytest.raises(ValueError, match="unknown linear variant 'fast'"):
+        replay_times.linear_key(spec, "fa4", 4096, "fast")
+    with pytest.raises(ValueError, match="Setting.linear must be one of"):
+        replay.Setting("x", "uniform", 2, linear="fast")
+    path = ROOT / "scripts" / "bench" / "bench_replay.py"
+    mod = importlib.util.spec_from_file_location("bench_replay", path)
+    bench = importlib.util.module_from_spec(mod)
+    sys.modules["bench_replay"] = bench
+    mod.loader.exec_module(bench)
+    cache, out = tmp_path / "t.json", tmp_path / "out"
+    assert bench.main(["time", "--smoke", "--cache", str(cache), "--workers", "1"]) == 0
+    data = json.loads(cache.read_text())
+    for k, v in list(data["times"].items()):
+        if k.startswith(("linear|", "head|")):
+            part, rest = k.split("|", 1)
+            data["times"][f"{part}@fused-sp/tp1|{rest}"] = replay_times.scaled({k: v}, 0.5)[k]
+    cache.write_text(json.dumps(data))
+    steps = {}
+    for var, tag in (("", ""), ("fused-sp", "_f")):
+        assert bench.main(["compose", "--smoke", "--cache", str(cache), "--out", str(out), "--tag", tag,
+                           "--linear", var]) == 0
+        res = json.loads((out / f"replay_smoke_pretrain_dp4{tag}.json").read_text())
+        assert res["config"]["linear"] == var
+        steps[var] = {r["method"]: r["step_s_mean"] for r in res["results"]["summary"]}
+    assert all(steps["fused-sp"][m] < steps[""][m] for m in steps[""])
+
+
 def _run(path, nproc, head_ms, tokens=65536):
     cfg = {"model": "llama3-8b", "layers": 4, "tokens_per_rank": tokens, "ce_chunk": 8192,
            "mlp_recompute": True, "dtype": "bf16", "nproc": nproc}

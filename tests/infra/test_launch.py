@@ -96,7 +96,7 @@ def test_command_line_matches_torchrun_flags(tmp_path):
     assert "--nproc-per-node=4" in cmd and cmd[cmd.index("--tee") + 1] == "3"
     assert cmd[cmd.index("--log-dir") + 1] == str(tmp_path)
     assert cmd[-4:] == ["-m", "cadlib.train", "--steps", "2"]
-    env = launch._child_env({"FOO": "1", "HOME": None}, "gloo", tmp_path)
+    env = launch.child_env({"FOO": "1", "HOME": None}, "gloo", tmp_path)
     assert env["FOO"] == "1" and "HOME" not in env and env["CADLIB_PG_BACKEND"] == "gloo"
     assert env["CADLIB_RESULTS_DIR"] == str(tmp_path / "results")
     assert env["TORCHELASTIC_ERROR_FILE"] == str(tmp_path / "error.json")

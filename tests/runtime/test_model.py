@@ -9,7 +9,8 @@ from cadlib.core.cost import as_model
 from cadlib.core.layout import Chunk, Layout
 from cadlib.runtime.batches import document_attention, positions, synthetic_tokens
 from cadlib.runtime.kernels import attend
-from cadlib.runtime.model import IGNORE_INDEX, ChunkedCrossEntropy, Decoder, apply_rope
+from cadlib.runtime.blocks import RMSNormFn, SwiGLUFn, apply_rope
+from cadlib.runtime.model import IGNORE_INDEX, ChunkedCrossEntropy, Decoder
 
 DOCS = [5, 9, 3, 7]
 
@@ -290,14 +291,13 @@ def test_saved_bytes_per_layer_match_the_formula(dtype):
 
 
 def test_custom_norm_and_swiglu_gradients():
-    from cadlib.runtime.model import _RMSNormFn, _SwiGLUFn
     x = torch.randn(5, 8, dtype=torch.float64, requires_grad=True)
     w = torch.randn(8, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda x, w: _RMSNormFn.apply(x, w, 1e-5), (x, w))
+    assert torch.autograd.gradcheck(lambda x, w: RMSNormFn.apply(x, w, 1e-5), (x, w))
     a = torch.randn(5, 8, dtype=torch.float64, requires_grad=True)
     b = torch.randn(5, 8, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(_SwiGLUFn.apply, (a, b))
-    torch.testing.assert_close(_SwiGLUFn.apply(a, b), F.silu(a) * b)
+    assert torch.autograd.gradcheck(SwiGLUFn.apply, (a, b))
+    torch.testing.assert_close(SwiGLUFn.apply(a, b), F.silu(a) * b)
 
 
 def test_a_rank_without_tokens_gets_empty_tensors():

@@ -3,6 +3,8 @@ notebooks, metrics recorded by cells, and figures in the HTML."""
 import importlib.util
 import json
 import pathlib
+import subprocess
+import sys
 
 import nbformat
 import pytest
@@ -204,3 +206,19 @@ def test_key_figures_fall_back_to_every_figure_when_no_cell_is_tagged():
     html_nb = figures_html.with_html_figures(nb)
     assert "fig-1-0" in html_nb.cells[1].outputs[0].data["text/html"]
     assert "text/html" not in nb.cells[1].outputs[0].data      # the input is not modified
+
+
+@pytest.mark.parametrize("flags, named", [(["--list-params"], "papermill, latex2mathml"),
+                                          (["--no-html"], "papermill")])
+def test_missing_packages_are_named_in_one_line_before_any_import(flags, named):
+    """papermill and latex2mathml made unimportable: one line names them (latex2mathml only when the
+    HTML export runs) with the install command, exit 2, before cadlib's modules are imported."""
+    code = ("import runpy, sys\nsys.modules['papermill'] = sys.modules['latex2mathml'] = None\n"
+            f"sys.argv = ['reproduce.py', *{flags!r}]\n"
+            f"runpy.run_path({str(ROOT / 'scripts' / 'reproduce.py')!r}, run_name='__main__')\n"
+            "print('not stopped; cadlib.analysis imported:', 'cadlib.analysis' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stdout == "", done.stdout + done.stderr
+    assert done.stderr.splitlines() == [f"reproduce.py: missing {named}; install with `make venv` in {ROOT}, "
+                                        f"or `{sys.executable} -m pip install -e '{ROOT}[notebooks]'`"]
+    assert reproduce.missing_dependencies() == []                 # this Python has everything

@@ -8,16 +8,19 @@ import pandas as pd
 
 from ...core import cost
 from ...core.paper import (
+    CLAIMS,
     DISTCA_MAX_SPEEDUP,
     DISTCA_NO_PINGPONG_SLOWDOWN_MAX,
     DISTCA_NO_PINGPONG_SLOWDOWN_MIN,
     DISTCA_PINGPONG_OVERLAP,
+    LONGCA_DRAWS,
 )
 from ...data import masks
 from ...scheduling import scheduler
 from ..model import sim
 from ..report import claims, evidence, metrics
-from ..runs import server_bench
+from ..runs import cp_balance, server_bench
+from ..runs import kernels as kernel_runs
 
 
 def _table(frames: list) -> pd.DataFrame:
@@ -243,9 +246,12 @@ def end_to_end(
     )
 
 
-def kernels_masks(gpu: pd.DataFrame | None, device: str = "", tokens: int = 49152) -> pd.DataFrame:
+def kernels_masks(gpu: pd.DataFrame | None, device: str = "", tokens: int = 49152,
+                  sparse: pd.DataFrame | None = None, sparse_device: str = "") -> pd.DataFrame:
     """4.2: LongCA-bench's FLOP accounting against a brute-force area on every mask, its sliding-window
-    count, and what of its published figures there is to compare (none: our harness only)."""
+    count, what of its published figures there is to compare (none: our harness only), and whether the
+    backward is the block-sparse kernels' bottleneck (:func:`sparse_backward`; ``sparse``: the committed
+    block-sparse study's records, None when not measured yet)."""
     heads, head_dim, check_len = 64, 128, 512
     exact = 0
     for name in masks.MASK_TYPES:
@@ -280,14 +286,54 @@ def kernels_masks(gpu: pd.DataFrame | None, device: str = "", tokens: int = 4915
                 how="scripts/bench/bench_kernels.py on our own harness (results/bench_kernels.json)",
                 reason="our own harness only",
             ),
+            sparse_backward(sparse, sparse_device),
         ]
     )
 
 
-def context_parallel(tokens: int, distribution: str, nodes=(2, 16)) -> pd.DataFrame:
+def _tok(n) -> str:
+    """A token count as the tables write it: ``16K`` for 16384, ``256`` for 256."""
+    return f"{int(n) // 1024}K" if int(n) >= 1024 and int(n) % 1024 == 0 else str(int(n))
+
+
+def sparse_backward(rows: pd.DataFrame | None, device: str = "") -> pd.DataFrame:
+    """4.2: the backward as the block-sparse kernels' bottleneck: per cell measured both ways, backward
+    TF/s / forward TF/s (:func:`cadlib.analysis.runs.kernels.bwd_over_fwd`); ours is the median over the
+    cells, and the claim holds when every kernel's median is below 1. Not measured yet (no committed
+    file, or no cell with both directions): said so, with the command that measures it."""
+    cid, where = "longca.sparse_bwd_bottleneck", f"results/{kernel_runs.SPARSE_FILE}"
+    ratios = kernel_runs.bwd_over_fwd(rows) if rows is not None and len(rows) else None
+    if ratios is None or not len(ratios):
+        what = f"no {where}" if rows is None else f"no cell of {where} measured forward and backward"
+        return claims.record_not_measured(
+            cid, f"not measured yet: {what}; it is measured on one H200 by {kernel_runs.COMMAND}",
+            how="scripts/bench/bench_sparse.py: backward / forward TF/s per cell (exact-area FLOPs)",
+            kind="measured on 1x H200, not run yet (scripts/device/longca_1gpu.sh)")
+    per = kernel_runs.ratio_summary(ratios)
+    holds = bool((per["median bwd/fwd"] < 1).all())
+    unmeasured = rows[rows.status != "ok"].groupby("status").size()
+    return claims.record(
+        cid,
+        round(float(ratios.ratio.median()), 3),
+        holds=holds,
+        kind=f"measured on {device or 'a GPU'} (committed {where})",
+        how=f"backward TF/s / forward TF/s per cell, median over {len(ratios)} cells measured both ways "
+        f"({', '.join(sorted(set(ratios.kernel)))}; {_tok(ratios.seqlen.min())}-{_tok(ratios.seqlen.max())} "
+        f"tokens; heads {', '.join(sorted(set(ratios.heads)))})",
+        note="; ".join(f"{k}: median {r['median bwd/fwd']:.2f}, below 1 on {r['share below 1']:.0%} of "
+                       f"{int(r.cells)} cells" for k, r in per.iterrows())
+        + ("; not measured: " + ", ".join(f"{n} {s}" for s, n in unmeasured.items()) if len(unmeasured) else ""),
+        reason="" if holds else "the backward keeps up with the forward per FLOP on "
+        + ", ".join(per.index[per["median bwd/fwd"] >= 1]),
+    )
+
+
+def context_parallel(tokens: int, distribution: str, nodes=(2, 16), balance: pd.DataFrame | None = None
+                     ) -> pd.DataFrame:
     """4.3: the gathered K,V's share of a GPU's memory under per-document CP on 2 and 16 nodes, for
-    one fixed global batch (llama3-8b). The all-gather's share of the step is 4.4's (replayed from
-    timed kernels, :func:`cadlib.analysis.report.scale.record_claims`)."""
+    one fixed global batch (llama3-8b), and LongCA-bench's CP findings (:func:`cp_findings`, from
+    ``balance``: the rows of :func:`cadlib.analysis.runs.cp_balance.load`). The all-gather's share of the
+    step is 4.4's (replayed from timed kernels, :func:`cadlib.analysis.report.scale.record_claims`)."""
     spec = cost.ModelSpec.from_name("llama3-8b")
     how = (f"per-document CP (zigzag), {tokens // 1024}K-token global batch of {distribution} documents, "
            "llama3-8b")
@@ -305,4 +351,53 @@ def context_parallel(tokens: int, distribution: str, nodes=(2, 16)) -> pd.DataFr
                 reason="a rough memory model: no recompute, weights or optimizer",
             )
         )
+    return _table([*rows, cp_findings(balance)])
+
+
+def _cases(frame: pd.DataFrame) -> str:
+    """``"causal_document and full_document, 8 and 16 ranks x 8K and 32K tokens per GPU"``."""
+    def join(xs):
+        return " and ".join(map(str, xs))
+    return (f"{join(sorted(set(frame['mask'])))}, {join(sorted(set(frame.world)))} ranks x "
+            f"{join(_tok(t) for t in sorted(set(frame.tokens_per_gpu)))} tokens per GPU")
+
+
+def cp_findings(balance: pd.DataFrame | None) -> pd.DataFrame:
+    """4.3: LongCA-bench's CP findings. ``partition heads first`` from the dispatches' balance (CPU,
+    ``results/cp_balance.json``): it holds when, on every document-mask case, the max/mean area never
+    grows with the head parallelism ``u`` and Ulysses (``u = W``) is at 1
+    (:func:`cadlib.analysis.runs.cp_balance.heads_first`). ``hybrid CP best`` and ``ring P2P fluctuating``
+    are timings on several GPUs: not measured yet, with the balance across draws (the ring's cause) said."""
+    kind = "measured on several GPUs, not run yet (scripts/bench/bench_cp.py)"
+    if balance is None:
+        spread = ""
+    else:
+        ring = cp_balance.draw_spread(balance)
+        doc = ring[ring["mask"].isin(cp_balance.DOCUMENT_MASKS)]
+        one = ring[~ring["mask"].isin(cp_balance.DOCUMENT_MASKS)]
+        spread = (f"; on CPU its dispatch's max/mean area spans {doc.max_mean_q20.min():.2f}-"
+                  f"{doc.max_mean_q80.max():.2f} (20-80% over {int(doc.draws.max())} draws of the document "
+                  f"masks, {_cases(doc)}, results/cp_balance.json), {one.max_mean.max():.2f} on one document")
+    rows = [
+        claims.record_not_measured("longca.hybrid_cp_best", CLAIMS["longca.hybrid_cp_best"].gap, kind=kind,
+                                   how="scripts/bench/bench_cp.py: fastest fwd+bwd per (mask, tokens per GPU)"),
+        claims.record_not_measured("longca.ring_fluctuates_docs", CLAIMS["longca.ring_fluctuates_docs"].gap + spread,
+                                   kind=kind,
+                                   how=f"scripts/bench/bench_cp.py --draws {LONGCA_DRAWS}: the ring's q20-q80 TF/s "
+                                   "on the document masks"),
+    ]
+    if balance is not None:
+        hf = cp_balance.heads_first(balance)
+        mech = [c for c in hf.columns if c not in ("mask", "world", "tokens_per_gpu", "u", "monotone")]
+        span = {m: f"{hf[m].min():.2f}-{hf[m].max():.2f}" for m in mech if m != "ulysses"}
+        rows.append(claims.record(
+            "longca.heads_first",
+            round(float(hf.ulysses.max()), 3),
+            holds=bool(hf.monotone.all()),
+            kind="computed (committed results/cp_balance.json)",
+            how=f"median max/mean attention area per rank over {int(balance.draws.max())} draws, "
+            f"{len(hf)} cases: {_cases(hf)}; Ulysses (all heads split, u = W) shown",
+            note="max/mean never grows with the head parallelism u on "
+            f"{int(hf.monotone.sum())}/{len(hf)} cases; " + ", ".join(f"{m} {v}" for m, v in span.items()),
+        ))
     return _table(rows)

@@ -6,7 +6,8 @@ dispatches, simulations and masks come from the layers below.
 * chapter 1 (stragglers): :func:`unit_step` (a step in unit costs), :func:`paper_idle_table`,
   :func:`straggler_view` and :func:`explorer` (the interactive view), :func:`pp_cases` (1F1B);
 * chapter 2 (CAD) has its own module, :mod:`cadlib.analysis.lessons.cad`;
-* chapter 3 (ping-pong): :func:`nano_halves`; chapter 4 (end to end): :func:`toy_runs`;
+* chapter 3 (ping-pong): :func:`nano_halves`; chapter 4 (end to end): :func:`toy_runs`; (kernels x masks)
+  :func:`block_picture` and :func:`sparse_areas`;
 * every chapter: :func:`check_params`, the parameter checks a notebook runs first.
 """
 
@@ -19,7 +20,7 @@ import pandas as pd
 
 from ...core import cost
 from ...core.layout import Layout
-from ...data import packing, workload
+from ...data import packing, sparse, workload
 from ...scheduling import nanosplit
 from ..figures import plots
 from ..model import compose, sim
@@ -240,3 +241,41 @@ def toy_runs(steps: Mapping[str, float], colocated_attention: Sequence[float]) -
         }
         for r, attn in enumerate(colocated_attention)
     ]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Chapter 4: kernels x masks (block-sparse masks)
+# ---------------------------------------------------------------------------------------------------
+
+
+def block_picture(m: sparse.BlockSparseMask, head: int = 0, pixels: int = 256, span: int | None = None) -> np.ndarray:
+    """Head ``head`` of ``m`` over its first ``span`` tokens (default all) as a ``pixels x pixels``
+    boolean picture: pixel ``(a, b)`` is whether query token ``t_a`` sees key token ``t_b``, at
+    ``t = (a + 1/2) span / pixels`` (exact at those tokens; every block of at least ``span / pixels``
+    tokens shows). For masks too large to draw token by token."""
+    span = m.total if span is None else int(span)
+    if pixels < 1 or not 0 <= head < m.heads or not 1 <= span <= m.total:
+        raise ValueError(f"pixels must be >= 1, head in 0..{m.heads - 1} and span in 1..{m.total}; got "
+                         f"pixels={pixels}, head={head}, span={span}")
+    n = min(pixels, span)
+    rb, cb = m.bounds(head)
+    t = ((np.arange(n) + 0.5) * span / n).astype(np.int64)
+    return m.blocks[head][np.searchsorted(rb, t, side="right") - 1][:, np.searchsorted(cb, t, side="right") - 1]
+
+
+def sparse_areas(total: int, sparsities: Sequence[float], blocks: Mapping[str, Sequence[int]], heads: int = 8,
+                 seed: int = sparse.DEFAULT_SEED) -> pd.DataFrame:
+    """The attended fraction ``area / (heads T^2)`` of the block-sparse masks (``blocks[family]``: block
+    sizes of :data:`cadlib.data.sparse.UNIFORM`, average sizes of :data:`cadlib.data.sparse.VARIABLE`) at
+    each sparsity (the kept fraction of column blocks), beside ``k / N``, the kept fraction of blocks: one
+    row per (family, block, sparsity), with the heads' smallest and largest fraction."""
+    rows = []
+    for family, sizes in blocks.items():
+        for b in sizes:
+            for s in sparsities:
+                m = sparse.make_sparse_mask(family, total, b, s, heads=heads, seed=seed)
+                per = m.head_areas() / float(total) ** 2
+                rows.append({"family": family, "block": int(b), "sparsity": float(s), "blocks N": m.blocks.shape[2],
+                             "kept k": m.params["k"], "k / N": m.params["k"] / m.blocks.shape[2],
+                             "area / T^2": m.sparsity(), "head min": per.min(), "head max": per.max()})
+    return pd.DataFrame(rows)

@@ -90,12 +90,12 @@ def phases(s: Setting, w: Work, times: dict, links: Links, backend: str, signal_
             if k is not None:
                 idx = (i, r) if w.pingpong else r
                 attn_f[idx], attn_b[idx] = times[k]["fwd_ms"] * 1e-3, times[k]["bwd_ms"] * 1e-3
-    lin = {f: interp(times, lambda n: linear_key(spec, backend, n), w.tokens, f)
+    lin = {f: interp(times, lambda n: linear_key(spec, backend, n, s.linear, s.tp), w.tokens, f)
            for f in ("pre_ms", "post_ms", "pre_bwd_ms", "post_bwd_ms")}
     tp = tp_seconds(s, w.tokens, links.tp)
     coll = collective_seconds(w, links, signal_only)
     total = w.tokens.sum(0) if w.pingpong else w.tokens
-    head = interp(times, lambda n: head_key(spec, backend, n), total, "ms")
+    head = interp(times, lambda n: head_key(spec, backend, n, s.linear, s.tp), total, "ms")
     return Phases(pre=lin["pre_ms"] + tp["pre"], post=lin["post_ms"] + tp["post"],
                   pre_bwd=lin["pre_bwd_ms"] + tp["pre_bwd"], post_bwd=lin["post_bwd_ms"] + tp["post_bwd"],
                   attn=attn_f, attn_bwd=attn_b, comm_in=coll["in"], comm_out=coll["out"],

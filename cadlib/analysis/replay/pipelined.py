@@ -58,7 +58,8 @@ from .settings import TOKENS_PER_GROUP, Setting, batch_lengths, gather_bytes
 from .times import DTYPE, SegmentPrice, head_key, interp, linear_key, optimizer_key
 
 HEAD_FWD_SHARE = 1 / 3
-"""The LM head's forward share of its timed forward + backward (its matmuls: one forward, two backward)."""
+"""The LM head's forward share of its timed forward + backward (its matmuls: one forward, two backward);
+the fused head (variant ``fused-sp``) makes its gradient in the forward: all of it there."""
 MEMORY_SLACK = 0.01
 """How far over the microbatch's tokens per rank a configuration may go in the ``budget`` view (ceil
 rounding of WLB's bins)."""
@@ -71,7 +72,8 @@ control (:mod:`cadlib.core.methods`)."""
 @dataclass(frozen=True)
 class Setting4D:
     """One Table 4 row and GPU count: ``gpus`` GPUs in nodes of ``tp``, ``batch`` sequences of
-    ``max_doc_len`` tokens per step, microbatches of ``micro_tokens`` tokens per node."""
+    ``max_doc_len`` tokens per step, microbatches of ``micro_tokens`` tokens per node; ``linear`` as
+    :class:`~cadlib.analysis.replay.settings.Setting`'s."""
 
     name: str
     dist: str
@@ -90,6 +92,7 @@ class Setting4D:
     tolerance: float = DEFAULT_TOLERANCE
     min_shard: int = 512
     nano_split: str = DEFAULT_NANO_SPLIT
+    linear: str = ""
     backward: str = "resend"
 
     def __post_init__(self):
@@ -130,7 +133,7 @@ class Setting4D:
         return Setting(f"{self.name}_dp{dp}", self.dist, dp, tokens=self.micro_tokens,
                        max_doc_len=self.max_doc_len, elongate=self.elongate, tp=self.tp, model=self.model,
                        batches=self.batches, seed=self.seed, link=self.link, tolerance=self.tolerance,
-                       min_shard=self.min_shard, nano_split=self.nano_split)
+                       min_shard=self.min_shard, nano_split=self.nano_split, linear=self.linear)
 
 
 def paper_4d_settings(batches: int = 3, dists=("distca-pretrain", "prolong")) -> list[Setting4D]:
@@ -229,7 +232,7 @@ def _cad_bytes(plans, spec, backward: bool, resend: bool = True):
 
 def _linear(base: Setting, tokens, times: dict, links: Links, backend: str) -> dict:
     spec = base.spec
-    lin = {f: interp(times, lambda n: linear_key(spec, backend, n), tokens, f)
+    lin = {f: interp(times, lambda n: linear_key(spec, backend, n, base.linear, base.tp), tokens, f)
            for f in ("pre_ms", "post_ms", "pre_bwd_ms", "post_bwd_ms")}
     tp = tp_seconds(base, tokens, links.tp)
     return {"pre": lin["pre_ms"] + tp["pre"], "post": lin["post_ms"] + tp["post"],
@@ -267,9 +270,11 @@ def _ends(s: Setting4D, pp: int, times: dict, backend: str):
     spec = s.spec
     opt = times[optimizer_key(spec, backend)]["ms"] * 1e-3 * stage_params(s, pp) / shard_params(spec)
 
+    share = 1.0 if s.linear == "fused-sp" else HEAD_FWD_SHARE
+
     def head(tokens):
-        h = interp(times, lambda n: head_key(spec, backend, n), tokens, "ms")
-        return h * HEAD_FWD_SHARE, h * (1 - HEAD_FWD_SHARE)
+        h = interp(times, lambda n: head_key(spec, backend, n, s.linear, s.tp), tokens, "ms")
+        return h * share, h * (1 - share)
     return opt, head
 
 

@@ -27,7 +27,8 @@ def missing_times(s: Setting, works: dict[str, Work], times: dict, backend: str)
     keys = set(attention_jobs(works.values(), spec, backend))
     toks = np.concatenate([np.concatenate([w.tokens.ravel(), (w.tokens.sum(0) if w.pingpong else w.tokens)])
                            for w in works.values()])
-    for key_of in (lambda n: linear_key(spec, backend, n), lambda n: head_key(spec, backend, n)):
+    for key_of in (lambda n: linear_key(spec, backend, n, s.linear, s.tp),
+                   lambda n: head_key(spec, backend, n, s.linear, s.tp)):
         have = [n for n in LINEAR_GRID if key_of(n) in times]
         if len(have) < 2:               # linear in tokens: two timed points interpolate and extrapolate
             keys |= {key_of(n) for n in grid_points(toks)}

@@ -50,7 +50,7 @@ from ...scheduling.buffer import fit_buffer
 from ...scheduling.recipes import Recipe, batch_docs, cad_plan, method_layout, nano_plans
 from ..model.idle import varlen_chunking
 from ..model.sim import Hardware
-from .times import DTYPE
+from .times import DTYPE, LINEAR_VARIANTS
 
 TOKENS_PER_GROUP = 131072
 """Tokens per data-parallel group in the paper's 3D settings: a batch size of ``B`` MaxDocLen-long
@@ -114,6 +114,7 @@ class Setting:
     buffer_gib: float = 2.0
     backward: str = "stateful"
     optimizer: bool = True
+    linear: str = ""
     config: dict | None = field(default=None, hash=False, compare=False)
     source: str | None = None
     lengths: np.ndarray | None = field(default=None, hash=False, compare=False, repr=False)
@@ -158,7 +159,7 @@ LINK_NAMES = ("ib", "ib-low", "nvlink", "inter-node-like")
 CHOICES = {"wlb_packer": ("cut", "distca"), "wlb_gather": ("sharing", "replica"),
            "wlb_choice": ("batch", "setting"), "cad_planner": ("ours", "distca"),
            "tolerance_rule": ("fixed", "buffer"), "backward": ("stateful", "resend"),
-           "optimizer": (True, False)}
+           "optimizer": (True, False), "linear": tuple(LINEAR_VARIANTS)}
 """The values of a setting's protocol choices (the first of each: what the replay did before them)."""
 
 

@@ -3,7 +3,8 @@
 Every timed quantity has a key made of the call's shape: the model's widths and the kernel
 (:func:`spec_key`), then a server's fused call by its merged segments (:func:`attention_key`), or a
 token count for the linear layers, the head and the optimizer (:func:`linear_key`, :func:`head_key`,
-:func:`optimizer_key`). Identical shapes are timed once. The linear layers and the head are timed on
+:func:`optimizer_key`; the linear layers and the head also by how they were computed, one of
+:data:`LINEAR_VARIANTS`). Identical shapes are timed once. The linear layers and the head are timed on
 ``LINEAR_GRID`` and interpolated (:func:`interp`); a backend that was not timed is derived from one
 that was by their fitted ratio (:func:`derive_backend`), and server calls nobody timed can be priced
 from a kernel latency table (:func:`model_attention_times`).
@@ -63,12 +64,32 @@ def attention_jobs(works, spec: ModelSpec, backend: str) -> dict[str, Dispatch]:
     return jobs
 
 
-def linear_key(spec: ModelSpec, backend: str, n: int) -> str:
-    return f"linear|{spec_key(spec, backend)}|{int(n)}"
+LINEAR_VARIANTS = {
+    "": "the reference blocks (cadlib.runtime.blocks), every token of the TP group through the norms "
+        "and residuals: the committed timings",
+    "fused-sp": "the fused blocks (cadlib.runtime.fused, fused_head) under Megatron's sequence "
+                "parallelism: norms and residuals on tokens / tp, GEMMs on the group's tokens "
+                "(cadlib.bench.shard.LocalSP)",
+}
+"""How a timed layer and head computed: the key's variant. Both recompute the MLP, as DistCA's runs do."""
 
 
-def head_key(spec: ModelSpec, backend: str, n: int) -> str:
-    return f"head|{spec_key(spec, backend)}|{int(n)}"
+def _variant(variant: str, tp: int) -> str:
+    if variant not in LINEAR_VARIANTS:
+        raise ValueError(f"unknown linear variant {variant!r}; choose one of: "
+                         f"{', '.join(repr(v) for v in LINEAR_VARIANTS)}")
+    return f"@{variant}/tp{int(tp)}" if variant else ""
+
+
+def linear_key(spec: ModelSpec, backend: str, n: int, variant: str = "", tp: int = 1) -> str:
+    """The key of one layer's linear parts at ``n`` tokens (of a TP group of ``tp``) computed the
+    ``variant`` way; ``variant=""`` gives the committed keys, ``linear|<spec>|<n>``."""
+    return f"linear{_variant(variant, tp)}|{spec_key(spec, backend)}|{int(n)}"
+
+
+def head_key(spec: ModelSpec, backend: str, n: int, variant: str = "", tp: int = 1) -> str:
+    """The key of the embedding, final norm, LM head and loss at ``n`` tokens (as :func:`linear_key`)."""
+    return f"head{_variant(variant, tp)}|{spec_key(spec, backend)}|{int(n)}"
 
 
 def optimizer_key(spec: ModelSpec, backend: str) -> str:

@@ -132,6 +132,23 @@ def record(claim_id: str, ours, *, how: str, kind: str | None = None, reason: st
                          primary=primary, control=control)
 
 
+NOT_MEASURED = "not measured yet"
+"""Ours, written where a claim's measurement is not committed (never a placeholder number)."""
+
+
+def record_not_measured(claim_id: str, why: str, *, how: str, kind: str, note: str = ""):
+    """Record that claim ``claim_id``'s measurement is not committed yet: ours is :data:`NOT_MEASURED` and
+    the verdict ``not reproduced: <why>`` (``why``: what it needs, e.g. the command that measures it, or
+    the machine it needs). ``kind`` says how it would be obtained (``"measured on 1x H200, ..."``), so
+    this machine's device is not written as if it had measured it."""
+    c = claim(claim_id)
+    if not why.strip():
+        raise ValueError(f"why must say what {claim_id} needs to be measured, got {why!r}")
+    paper = c.paper if c.paper is None or not isinstance(c.paper, tuple) else list(c.paper)
+    return metrics.record(metric_id(c.id), NOT_MEASURED, paper=paper, unit=c.unit, kind=kind, how=how,
+                          note=note, verdict=f"not reproduced: {why}", source=c.source)
+
+
 # ---------------------------------------------------------------------------------------------------
 # End-to-end measurements
 # ---------------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import numpy as np
 
 from ...core.cost import as_model
 from ...core.layout import Layout
-from ...core.memory import GIB, MEGATRON, OURS, Rows, configs, estimate, fits, max_tokens
+from ...core.memory import GIB, MEGATRON, OURS, OURS_FUSED, Rows, configs, estimate, fits, max_tokens
 from ...core.methods import METHODS as ALL_METHODS, names
 from ...core.paper import (DISTCA_GPUS_PER_NODE, DISTCA_TABLE3_8B, DISTCA_TABLE3_34B, DISTCA_TABLE4_8B,
                            DISTCA_TABLE4_34B, DISTCA_TP)
@@ -91,9 +91,13 @@ def method_rows(built: dict, method: str, rank: int) -> list[Rows]:
 
 
 def predict(config: dict, rows: list[Rows]) -> dict:
-    """The model's estimate for one run's GPU (profile ``OURS``)."""
+    """The model's estimate for one run's GPU: profile ``OURS``, or ``OURS_FUSED`` for a run whose config
+    says its layers ran the fused blocks (``linear_blocks``); its ``recompute`` (older runs:
+    ``mlp_recompute``)."""
     spec = as_model(config["model"], **({"n_layers": config["layers"]} if config.get("layers") else {}))
-    return estimate(spec, rows, recompute="mlp" if config.get("mlp_recompute") else "none", profile=OURS,
+    recompute = config.get("recompute") or ("mlp" if config.get("mlp_recompute") else "none")
+    profile = OURS_FUSED if config.get("linear_blocks") == "fused" else OURS
+    return estimate(spec, rows, recompute=recompute, profile=profile,
                     ce_chunk=int(config.get("ce_chunk") or 8192))
 
 

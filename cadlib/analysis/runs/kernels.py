@@ -1,0 +1,123 @@
+"""LongCA-bench's kernel tables from the committed measurements, as frames: the block-sparse study
+(``scripts/bench/bench_sparse.py``), the dense kernel x mask table's MHA rows and its 30-draw document-mask rows
+(``scripts/bench/bench_kernels.py --heads 64:64`` and ``--draws 30``).
+
+Every file is one GPU's run, written by ``scripts/device/longca_1gpu.sh`` (:data:`COMMAND`); a file that
+is not committed yet reads as ``None`` and the notebook says so, never a number. Work is counted from the
+exact mask area in every file (forward ``4 * D * Hq / H * area``, backward 2.5x), so a ratio of TF/s is a
+ratio of times scaled by the same FLOPs:
+
+    bwd / fwd = TF/s_bwd / TF/s_fwd = 2.5 * t_fwd / t_bwd     (below 1: the backward is the slower per FLOP)
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+
+import pandas as pd
+
+from ...infra.results import RESULTS_DIR, load_result
+
+SPARSE_FILE = "bench_sparse_h200.json"
+MHA_FILE = "bench_kernels_mha.json"
+DRAWS_FILE = "bench_kernels_draws.json"
+COMMAND = "bash scripts/device/longca_1gpu.sh"
+"""The one command that measures all three files on one H200 (about 7-8 minutes)."""
+SPARSE_CELL = ("kernel", "family", "block", "sparsity", "seqlen", "heads")
+"""What one block-sparse measurement varies; each cell has a ``fwd`` and a ``bwd`` record."""
+
+
+def load_rows(name: str, results_dir: str | os.PathLike | None = None) -> tuple[pd.DataFrame | None, str]:
+    """``(rows, device)`` of ``results/<name>``: one row per record, with the file's device; ``(None, "")``
+    when the file is not committed."""
+    path = pathlib.Path(results_dir or RESULTS_DIR) / name
+    if not path.exists():
+        return None, ""
+    res = load_result(path)
+    return pd.DataFrame(res.get("results", [])), str(res.get("meta", {}).get("device") or "")
+
+
+def cell_text(rows: pd.DataFrame) -> pd.Series:
+    """Each record as a table shows it: its TF/s (3 significant digits) or its status symbol (``X``
+    unsupported, ``E`` out of memory, ``!`` failed, ``-`` not reached)."""
+    return rows.apply(lambda r: f"{r.tflops:.3g}" if r.status == "ok" else str(r.status), axis=1)
+
+
+def sparse_table(rows: pd.DataFrame, seqlen: int | None = None) -> pd.DataFrame:
+    """The block-sparse study at one length (default the longest with a measured cell: a time budget may
+    leave longer ones ``-``): one row per (family, block, heads, sparsity), one column per (direction,
+    kernel), TF/s or the status symbol."""
+    if seqlen is None:
+        ok = rows[rows.status == "ok"]
+        seqlen = int((ok if len(ok) else rows).seqlen.max())
+    sub = rows[rows.seqlen == seqlen]
+    return (sub.assign(cell=cell_text(sub))
+            .pivot_table(index=["family", "block", "heads", "sparsity"], columns=["direction", "kernel"],
+                         values="cell", aggfunc="first")
+            .sort_index(axis=1, level=0, ascending=False))
+
+
+def bwd_over_fwd(rows: pd.DataFrame) -> pd.DataFrame:
+    """Per block-sparse cell (:data:`SPARSE_CELL`) measured both ways: ``fwd_tflops``, ``bwd_tflops`` and
+    ``ratio`` = backward TF/s / forward TF/s (module docstring)."""
+    ok = rows[rows.status == "ok"]
+    both = ok.pivot_table(index=list(SPARSE_CELL), columns="direction", values="tflops", aggfunc="first")
+    if not {"fwd", "bwd"} <= set(both.columns):
+        return pd.DataFrame(columns=[*SPARSE_CELL, "fwd_tflops", "bwd_tflops", "ratio"])
+    both = both.dropna(subset=["fwd", "bwd"]).reset_index()
+    both = both.rename(columns={"fwd": "fwd_tflops", "bwd": "bwd_tflops"})
+    return both.assign(ratio=both.bwd_tflops / both.fwd_tflops)[[*SPARSE_CELL, "fwd_tflops", "bwd_tflops",
+                                                                  "ratio"]]
+
+
+def ratio_summary(ratios: pd.DataFrame) -> pd.DataFrame:
+    """Per kernel of :func:`bwd_over_fwd`: cells, the median and largest ratio, and the share of cells
+    whose backward is slower per FLOP than the forward (ratio below 1)."""
+    g = ratios.groupby("kernel").ratio
+    return pd.DataFrame({"cells": g.size(), "median bwd/fwd": g.median(), "max bwd/fwd": g.max(),
+                         "share below 1": g.apply(lambda r: float((r < 1).mean()))})
+
+
+def sparse_checks(rows: pd.DataFrame) -> pd.DataFrame:
+    """The dense-reference check of each (kernel, family, block, heads): the length checked, the forward
+    error ``max_err`` and the gradients' ``grad_err`` (relative to the reference's largest value)."""
+    out = []
+    for r in rows[rows.direction == "fwd"].itertuples():
+        chk = getattr(r, "check", None)
+        if isinstance(chk, dict):
+            out.append({"kernel": r.kernel, "family": r.family, "block": r.block, "heads": r.heads,
+                        "check_len": chk.get("check_len"), "max_err": chk.get("max_err"),
+                        "grad_err": chk.get("grad_err"), "error": chk.get("check_error", "")})
+    return pd.DataFrame(out, columns=["kernel", "family", "block", "heads", "check_len", "max_err", "grad_err",
+                                      "error"])
+
+
+def draw_bands(rows: pd.DataFrame) -> pd.DataFrame:
+    """The records timed on several draws of their mask: per (backend, mask, heads, seqlen, direction) the
+    median TF/s over the draws, its 20% and 80% quantiles, and the band's width relative to the median."""
+    if "draws" not in rows:
+        return pd.DataFrame()
+    d = rows[(rows.status == "ok") & (rows.draws.fillna(1) > 1)]
+    keep = ["backend", "mask", "heads", "seqlen", "direction", "draws", "tflops", "tflops_q20", "tflops_q80"]
+    d = d[keep].assign(band=(d.tflops_q80 - d.tflops_q20) / d.tflops)
+    return d.sort_values(["mask", "seqlen", "direction"]).reset_index(drop=True)
+
+
+def with_heads(rows: pd.DataFrame, default: str) -> pd.DataFrame:
+    """``rows`` with a ``heads`` column (``Hq:Hkv``); records written before it existed get ``default``."""
+    heads = rows["heads"] if "heads" in rows else pd.Series(index=rows.index, dtype=object)
+    return rows.assign(heads=heads.fillna(default))
+
+
+def mha_beside_gqa(gqa: pd.DataFrame, mha: pd.DataFrame, seqlen: int | None = None) -> pd.DataFrame:
+    """TF/s per mask of the backends measured both ways, GQA beside MHA, at one length (default the
+    longest the MHA rows reach): columns (direction, backend, heads)."""
+    mha = with_heads(mha, "64:64")
+    if seqlen is None:
+        seqlen = int(mha.seqlen.max())
+    rows = pd.concat([with_heads(gqa, "64:8"), mha], ignore_index=True)
+    rows = rows[(rows.seqlen == seqlen) & rows.backend.isin(set(mha.backend))]
+    return (rows.assign(cell=cell_text(rows))
+            .pivot_table(index="mask", columns=["direction", "backend", "heads"], values="cell", aggfunc="first")
+            .sort_index(axis=1, level=0, ascending=False))
+
