@@ -64,7 +64,8 @@ from .runtime.pingpong import pingpong_layers
 from .runtime.stages import cad_attention, prepare
 from .runtime.streams import Streams, Timeline, spanned
 from .scheduling import scheduler
-from .scheduling.recipes import NANO_SPLITS, Recipe, batch_docs, cad_plan, method_layout, nano_plans
+from .scheduling.recipes import (CAD_PLANNERS, NANO_SPLITS, Recipe, batch_docs, cad_plan, method_layout,
+                                 nano_plans)
 from .train_pp import PipelineRunner, check_config
 
 METHODS = names(trainable=True)
@@ -230,6 +231,9 @@ def parse_args(argv=None):
     p.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE,
                    help="scheduler imbalance tolerance epsilon")
     p.add_argument("--min-shard", type=int, default=512, help="scheduler minimum shard tokens")
+    p.add_argument("--planner", default="ours", choices=CAD_PLANNERS,
+                   help="what places CAD's tasks: our scheduler (ours) or DistCA's released planner "
+                        "(distca: no minimum shard)")
     p.add_argument("--nano-balance", default="tokens", choices=("tokens", "attention"))
     p.add_argument("--nano-split", default=DEFAULT_NANO_SPLIT, choices=NANO_SPLITS,
                    help="cad-pingpong's nano-batches: per-rank halves whose documents may be cut "

@@ -88,13 +88,15 @@ def test_timeline_batches_auto_picks_the_two_worst_stragglers():
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("world,split,sent_last", [(2, "whole", False), (2, "whole", True), (4, "docs", False),
-                                                   (4, "docs", True), (2, "distca", False)])
-def test_methods_agree_on_loss_and_gradients(world, split, sent_last, tmp_path):
+@pytest.mark.parametrize("world,split,sent_last,planner", [
+    (2, "whole", False, "ours"), (2, "whole", True, "ours"), (4, "docs", False, "ours"),
+    (4, "docs", True, "ours"), (2, "distca", False, "ours"), (4, "docs", False, "distca")])
+def test_methods_agree_on_loss_and_gradients(world, split, sent_last, planner, tmp_path):
     """Every nano-batch formation: per-rank halves of whole documents, halves that cut documents, and
-    DistCA's (ping and pong from separate sequences, each over all ranks)."""
+    DistCA's (ping and pong from separate sequences, each over all ranks); and DistCA's planner."""
     methods = ["colocated", "wlb", "cad", "cad-pingpong"]
     own = ["--comm-ctas", "2"] if world == 4 else []    # CAD's all-to-alls on a group of their own
+    own += ["--planner", planner]
     if sent_last:                                       # donors' rows sent last (cadlib.scheduling.sentlast)
         methods, own = ["colocated", "cad", "cad-pingpong"], own + ["--sent-last"]
     if split == "distca":                               # 4 sequences of 128 tokens a step, 2 for ping

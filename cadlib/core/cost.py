@@ -47,6 +47,11 @@ H200_NVLINK_ALL_TO_ALL_GBPS = 300 * 1.073741824
 """NCCL all-to-all between two H200s over NVLink at 1 GiB per rank: ~300 GiB/s measured, in GB/s."""
 IB_GBPS_PER_GPU = DISTCA_IB_GBPS
 """Inter-node bandwidth per GPU (one 400 Gb/s NIC per GPU), as the paper assumes; not measured here."""
+CAD_A2A = ("in", "out", "out_bwd", "in_bwd")
+"""CAD's all-to-alls of one layer, in the order they run: the dispatch, the return, the return's
+backward (dO out), the dispatch's backward (gradients home); :meth:`ModelSpec.cad_a2a_bytes`."""
+CAD_A2A_TO_SERVERS = ("in", "out_bwd")
+"""The all-to-alls that go from the home ranks to the servers (the other two go back)."""
 
 
 def _interp_log2(table: dict[int, float], x: float) -> float:
@@ -167,6 +172,26 @@ class ModelSpec:
     def lse_bytes(self) -> int:
         """Log-sum-exp, fp32, one per query head."""
         return self.n_heads * 4
+
+    def cad_a2a_bytes(self, resend: bool = False, dtype: str = "bf16") -> dict[str, tuple[int, int]]:
+        """Bytes per query token and per KV token of CAD's four all-to-alls in one layer,
+        ``{name: (per query token, per KV token)}`` (KV tokens: once per (server, document)):
+
+        * ``in``, home -> server: Q, and K, V;  ``out``, server -> home: O;
+        * ``out_bwd``, home -> server: dO;  ``in_bwd``, server -> home: dQ, and dK, dV (summed per
+          (server, document)). Servers keep what they received until the backward (ours).
+
+        ``resend``: DistCA's stateless servers (``from_planner_output(is_resend_qkv=True)``,
+        ``distca/runtime/compute_metadata.py:642-692``, DistCA commit 2afd219): ``out`` carries the LSE
+        as well (``is_send_lse_in_fwd``, L655), and ``out_bwd`` dO, O, LSE and Q per query token and K, V
+        per KV token again (``get_per_token_bytes``, L49-75: ``(3 hq + lse) x element`` bytes per query
+        token). The LSE is fp32, one per query head (:meth:`lse_bytes`)."""
+        qb, kvb, ob = self.q_bytes(dtype), self.kv_bytes(dtype), self.o_bytes(dtype)
+        if not resend:
+            return {"in": (qb, kvb), "out": (ob, 0), "out_bwd": (ob, 0), "in_bwd": (qb, kvb)}
+        lse = self.lse_bytes()
+        return {"in": (qb, kvb), "out": (ob + lse, 0), "out_bwd": (2 * ob + lse + qb, kvb),
+                "in_bwd": (qb, kvb)}
 
     def activation_bytes_per_token(self, dtype: str = "bf16") -> int:
         """Rough activation memory one token keeps for backward in one layer (no recompute):

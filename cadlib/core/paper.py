@@ -126,6 +126,21 @@ DISTCA_IB_GBPS = 50.0
 IB_GBPS_LOW = 40.0
 """A lower inter-node bandwidth per GPU, GB/s, for the sensitivity of the scale replay (ours, not the
 paper's)."""
+DISTCA_TOLERANCE_FACTORS = (0.0, 0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.07, 0.08, 0.09,
+                            0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+"""The tolerances DistCA's 3D driver tries, in order, until a step's ping and pong plans fit its
+communication buffer (``tests/test_e2e_combined.py:1080``, DistCA commit 2afd219; the same at the
+paper's runs, 9858059)."""
+DISTCA_MIN_TOLERANCE = 0.05
+"""The smallest tolerance it tries (``MIN_TOLERANCE_FACTOR``, default 0.05,
+``test_e2e_combined.py:1072-1077``; some of the paper's runs set 0.1 or 0.2 and its table takes the
+best)."""
+DISTCA_BUFFER_GIB = 2.0
+"""Its all-to-all buffer per GPU in the 3D runs, GiB (``EXPERIMENT_NVSHMEM_BUFFER_SIZE_GB=2`` in every 3D
+run script of the paper, 9bcf02a ``benchmarks/_250918_large_scale_v11_dpcp/*.sh``)."""
+DISTCA_BUFFER_GROW_GIB = 0.5
+"""When no tolerance fits, the 3D driver runs the last plan tried (tolerance 1.0) and grows the buffer
+to ``ceil(need in GiB) + 0.5`` GiB (``test_e2e_combined.py:1247-1259``)."""
 
 
 # ---------------------------------------------------------------------------------------------------

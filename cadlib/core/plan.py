@@ -17,7 +17,7 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from .cost import ModelSpec, causal_pairs, imbalance
+from .cost import CAD_A2A, CAD_A2A_TO_SERVERS, ModelSpec, causal_pairs, imbalance
 from .layout import Layout
 
 
@@ -204,37 +204,40 @@ class Plan:
         return imbalance(self.server_pairs())
 
     # -- communication ---------------------------------------------------------------------------
-    def token_matrices(self) -> tuple[np.ndarray, np.ndarray]:
+    def token_matrices(self, local: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """``(q_tokens, kv_tokens)``, each ``[src, dst]`` over ``max(n_ranks, n_servers)`` GPUs; see
-        :func:`transfer_tokens`."""
+        :func:`transfer_tokens` (``local``: with the tokens a GPU serves itself on the diagonal)."""
         return transfer_tokens(self.chunk_array(), self.doc, self.q_start, self.q_end, self.home,
-                               self.server, self.layout.n_ranks, self.n_servers)
+                               self.server, self.layout.n_ranks, self.n_servers, local=local)
 
     def forward_bytes(self, model: ModelSpec, dtype: str = "bf16") -> float:
         """Bytes dispatched for one layer's forward: ``q_tokens * q_bytes + kv_tokens * kv_bytes``."""
         q, kv = self.token_matrices()
         return float(q.sum() * model.q_bytes(dtype) + kv.sum() * model.kv_bytes(dtype))
 
-    def bytes_matrix(self, model: ModelSpec, dtype: str = "bf16", backward: bool = False) -> np.ndarray:
+    def bytes_matrix(self, model: ModelSpec, dtype: str = "bf16", backward: bool = False,
+                     resend: bool = False) -> np.ndarray:
         """Bytes ``[src, dst]`` between GPUs for one layer, as the CAD stages move them
         (:mod:`cadlib.runtime.stages`): Q and KV from homes and owners to servers, O from the servers back
         to the homes; with ``backward`` also dO out to the servers, and dQ and dK, dV (summed per
-        (server, doc)) back, the servers having kept what they received."""
+        (server, doc)) back, the servers having kept what they received. ``resend``: DistCA's stateless
+        servers instead (the LSE returns with O; the backward sends dO, O, LSE, Q and K, V again;
+        :meth:`ModelSpec.cad_a2a_bytes`)."""
         q, kv = self.token_matrices()
-        qb, kvb, ob = model.q_bytes(dtype), model.kv_bytes(dtype), model.o_bytes(dtype)
-        out = q * qb + kv * kvb
-        back = (q * ob).T
-        if backward:
-            out = out + q * ob                                 # dO to the servers
-            back = back + (q * qb + kv * kvb).T                # dq, and dk, dv summed per (server, doc)
-        return (out + back).astype(np.float64)
+        per = model.cad_a2a_bytes(resend, dtype)
+        out = 0
+        for name in CAD_A2A if backward else CAD_A2A[:2]:
+            bq, bkv = per[name]
+            m = q * bq + kv * bkv
+            out = out + (m if name in CAD_A2A_TO_SERVERS else m.T)
+        return out.astype(np.float64)
 
     def total_bytes(self, model: ModelSpec, dtype: str = "bf16", backward: bool = False) -> float:
         return float(self.bytes_matrix(model, dtype, backward).sum())
 
 
 def transfer_tokens(chunks: np.ndarray, doc, q_start, q_end, home, server, n_ranks: int,
-                    n_servers: int) -> tuple[np.ndarray, np.ndarray]:
+                    n_servers: int, local: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Tokens each GPU sends each GPU for one layer's dispatch, ``[src, dst]`` over
     ``G = max(n_ranks, n_servers)`` (rank ``g`` and server ``g`` are one GPU), in O(chunks):
 
@@ -242,12 +245,14 @@ def transfer_tokens(chunks: np.ndarray, doc, q_start, q_end, home, server, n_ran
     * ``kv[o, s]``: KV tokens owned by ``o != s`` in ``[0, e_{s,d})`` of each document ``d`` that ``s``
       serves, ``e_{s,d} = max q_end`` over its tasks of ``d`` (counted once per (server, doc)).
 
-    ``chunks`` are :meth:`Layout.chunk_array` rows; the task fields are parallel int arrays."""
+    ``local``: also ``s == h`` and ``o == s`` on the diagonal, the tokens a GPU serves itself (DistCA's
+    all-to-all copies those through its buffer too). ``chunks`` are :meth:`Layout.chunk_array` rows;
+    the task fields are parallel int arrays."""
     doc, q_start, q_end, home, server = (np.asarray(a, dtype=np.int64) for a in (doc, q_start, q_end,
                                                                                   home, server))
     G = max(n_ranks, n_servers)
     q = np.zeros((G, G), dtype=np.int64)
-    remote = home != server
+    remote = np.ones(home.shape, dtype=bool) if local else home != server
     np.add.at(q, (home[remote], server[remote]), (q_end - q_start)[remote])
     n_docs = int(max(doc.max(initial=0), chunks[:, 0].max(initial=0))) + 1
     uk, inv = np.unique(server * n_docs + doc, return_inverse=True)
@@ -261,7 +266,7 @@ def transfer_tokens(chunks: np.ndarray, doc, q_start, q_end, home, server, n_ran
     j = lo[rows] + np.arange(cnt.sum()) - np.repeat(np.cumsum(cnt) - cnt, cnt)
     held = np.clip(np.minimum(ch[j, 2], need[rows]) - ch[j, 1], 0, None)
     owner = ch[j, 3]
-    keep = owner != srv[rows]
+    keep = np.ones(owner.shape, dtype=bool) if local else owner != srv[rows]
     kv = np.bincount(owner[keep] * G + srv[rows][keep], weights=held[keep], minlength=G * G)
     return q, kv.reshape(G, G).astype(np.int64)
 

@@ -10,19 +10,25 @@ docs do not describe the planner.) What that code does:
 
 * **Items.** One item is one rank's share of one document, held as a *head* and a *tail* piece that
   mirror each other about the document's middle (a whole document: head ``ceil(n/2)``, tail
-  ``floor(n/2)`` tokens). FLOPs are causal pairs, ``q*kv - q(q-1)/2`` per piece (= cadlib's pairs).
-* **Donors and receivers.** ``surplus = load - mean``; receivers are the servers below the mean,
-  served one after another, most needy first. A receiver takes work while its need exceeds
-  ``tolerance_factor * mean`` (default 0.1); donors are all servers with ``surplus > 0``. So the
-  tolerance bounds how far a *receiver* stays below the mean; nothing bounds the donors from above.
-* **Pricing.** Every item on every donor is a candidate with ``F = min(donor surplus, need, item
-  pairs)`` and priority ``(q_size * F / (n+1) + kv_size * (n+1)) / F`` (``n`` the document's length):
-  estimated elements sent per pair, as if the shard sent ``F/(n+1)`` query tokens and the *whole*
-  document's KV, whatever the receiver already holds. The lowest priority wins (first on ties).
-* **Moves.** If ``F`` covers the item it moves whole. Otherwise ``m = floor(F / (n+1))`` token
-  *pairs* move: the last ``m`` tokens of the head and the first ``m`` of the tail (a token pair
-  carries ``n+1`` attention pairs), i.e. middle-out, as a new head/tail item on the receiver;
-  ``m = 0`` ends the receiver's turn. There is no minimum shard size; only even lengths are supported.
+  ``floor(n/2)`` tokens; ``batch_to_items_general``, L190-271). FLOPs are causal pairs,
+  ``q*kv - q(q-1)/2`` per piece (= cadlib's pairs; ``Item.get_flops``, L366-378): the planner's only
+  cost, no kernel profile.
+* **Donors and receivers** (``Planner.plan_items``, L627-731). ``surplus = load - mean``; receivers
+  are the servers below the mean, served one after another, most needy first. A receiver takes work
+  while its need exceeds ``tolerance_factor * mean`` (default 0.1, L554; ``while needed_flops >
+  threshold_flops``, L673); donors are all servers with ``surplus > 0``. So the tolerance bounds how
+  far a *receiver* stays below the mean; nothing bounds the donors from above, and no threshold on
+  the improvement ends the loop (the paper's text has one).
+* **Pricing** (``Item.get_priority``, L394-402). Every item on every donor is a candidate with
+  ``F = min(donor surplus, need, item pairs)`` and priority ``(q_size * F / (n+1) + kv_size * (n+1)) / F``
+  (``n`` the document's length): estimated elements sent per pair, as if the shard sent ``F/(n+1)``
+  query tokens and the *whole* document's KV, whatever the receiver already holds. The lowest priority
+  wins (first on ties: a stable sort, L698).
+* **Moves** (``Item.split_item``, L404-495). If ``F`` covers the item it moves whole. Otherwise
+  ``m = floor(F / (n+1))`` token *pairs* move: the last ``m`` tokens of the head and the first ``m`` of
+  the tail (a token pair carries ``n+1`` attention pairs), i.e. query tokens from both pieces,
+  middle-out, as a new head/tail item on the receiver; ``m = 0`` ends the receiver's turn (L441).
+  There is no minimum shard size; only even lengths are supported.
 
 How this port differs, where cadlib's input or the code leaves a choice:
 
@@ -37,8 +43,8 @@ How this port differs, where cadlib's input or the code leaves a choice:
   ``min_shard`` tokens where the item has them, overshooting the need by less than ``min_shard/2``
   token pairs (``min_shard=1`` is DistCA's behaviour).
 * the priority is in bytes (the model's ``q_bytes``, ``kv_bytes``); DistCA counts elements, which
-  ranks candidates the same. One fixed ``tolerance``: DistCA's retry with larger tolerance factors
-  until its buffer fits is not modelled (no buffer limit here).
+  ranks candidates the same. One fixed ``tolerance`` here: DistCA's retry with larger tolerance
+  factors until its all-to-all buffer fits is :func:`cadlib.scheduling.buffer.fit_buffer`.
 * ``n_servers`` below the rank count starts each chunk on server ``home % n_servers``, as cadlib does.
 * ``meta['reached']`` is cadlib's criterion (max ``<= (1 + tolerance) * mean``);
   ``meta['receivers_met']`` DistCA's own (every receiver within ``tolerance * mean`` of the mean).

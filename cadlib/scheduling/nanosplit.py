@@ -216,14 +216,17 @@ def split_nano_batches(layout: Layout, balance: str = "tokens", split_docs: bool
     return build_nano_batches(layout, cuts)
 
 
-def schedule_nano(nb: NanoBatch, **kw) -> Plan:
-    """:func:`cadlib.scheduling.scheduler.schedule` of a nano-batch (``kw``: its arguments). With context chunks,
+def schedule_nano(nb: NanoBatch, method: str = "cad", **kw) -> Plan:
+    """:func:`cadlib.scheduling.scheduler.schedule` of a nano-batch (``kw``: its arguments), or another
+    :func:`~cadlib.scheduling.scheduler.place` ``method`` (``distca``). With context chunks,
     the scheduler sees the query chunks alone (pairs from their true positions, a task ``[a, b)``
     over its whole prefix ``[0, b)``); its byte estimate then counts A's context rows as fetched even
     where a server's rank holds them. The plan is made for the full layout, so the dispatch is exact."""
     if not nb.has_context:
-        return scheduler.schedule(nb.layout, **kw)
-    p = scheduler.place(nb.layout, "cad", chunks=nb.query_chunks(), **kw)
+        if method == "cad":
+            return scheduler.schedule(nb.layout, **kw)
+        return scheduler.place(nb.layout, method, **kw)
+    p = scheduler.place(nb.layout, method, chunks=nb.query_chunks(), **kw)
     return Plan.from_arrays(nb.layout, p.doc, p.q_start, p.q_end, p.home, p.server, n_servers=p.n_servers,
                             meta=p.meta)
 

@@ -16,8 +16,8 @@ import numpy as np
 
 from ..core.layout import Layout, stack_layouts
 from ..core.pipeline import Tick
-from .nanosplit import NanoBatch, schedule_nano
-from .recipes import Recipe, cad_plan, nano_batches
+from .nanosplit import NanoBatch
+from .recipes import Recipe, cad_plan, nano_batches, plan_nano
 
 
 def tick_micro(tick: Tick, parts: list) -> list:
@@ -52,6 +52,5 @@ def tick_plans(ticks: list[Tick], micro_layouts: list[Layout], recipe: Recipe, s
     dp = micro_layouts[0].n_ranks
     if nanos is None:
         return [[cad_plan(stack_layouts(tick_micro(t, micro_layouts), dp), recipe, spec)] for t in ticks]
-    return [[schedule_nano(stack_nanos(tick_micro(t, [n[j] for n in nanos]), dp), model=spec,
-                           tolerance=recipe.tolerance, min_shard=recipe.min_shard) for j in range(2)]
+    return [[plan_nano(stack_nanos(tick_micro(t, [n[j] for n in nanos]), dp), recipe, spec) for j in range(2)]
             for t in ticks]

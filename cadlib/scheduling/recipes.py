@@ -19,6 +19,9 @@ from .sentlast import sent_last, sent_last_nanos
 
 NANO_BALANCES = ("tokens", "attention")
 NANO_SPLITS = ("whole", "docs", "distca")
+CAD_PLANNERS = ("ours", "distca")
+"""What places CAD's CA-tasks: our scheduler (:func:`cadlib.scheduling.scheduler.schedule`) or DistCA's
+released planner (:func:`cadlib.scheduling.distca.distca_plan`)."""
 
 
 @dataclass(frozen=True)
@@ -35,7 +38,9 @@ class Recipe:
     nano-batches are per-rank halves of one layout that balance ``nano_balance`` (tokens or attention)
     and may cut documents (``nano_split="docs"``) or not (``"whole"``), or DistCA's (``"distca"``, which
     needs a ``sequence_len``): the first half of the step's sequences and the rest, each laid over all
-    ranks; ``sent_last``: CAD's plans re-ordered so that rows sent away come last."""
+    ranks; ``sent_last``: CAD's plans re-ordered so that rows sent away come last. ``planner``: what
+    places CAD's tasks (:data:`CAD_PLANNERS`): ``"ours"``, or ``"distca"``, DistCA's planner as it
+    runs, with no minimum shard (``min_shard`` then does not apply)."""
 
     dist: str
     tokens_per_rank: int
@@ -48,6 +53,7 @@ class Recipe:
     nano_split: str = DEFAULT_NANO_SPLIT
     sent_last: bool = DEFAULT_SENT_LAST
     sequence_len: int | None = None
+    planner: str = "ours"
 
     def __post_init__(self):
         for f, lo in (("tokens_per_rank", 1), ("min_shard", 1), ("seed", 0)):
@@ -62,6 +68,8 @@ class Recipe:
         if self.nano_split not in NANO_SPLITS:
             raise ValueError(f"Recipe.nano_split must be one of {', '.join(NANO_SPLITS)}, "
                              f"got {self.nano_split!r}")
+        if self.planner not in CAD_PLANNERS:
+            raise ValueError(f"Recipe.planner must be one of {', '.join(CAD_PLANNERS)}, got {self.planner!r}")
         object.__setattr__(self, "sent_last", bool(self.sent_last))
         s = self.sequence_len
         if s is not None and (isinstance(s, bool) or int(s) != s or s < 1):
@@ -134,12 +142,26 @@ def micro_seed(recipe: Recipe, b: int, m: int) -> int:
     return int(recipe.seed) * 1_000_003 + b * 1_009 + m
 
 
+def _planner(recipe: Recipe, spec) -> tuple[str, dict]:
+    """:func:`cadlib.scheduling.scheduler.place`'s method and arguments for the recipe's planner."""
+    if recipe.planner == "distca":
+        return "distca", {"model": spec, "tolerance": recipe.tolerance, "min_shard": 1}
+    return "cad", {"model": spec, "tolerance": recipe.tolerance, "min_shard": recipe.min_shard}
+
+
 def cad_plan(layout, recipe: Recipe, spec):
-    """``cad``'s plan of a batch: the scheduler at the recipe's tolerance and minimum shard. With
+    """``cad``'s plan of a batch: the recipe's planner at its tolerance (and minimum shard). With
     ``recipe.sent_last`` the same tasks on a re-ordered layout (``plan.layout``, which the step's
     tokens then follow; :mod:`cadlib.scheduling.sentlast`)."""
-    plan = scheduler.schedule(layout, model=spec, tolerance=recipe.tolerance, min_shard=recipe.min_shard)
+    method, kw = _planner(recipe, spec)
+    plan = scheduler.schedule(layout, **kw) if method == "cad" else scheduler.place(layout, method, **kw)
     return sent_last(plan).plan if recipe.sent_last else plan
+
+
+def plan_nano(nb, recipe: Recipe, spec):
+    """One nano-batch's plan by the recipe's planner (:func:`cadlib.scheduling.nanosplit.schedule_nano`)."""
+    method, kw = _planner(recipe, spec)
+    return schedule_nano(nb, method, **kw)
 
 
 def nano_batches(layout, recipe: Recipe):
@@ -156,6 +178,5 @@ def nano_plans(layout, recipe: Recipe, spec):
     """``cad-pingpong``'s two nano-batches of a batch and their plans (each scheduled on its own;
     with ``recipe.sent_last`` each re-ordered, :func:`cadlib.scheduling.sentlast.sent_last_nanos`)."""
     nanos = nano_batches(layout, recipe)
-    plans = [schedule_nano(nb, model=spec, tolerance=recipe.tolerance, min_shard=recipe.min_shard)
-             for nb in nanos]
+    plans = [plan_nano(nb, recipe, spec) for nb in nanos]
     return sent_last_nanos(nanos, plans) if recipe.sent_last else (nanos, plans)

@@ -159,3 +159,60 @@ def test_compile_suspects_flag_a_pass_that_holds_a_compile_and_nothing_else():
          "modelled": {"fwd_ms": 423.5, "bwd_ms": 14.6, "modelled": True},
          "head": {"ms": 500.0}}
     assert replay_times.compile_suspects(t) == ["both", "bwd_compiled", "fwd_compiled"]
+
+
+def _toy_plan():
+    # rank 0 holds doc 0 [0, 8), ranks 1 and 2 a 2-token document each; server 0 serves doc 0's [0, 3),
+    # server 2 its [3, 5) (KV [0, 5)), server 1 its [5, 8) (KV [0, 8)) and doc 1, server 2 doc 2
+    from cadlib.core.layout import layout_from_lists
+    from cadlib.core.plan import Plan
+    lay = layout_from_lists([[(0, 0, 8)], [(1, 0, 2)], [(2, 0, 2)]], [8, 2, 2])
+    return Plan.from_arrays(lay, [0, 0, 0, 1, 2], [0, 3, 5, 0, 0], [3, 5, 8, 2, 2], [0, 0, 0, 1, 2],
+                            [0, 2, 1, 1, 2], n_servers=3)
+
+
+def test_cad_bytes_stateful_and_resend_by_hand():
+    from cadlib.dispatch.build import build_all
+    spec = ModelSpec.from_name("llama3-8b").shard(8)          # Q, O 1024 B; K+V 512 B; LSE 16 B a token
+    ds = build_all(_toy_plan())
+    # rank 0 sends Q 3 + 2 and KV 8 + 5 (once per (server, document)); server 1 gets Q 3, KV 8; server 2
+    # Q 2, KV 5
+    fwd = ([5 * 1024 + 13 * 512, 0, 0], [0, 3 * 1024 + 8 * 512, 2 * 1024 + 5 * 512])
+    st = {k: tuple(x.tolist() for x in v) for k, v in replay._cad_bytes(ds, spec).items()}
+    assert st == {"in": fwd, "out": ([0, 3072, 2048], [5120, 0, 0]),
+                  "out_bwd": ([5120, 0, 0], [0, 3072, 2048]), "in_bwd": fwd[::-1]}
+    # DistCA's resend: O + LSE back (1040 a token); out again dO, O, LSE, Q (3088 a token) and the KV
+    rs = {k: tuple(x.tolist() for x in v) for k, v in replay._cad_bytes(ds, spec, resend=True).items()}
+    assert rs == {"in": fwd, "out": ([0, 3 * 1040, 2 * 1040], [5 * 1040, 0, 0]),
+                  "out_bwd": ([5 * 3088 + 13 * 512, 0, 0], [0, 3 * 3088 + 8 * 512, 2 * 3088 + 5 * 512]),
+                  "in_bwd": fwd[::-1]}
+
+
+def test_cad_protocol_choices_reach_the_work():
+    s = replay.Setting("t", "pretrain", 4, tokens=4096, max_doc_len=4096, tp=1, model="llama3-8b", batches=1,
+                       methods=("cad", "cad-pingpong"), min_shard=32, link="nvlink")
+    docs = replay.batch_lengths(s, 0)
+    base = {m: replay.method_work(s, docs, m) for m in s.methods}
+    assert all(set(w.meta) == {"imbalance"} for w in base.values())         # the defaults record nothing new
+    # resend: the same plans, more bytes where DistCA's stateless servers send more
+    rs = replace(s, backward="resend")
+    for m in s.methods:
+        w, w0 = replay.method_work(rs, docs, m), base[m]
+        assert np.array_equal(w.tokens, w0.tokens) and np.array_equal(w.bytes["in"][0], w0.bytes["in"][0])
+        assert (np.asarray(w.bytes["out_bwd"][0]) >= np.asarray(w0.bytes["out_bwd"][0])).all()
+        assert np.asarray(w.bytes["out_bwd"][0]).sum() > np.asarray(w0.bytes["out_bwd"][0]).sum()
+    # DistCA's planner
+    ds = replace(s, cad_planner="distca")
+    lay = replay.method_layout(docs, 4, ds.recipe(), replay.METHODS["cad-pingpong"])
+    nanos, plans, rec = replay.cad_plans(ds, lay, ds.recipe(), ds.spec, pingpong=True)
+    assert len(nanos) == 2 and all(p.meta["method"] == "distca" for p in plans) and rec == {}
+    # DistCA's tolerance rule: the first tolerance from the setting's whose plans fit, recorded
+    big = replace(s, tolerance_rule="buffer", tolerance=0.05, backward="resend")
+    w = replay.method_work(big, docs, "cad-pingpong")
+    assert w.meta["tolerance"] == 0.05 and not w.meta["buffer_grown"] and w.meta["buffer_gib"] == 2.0
+    tiny = replace(big, buffer_gib=1e-6)
+    w = replay.method_work(tiny, docs, "cad")
+    assert w.meta["tolerance"] == 1.0 and w.meta["buffer_grown"] and w.meta["buffer_gib"] == 1.5
+    assert 0 < w.meta["buffer_need_gib"] <= 1.0
+    with pytest.raises(ValueError, match="Setting.buffer_gib must be a finite number > 0"):
+        replace(s, buffer_gib=0)

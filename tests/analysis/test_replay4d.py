@@ -3,6 +3,7 @@ documents that every method attends alike, and one small setting composed end to
 import json
 
 import numpy as np
+import pytest
 
 from cadlib.analysis.replay import phases as replay_phases, pipelined as replay4d, times as replay_times
 from cadlib.core.measured import MeasuredCost
@@ -76,3 +77,20 @@ def test_segment_model_check_scales_the_table_to_the_timed_sample():
     assert got["calls"] == 2 and np.isclose(got["median"], 0.75)
     p = [cost.fused_seconds(np.asarray(sh["q"]), np.asarray(sh["kv"]), "fwd_bwd", spec) for sh in shapes.values()]
     assert np.isclose(got["scale"], (0.5 * p[1] + p[2]) / (p[1] + p[2]))     # time-weighted, not the median
+
+
+def test_lockstep_ticks_move_the_bytes_of_stateless_servers():
+    # one plan over two ranks: rank 1 serves rank 0's document end [5, 8) (Q 3, KV [0, 8))
+    from cadlib.core.layout import layout_from_lists
+    from cadlib.core.plan import Plan
+    lay = layout_from_lists([[(0, 0, 8)], [(1, 0, 2)]], [8, 2])
+    plan = Plan.from_arrays(lay, [0, 0, 1], [0, 5, 0], [5, 8, 2], [0, 0, 1], [0, 1, 1], n_servers=2)
+    spec = replay4d.Setting4D("t", "distca-pretrain", 16, 2, 131072).spec   # Q 1024 B, K+V 512, LSE 16
+    pre, post = replay4d._cad_bytes([plan], spec, backward=False)
+    assert [x.tolist() for x in pre[0]] == [[3 * 1024 + 8 * 512, 0], [0, 3 * 1024 + 8 * 512]]
+    assert [x.tolist() for x in post[0]] == [[0, 3 * 1040], [3 * 1040, 0]]        # O and its LSE back
+    pre, post = replay4d._cad_bytes([plan], spec, backward=True)
+    assert [x.tolist() for x in pre[0]] == [[3 * 3088 + 8 * 512, 0], [0, 3 * 3088 + 8 * 512]]
+    assert [x.tolist() for x in post[0]] == [[0, 3 * 1024 + 8 * 512], [3 * 1024 + 8 * 512, 0]]
+    with pytest.raises(ValueError, match="Setting4D.backward must be 'resend'"):
+        replay4d.Setting4D("t", "distca-pretrain", 16, 2, 131072, backward="stateful")

@@ -257,6 +257,19 @@ def test_cad_communication_adds_without_overlap_and_hides_with_it():
                                                            - over.breakdown["attention"])
 
 
+def test_cad_resend_prices_distcas_stateless_backward():
+    # DistCA's servers keep nothing: O returns with its LSE, and the backward sends dO, O, LSE, Q and
+    # K, V again (then dQ, dK, dV back); per GPU of swapped_plan, all layers
+    plan, n, gbps = swapped_plan(), 1000, 50.0
+    qb, kvb, ob, lse = MODEL.q_bytes(), MODEL.kv_bytes(), MODEL.o_bytes(), MODEL.lse_bytes()
+    s = MODEL.n_layers / (gbps * 1e9)
+    got = simulate_cad(plan, MODEL, Hardware(link_gbps=gbps), overlap=False, resend=True)
+    want = n * (qb + kvb + ob + lse) * s + n * (2 * ob + lse + qb + kvb + qb + kvb) * s
+    assert got.breakdown["comm"] == pytest.approx([want] * 2, rel=1e-9)
+    assert simulate("cad", plan, MODEL, Hardware(link_gbps=gbps), overlap=False, resend=True).step == got.step
+    assert got.step > simulate_cad(plan, MODEL, Hardware(link_gbps=gbps), overlap=False).step
+
+
 def test_cad_inter_node_traffic_uses_the_inter_node_link():
     plan = swapped_plan()
     one_node = simulate_cad(plan, MODEL, Hardware(link_gbps=100.0, inter_node_gbps=10.0), overlap=False)

@@ -2,7 +2,8 @@
 import numpy as np
 import pytest
 
-from cadlib.core.cost import ATTN_BWD_MULT, ModelSpec, attention_tflops, causal_pairs, shard_efficiency
+from cadlib.core.cost import (ATTN_BWD_MULT, CAD_A2A, CAD_A2A_TO_SERVERS, ModelSpec, attention_tflops,
+                              causal_pairs, shard_efficiency)
 
 
 def test_causal_pairs_hand_cases():
@@ -31,6 +32,17 @@ def test_llama3_8b_linear_flops():
     assert m.linear_flops_per_token(layers=1) == 2 * 218_103_808
     assert m.linear_flops_per_token(layers=1, backward=True) == 3 * 2 * 218_103_808
     assert m.linear_flops_per_token() == 32 * 2 * 218_103_808
+
+
+def test_cad_all_to_all_bytes_per_token_follow_the_backward():
+    m = ModelSpec.from_name("llama3-8b").shard(8)           # 4 query heads, 1 KV head of 128
+    assert m.cad_a2a_bytes() == {"in": (1024, 512), "out": (1024, 0), "out_bwd": (1024, 0),
+                                 "in_bwd": (1024, 512)}
+    # DistCA's get_per_token_bytes with resend: query part (3 hq + lse) x 2 bytes, lse = 4 heads x fp32
+    # in bf16 elements (8): (3 x 512 + 8) x 2 = 3088; the forward's return O + LSE, (512 + 8) x 2
+    r = m.cad_a2a_bytes(resend=True)
+    assert r == {"in": (1024, 512), "out": (1040, 0), "out_bwd": (3088, 512), "in_bwd": (1024, 512)}
+    assert list(r) == list(CAD_A2A) and set(CAD_A2A_TO_SERVERS) < set(CAD_A2A)
 
 
 def test_attention_flops_and_bytes():

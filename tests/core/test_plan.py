@@ -59,6 +59,18 @@ def test_token_matrices_count_kv_once_per_server_and_doc():
     bb = P2.bytes_matrix(m, backward=True)
     assert bb[0, 1] == b[0, 1] + 100 * m.o_bytes()              # dO out
     assert bb[1, 0] == b[1, 0] + 100 * m.q_bytes() + 120 * m.kv_bytes()    # dq, dk, dv back
+    # DistCA's stateless servers: the LSE comes back with O, and the backward sends dO, O, LSE, Q and
+    # the KV again
+    r = P2.bytes_matrix(m, resend=True)
+    assert r[0, 1] == b[0, 1] and r[1, 0] == 100 * (m.o_bytes() + m.lse_bytes())
+    rb = P2.bytes_matrix(m, backward=True, resend=True)
+    assert rb[0, 1] == b[0, 1] + 100 * (2 * m.o_bytes() + m.lse_bytes() + m.q_bytes()) + 120 * m.kv_bytes()
+    assert rb[1, 0] == r[1, 0] + 100 * m.q_bytes() + 120 * m.kv_bytes()
+    # with the tokens each GPU serves itself: rank 0 keeps doc 1's [0, 20) and its KV; rank 1 serves
+    # doc 0 whole (KV [0, 100) from rank 0, [100, 120) its own) and doc 1's [20, 50) (KV [0, 20) from
+    # rank 0, [20, 50) its own)
+    ql, kvl = P2.token_matrices(local=True)
+    assert ql.tolist() == [[20, 100], [0, 50]] and kvl.tolist() == [[20, 120], [0, 50]]
 
 
 def test_plan_rejects_lost_duplicated_or_misplaced_tokens():

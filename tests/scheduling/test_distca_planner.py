@@ -1,5 +1,6 @@
 """DistCA's released planner re-expressed on cadlib's types (cadlib/distca_planner.py): valid plans,
 balance, argument checks, hand-checked moves, and a property test on random small layouts."""
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -147,3 +148,93 @@ def test_property_valid_and_conserving(lay, tol, m, fewer):
     # min_shard: every moved piece is a whole original chunk, or >= min(min_shard, what the item had)
     if m == 1:
         assert p.meta["n_moves"] >= p.meta["n_splits"]
+
+
+def _distca_reference(lens, T, R, qb, kvb, tol):
+    """DistCA's ``batch_to_items_general`` and ``Planner.plan_items`` (distca/planner/planner.py:190-271,
+    627-731) written plainly, one candidate at a time: items in fill order, FLOPs-only loads, the
+    recipient-only loop ``while need > tol * mean``, priority ``(q F/(n+1) + kv (n+1)) / F``, the lowest
+    first by a stable sort, whole moves when ``F`` covers the item, else ``m = F // (n+1)`` tokens from
+    the head's end and the tail's start. An item: ``[doc, n, gpu, pieces]``. Returns
+    ``{(doc, server): set of query tokens}``."""
+    items, budget, r = [], [T] * R, 0
+    for d, n in enumerate(lens):
+        rem, head, tail = n, 0, n
+        while rem:
+            while budget[r] == 0:
+                r += 1
+            c = min(rem, budget[r])
+            if c == n:
+                items.append([d, n, r, [(0, n)]])
+            else:
+                qh, qt = c // 2, c - c // 2
+                items.append([d, n, r, [(head, head + qh), (tail - qt, tail)]])
+                head, tail = head + qh, tail - qt
+            budget[r] -= c
+            rem -= c
+    flops = lambda it: sum(causal_pairs(a, b) for a, b in it[3])   # noqa: E731
+    load = [0] * R
+    for it in items:
+        load[it[2]] += flops(it)
+    avg = sum(load) / R
+    surplus = [x - avg for x in load]
+    for rec, _ in sorted([(i, s) for i, s in enumerate(surplus) if s < 0], key=lambda x: x[1]):
+        need = -surplus[rec]
+        while need > avg * tol:
+            donors = {i for i, s in enumerate(surplus) if s > 0}
+            cands = []
+            for it in items:
+                if it[2] in donors and flops(it) > 0:
+                    F = min(surplus[it[2]], need, flops(it))
+                    cands.append(((qb * F / (it[1] + 1) + kvb * (it[1] + 1)) / F, it, F))
+            if not cands:
+                break
+            cands.sort(key=lambda x: x[0])
+            _, it, F = cands[0]
+            donor = it[2]
+            if F >= flops(it):
+                moved, it[2] = flops(it), rec
+            else:
+                m = int(F // (it[1] + 1))
+                if m <= 0:
+                    break
+                if len(it[3]) == 1:                                   # a whole document's first cut
+                    h = (it[1] + 1) // 2
+                    it[3], new = [(0, h - m), (h + m, it[1])], [(h - m, h), (h, h + m)]
+                else:
+                    (a, b), (c, e) = it[3]
+                    it[3], new = [(a, b - m), (c + m, e)], [(b - m, b), (c, c + m)]
+                items.append([it[0], it[1], rec, new])
+                moved = m * (it[1] + 1)
+            surplus[donor] -= moved
+            surplus[rec] += moved
+            need -= moved
+    out = {}
+    for d, _, g, pieces in items:
+        for a, b in pieces:
+            out.setdefault((d, g), set()).update(range(a, b))
+    return {k: v for k, v in out.items() if v}
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_port_makes_distcas_moves_on_its_layouts(seed):
+    # DistCA's own layouts (documents filled in order, a document crossing ranks dealt head and tail):
+    # even lengths and even rank budgets, which DistCA requires; the port (min_shard 1) makes the same
+    # moves, so every server attends the same query tokens of every document
+    rng = np.random.default_rng(seed)
+    R = int(rng.integers(2, 7))
+    T = 2 * int(rng.integers(20, 200))
+    lens, left = [], R * T
+    while left:
+        short = rng.random() < 0.8
+        n = min(left, 2 * int(rng.integers(1, T // 3) if short else rng.integers(T // 2, 2 * T)))
+        lens.append(n)
+        left -= n
+    tol = [0.0, 0.05, 0.1, 0.2][seed % 4]
+    ref = _distca_reference(lens, T, R, MODEL.q_bytes(), MODEL.kv_bytes(), tol)
+    p = distca_plan(pack(lens, R, T, method="distca"), model=MODEL, tolerance=tol, min_shard=1)
+    p.validate()
+    got = {}
+    for t in p.tasks:
+        got.setdefault((t.doc, t.server), set()).update(range(t.q_start, t.q_end))
+    assert got == ref

@@ -40,7 +40,24 @@ def test_from_config_reads_what_a_file_says_and_fills_what_old_files_lack():
                                                   ("min_shard", 2.5, "Recipe.min_shard"),
                                                   ("tolerance", -0.1, "Recipe.tolerance"),
                                                   ("nano_balance", "flops", "tokens, attention"),
-                                                  ("nano_split", "half", "whole, docs")])
+                                                  ("nano_split", "half", "whole, docs"),
+                                                  ("planner", "greedy", "ours, distca")])
 def test_bad_fields_are_named(field, value, fragment):
     with pytest.raises(ValueError, match=fragment):
         Recipe(**{"dist": "pretrain", "tokens_per_rank": 1024, field: value})
+
+
+def test_the_planner_places_cads_tasks_with_distcas_planner_or_ours():
+    args = train.parse_args(["--tokens-per-rank", "512", "--max-doc-len", "600", "--min-shard", "32",
+                             "--nano-split", "docs", "--planner", "distca"])
+    r = args.recipe
+    assert r.planner == "distca" and Recipe(dist="pretrain", tokens_per_rank=512).planner == "ours"
+    layout = pack(batch_docs(r, 0, 2), 2, 512)
+    p = cad_plan(layout, r, args.spec)
+    assert p.meta["method"] == "distca" and p.meta["min_shard"] == 1       # DistCA's: no minimum shard
+    nanos, plans = nano_plans(layout, r, args.spec)
+    assert [q.meta["method"] for q in plans] == ["distca", "distca"]
+    assert sum(int((q.q_end - q.q_start).sum()) for q in plans) == layout.total_tokens   # every query once
+    assert cad_plan(layout, Recipe(dist="pretrain", tokens_per_rank=512), args.spec).meta["method"] == "cad"
+    # a replay setting passes its cad_planner on
+    assert Setting("x", "pretrain", 4, tokens=1024, cad_planner="distca").recipe().planner == "distca"

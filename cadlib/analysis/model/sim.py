@@ -300,10 +300,12 @@ def _phased(method: str, lin: dict, attn: dict, comm: dict, overlap: bool, meta:
 
 
 def simulate_cad(plan: Plan, model, hw: Hardware | None = None, overlap: bool = True,
-                 cost=None) -> StepTimes:
+                 cost=None, resend: bool = False) -> StepTimes:
     """CAD: linear layers on the home ranks (the plan's layout), each CA-task on its server at the
-    rate of its query length, all-to-all bytes from ``Plan.bytes_matrix`` (forward, and the backward
-    resend) times ``n_layers``. Servers are the ranks themselves (in place, ``n_servers == n_ranks``).
+    rate of its query length, all-to-all bytes from ``Plan.bytes_matrix`` (forward, and the backward:
+    dO out and the gradients back; with ``resend``, DistCA's stateless servers, the LSE back with O and
+    dO, O, LSE, Q and K, V out again) times ``n_layers``. Servers are the ranks themselves (in place,
+    ``n_servers == n_ranks``).
     See the module docstring for the per-layer barrier and the ping-pong ``overlap``. ``cost`` (a
     :class:`cadlib.core.measured.MeasuredCost`): each server's fused call priced by the measured kernel
     table instead (contiguous shards merged, as the server runs them), times ``n_layers``."""
@@ -319,8 +321,8 @@ def simulate_cad(plan: Plan, model, hw: Hardware | None = None, overlap: bool = 
     lin = {p: linear_seconds(tokens, model, hw, p) for p in ("fwd", "bwd")}
     attn = {p: _per_gpu_attention(per_server, model, hw, p) if cost is None
             else cost.server_seconds(plan, p, model) * model.n_layers for p in ("fwd", "bwd")}
-    fwd = plan.bytes_matrix(model, hw.dtype, backward=False) * model.n_layers
-    both = plan.bytes_matrix(model, hw.dtype, backward=True) * model.n_layers
+    fwd = plan.bytes_matrix(model, hw.dtype, backward=False, resend=resend) * model.n_layers
+    both = plan.bytes_matrix(model, hw.dtype, backward=True, resend=resend) * model.n_layers
     comm = {"fwd": comm_seconds(fwd, hw), "bwd": comm_seconds(both - fwd, hw)}
     return _phased("cad", lin, attn, comm, overlap, {"total_bytes": float(both.sum())}, model.n_layers)
 
@@ -353,7 +355,7 @@ def simulate(method: str, source, model, hw: Hardware | None = None, **options) 
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose one of: {', '.join(METHODS)}")
     allowed = {"dp": set(), "pp": {"pp_stages", "n_microbatches"}, "cp": {"overlap"},
-               "cad": {"overlap", "n_servers", "tolerance", "cost"}}[method]
+               "cad": {"overlap", "n_servers", "tolerance", "cost", "resend"}}[method]
     extra = sorted(set(options) - allowed)
     if extra:
         raise ValueError(f"method {method!r} takes no option(s) {extra}; valid: {sorted(allowed) or 'none'}")

@@ -17,8 +17,9 @@ documents. Per configuration ``(pp, dp)`` and method:
   replicas and micro-batches, the whole-replica all-gather, its sweep's admissible CP degrees).
 * ``cad-pingpong`` and ``signal-only``: DistCA's lock-step ticks (:func:`cadlib.core.pipeline.lockstep`),
   each tick's CA-tasks of all stages' current microbatches scheduled together over all GPUs
-  (:mod:`cadlib.scheduling.pipeline`); a dummy stage's GPUs serve. The backward resends Q, O, dO, LSE
-  and K, V to the backward tick's servers (stateless servers, :mod:`cadlib.runtime.resend`).
+  (:mod:`cadlib.scheduling.pipeline`); a dummy stage's GPUs serve. The servers are stateless
+  (:mod:`cadlib.runtime.resend`; ``Setting4D.backward = "resend"``): O and the LSE return in the
+  forward, the backward resends Q, O, dO, LSE and K, V to the backward tick's servers.
 
 Durations: the linear layers, LM head and optimizer from the H200 timings of the 3D replay
 (``results/replay/times_h200.json``, the same TP=8 shard); core attention from the measured kernel
@@ -41,7 +42,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ...core.cost import ModelSpec, as_model
+from ...core.cost import CAD_A2A_TO_SERVERS, ModelSpec, as_model
 from ...core.defaults import DEFAULT_NANO_SPLIT, DEFAULT_TOLERANCE
 from ...core.layout import Layout
 from ...core.methods import METHODS, names
@@ -97,12 +98,17 @@ class Setting4D:
     wlb_packer: str = "cut"
     wlb_gather: str = "sharing"
     wlb_choice: str = "batch"
+    backward: str = "resend"
 
     def __post_init__(self):
         for f, valid in WLB_CHOICES_4D.items():
             if getattr(self, f) not in valid:
                 raise ValueError(f"Setting4D.{f} must be one of {', '.join(map(repr, valid))}, "
                                  f"got {getattr(self, f)!r}")
+        if self.backward != "resend":
+            raise ValueError(f"Setting4D.backward must be 'resend', got {self.backward!r}: a microbatch's "
+                             "forward and backward run in different lock-step ticks with different plans, so "
+                             "no server can keep its inputs for the backward (cadlib.runtime.resend)")
 
     @property
     def nodes(self) -> int:
@@ -260,21 +266,19 @@ def _attention(plans, price, R: int) -> tuple[np.ndarray, np.ndarray]:
     return f, bk
 
 
-def _cad_bytes(plans, spec, backward: bool):
-    """Per nano-batch and rank ``(sent, received)`` of the collectives before and after attention:
-    forward Q and KV out, O back; backward (stateless servers) Q, O, dO, LSE and KV out, dQ and dKV back."""
-    qb, kvb, lse = spec.q_bytes(DTYPE), spec.kv_bytes(DTYPE), spec.lse_bytes()
+def _cad_bytes(plans, spec, backward: bool, resend: bool = True):
+    """Per nano-batch and rank ``(sent, received)`` of the collectives before and after attention, with
+    stateless servers (``resend``, :meth:`cadlib.core.cost.ModelSpec.cad_a2a_bytes`): forward Q and KV
+    out, O and LSE back; backward Q, O, dO, LSE and KV out, dQ and dKV back."""
+    per = spec.cad_a2a_bytes(resend, DTYPE)
     pre, post = [], []
     for p in plans:
         q, kv = p.token_matrices()
         qs, qr, ks, kr = q.sum(1), q.sum(0), kv.sum(1), kv.sum(0)
-        if not backward:
-            pre.append((qs * qb + ks * kvb, qr * qb + kr * kvb))
-            post.append((qr * qb, qs * qb))
-        else:
-            w = 3 * qb + lse
-            pre.append((qs * w + ks * kvb, qr * w + kr * kvb))
-            post.append((qr * qb + kr * kvb, qs * qb + ks * kvb))
+        for name, acc in zip(("out_bwd", "in_bwd") if backward else ("in", "out"), (pre, post)):
+            bq, bkv = per[name]
+            home, server = qs * bq + ks * bkv, qr * bq + kr * bkv
+            acc.append((home, server) if name in CAD_A2A_TO_SERVERS else (server, home))
     return pre, post
 
 
@@ -378,7 +382,7 @@ def pipeline_lockstep(s: Setting4D, lays: list[Layout], pp: int, dp: int, times,
         tok = np.array([[len(r) for r in _stack_rows(tick, [n[j] for n in nanos], dp)] for j in range(2)],
                        dtype=np.float64)
         af, ab = _attention(ps, price, R)
-        pre, post = _cad_bytes(ps, spec, bwd)
+        pre, post = _cad_bytes(ps, spec, bwd, resend=s.backward == "resend")
         lin = _linear(base, tok, times, links, backend)
         zero = np.zeros((2, R))
         c_pre, c_post = _coll(links.cad, pre, signal_only), _coll(links.cad, post, signal_only)

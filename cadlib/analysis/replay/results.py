@@ -15,6 +15,7 @@ import numpy as np
 
 from ...core.methods import METHODS
 from ...infra.results import find_results, load_result
+from ...scheduling.buffer import RECORD_KEYS
 from .phases import (NCCL_LATENCY_S, TP_COLLECTIVES, Links, batch_work, choose_wlb, compose_work,
                      model_compose, phases)
 from .settings import Setting, Work
@@ -108,6 +109,7 @@ def replay_setting(s: Setting, times: dict, rates: dict, backend: str) -> dict |
                 row["cp"] = c.breakdown["cp"]
             if key == "wlb" and sim_cp is not None:
                 row["sim_cp"] = sim_cp
+            row.update({k: w.meta[k] for k in RECORD_KEYS if k in w.meta})   # CAD's tolerance rule
             if (key, b) in measured:
                 row["measured_step_s"] = measured[(key, b)]
                 if key in dev_steps:

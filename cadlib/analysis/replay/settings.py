@@ -34,11 +34,11 @@ every rank of its group, so the two gather the same bytes: what differs is the b
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from ...core.cost import ModelSpec, as_model
+from ...core.cost import CAD_A2A_TO_SERVERS, ModelSpec, as_model
 from ...core.defaults import DEFAULT_NANO_SPLIT, DEFAULT_TOLERANCE
 from ...core.layout import Layout
 from ...core.methods import METHODS, names
@@ -48,6 +48,7 @@ from ...data.workload import sample_docs, sample_kwargs, sample_lengths
 from ...dispatch.build import build_all
 from ...dispatch.meta import Dispatch
 from ...scheduling import scheduler
+from ...scheduling.buffer import fit_buffer
 from ...scheduling.recipes import Recipe, batch_docs, cad_plan, method_layout, nano_plans
 from ..model.idle import varlen_chunking
 from ..model.sim import Hardware
@@ -80,8 +81,9 @@ class Setting:
       ``"setting"`` (one CP degree per setting, the best mean over the batches, as the paper reports)
       or ``"batch"`` (ours: the best degree of each batch, an oracle).
     * CAD: ``cad_planner`` ``"distca"`` (DistCA's released planner) or ``"ours"``; ``tolerance_rule``
-      ``"buffer"`` (DistCA's: the first tolerance from 0.05 up whose plans' all-to-alls fit a
-      ``buffer_gib`` communication buffer) or ``"fixed"`` (``tolerance``); ``backward`` ``"resend"``
+      ``"buffer"`` (DistCA's: the first of its tolerances from ``tolerance`` up, 0.05 in its runs, whose
+      plans' all-to-alls fit a ``buffer_gib`` communication buffer per GPU, else 1.0 and a larger buffer;
+      :func:`cad_plans`) or ``"fixed"`` (``tolerance``); ``backward`` ``"resend"``
       (DistCA's stateless servers: O and LSE return in the forward, dO, O, LSE, Q, K, V go out again in
       the backward) or ``"stateful"`` (ours: servers keep their inputs, the backward sends dO).
     * ``optimizer``: whether a step ends with the gradient all-reduce and the optimizer (DistCA's timed
@@ -129,6 +131,9 @@ class Setting:
             raise ValueError(f"unknown method(s) {bad}; choose from: {', '.join(METHODS)}")
         if self.link not in LINK_NAMES:
             raise ValueError(f"unknown link {self.link!r}; choose one of: {', '.join(LINK_NAMES)}")
+        if isinstance(self.buffer_gib, bool) or not (isinstance(self.buffer_gib, (int, float))
+                                                     and 0 < self.buffer_gib < float("inf")):
+            raise ValueError(f"Setting.buffer_gib must be a finite number > 0 (GiB), got {self.buffer_gib!r}")
         for f, valid in CHOICES.items():
             if getattr(self, f) not in valid:
                 raise ValueError(f"Setting.{f} must be one of {', '.join(map(repr, valid))}, "
@@ -171,7 +176,7 @@ class Setting:
         return Recipe.from_config(self.config or {}, dist=self.dist, tokens_per_rank=self.tokens,
                                   seed=self.seed, max_doc_len=self.max_doc_len, tolerance=self.tolerance,
                                   min_shard=self.min_shard, nano_split=self.nano_split,
-                                  sequence_len=self.sequence_len)
+                                  sequence_len=self.sequence_len, planner=self.cad_planner)
 
 
 LINK_NAMES = ("ib", "ib-low", "nvlink", "inter-node-like")
@@ -274,15 +279,18 @@ def _served(plan, rank: int):
     return plan.q_start[sel], plan.q_end[sel]
 
 
-def _cad_bytes(ds: list[Dispatch], spec: ModelSpec) -> dict:
-    """The all-to-alls of CAD's stages per rank, bytes: send (Q and deduplicated KV), return (O),
-    return' (dO out) and send' (dQ, dK, dV back)."""
-    qb, kvb = spec.q_bytes(DTYPE), spec.kv_bytes(DTYPE)
+def _cad_bytes(ds: list[Dispatch], spec: ModelSpec, resend: bool = False) -> dict:
+    """The all-to-alls of CAD's stages per rank, ``(sent, received)`` bytes: send (Q and deduplicated
+    KV), return (O), return' (dO out) and send' (dQ, dK, dV back); ``resend``: DistCA's stateless
+    servers (O and LSE return; dO, O, LSE, Q and the KV again out in the backward), the bytes per token
+    of :meth:`cadlib.core.cost.ModelSpec.cad_a2a_bytes`."""
     qs, qr = (np.array([d.n_send_q for d in ds]), np.array([d.n_recv_q for d in ds]))
     ks, kr = (np.array([d.n_send_kv for d in ds]), np.array([d.n_recv_kv for d in ds]))
-    send = (qs * qb + ks * kvb, qr * qb + kr * kvb)
-    back = (qr * qb + kr * kvb, qs * qb + ks * kvb)
-    return {"in": send, "out": (qr * qb, qs * qb), "out_bwd": (qs * qb, qr * qb), "in_bwd": back}
+    out = {}
+    for name, (bq, bkv) in spec.cad_a2a_bytes(resend, DTYPE).items():
+        home, server = qs * bq + ks * bkv, qr * bq + kr * bkv
+        out[name] = (home, server) if name in CAD_A2A_TO_SERVERS else (server, home)
+    return out
 
 
 def gather_bytes(layout: Layout, spec: ModelSpec, cp: int | None = None) -> dict:
@@ -328,15 +336,35 @@ def method_work(s: Setting, docs: list[int], method: str, cp: int = 1) -> Work:
         lay = varlen_chunking(docs, R, s.tokens, as_model(s.model), Hardware(attn_kernel="fa4"))
         return _colocated_work(method, lay, spec, {})
     layout = method_layout(docs, R, recipe, METHODS[method])
+    resend = s.backward == "resend"
+    nanos, plans, fit = cad_plans(s, layout, recipe, spec, pingpong=method != "cad")
     if method == "cad":
-        plan = cad_plan(layout, recipe, spec)
+        plan = plans[0]
         ds = build_all(plan)
-        return Work(method, layout.tokens_per_rank().astype(np.int64), [ds], _cad_bytes(ds, spec),
-                    [[_served(plan, r) for r in range(R)]], {"imbalance": plan.imbalance()})
-    nanos, plans = nano_plans(layout, recipe, spec)
+        return Work(method, layout.tokens_per_rank().astype(np.int64), [ds], _cad_bytes(ds, spec, resend),
+                    [[_served(plan, r) for r in range(R)]], {"imbalance": plan.imbalance(), **fit})
     ds = [build_all(p) for p in plans]
-    per = [_cad_bytes(d, spec) for d in ds]
+    per = [_cad_bytes(d, spec, resend) for d in ds]
     byts = {k: tuple(np.stack([p[k][i] for p in per]) for i in range(2)) for k in per[0]}
     tokens = np.array([[len(nb.rows[r]) for r in range(R)] for nb in nanos], dtype=np.int64)
     return Work(method, tokens, ds, byts, [[_served(p, r) for r in range(R)] for p in plans],
-                {"imbalance": [p.imbalance() for p in plans]})
+                {"imbalance": [p.imbalance() for p in plans], **fit})
+
+
+def cad_plans(s: Setting, layout: Layout, recipe: Recipe, spec: ModelSpec, pingpong: bool):
+    """CAD's plans of a batch, ``(nano-batches or None, plans, record)``: ping-pong's two or one plan,
+    by the setting's planner (``cad_planner``, through the recipe) at its tolerance rule. ``"fixed"``:
+    at ``tolerance`` (record empty). ``"buffer"``: DistCA's rule
+    (:func:`cadlib.scheduling.buffer.fit_buffer`): the first of DistCA's tolerances from ``tolerance``
+    (its ``MIN_TOLERANCE_FACTOR``) up whose plans' four all-to-alls fit ``buffer_gib`` per GPU with the
+    bytes of the setting's ``backward``, else tolerance 1.0 and a grown buffer; the record says which
+    (``tolerance``, ``buffer_need_gib``, ``buffer_gib``, ``buffer_grown``, ``tolerances_tried``)."""
+    def at(tol: float):
+        r = recipe if tol == recipe.tolerance else replace(recipe, tolerance=tol)
+        return nano_plans(layout, r, spec) if pingpong else (None, [cad_plan(layout, r, spec)])
+
+    if s.tolerance_rule == "fixed":
+        return (*at(recipe.tolerance), {})
+    fit = fit_buffer(at, spec, s.buffer_gib, resend=s.backward == "resend", min_tolerance=recipe.tolerance,
+                     plans=lambda made: made[1], dtype=DTYPE)
+    return (*fit.made, fit.meta())
