@@ -275,16 +275,24 @@ def results_frame(run_dir: Path, nproc: int):
     return df
 
 
-def _cuda_available() -> bool:
-    """Whether torch sees CUDA here. torch is loaded when a run starts, not when this module is imported:
-    a machine without torch can import cadlib (the what-if, the analysis) and is told here that launching
-    needs it."""
+def _torch():
+    """torch, loaded when a run starts, not when this module is imported: a machine without torch can
+    import cadlib (the what-if, the analysis) and is told here that launching needs it."""
     try:
-        torch = importlib.import_module("torch")
+        return importlib.import_module("torch")
     except ImportError as e:
         raise RuntimeError("run_torchrun starts torch.distributed.run: install torch first "
                            "(`make venv` does)") from e
-    return torch.cuda.is_available()
+
+
+def _cuda_available() -> bool:
+    """Whether torch sees CUDA here."""
+    return _torch().cuda.is_available()
+
+
+def cuda_device_count() -> int:
+    """How many CUDA devices torch sees here (0 without CUDA)."""
+    return _torch().cuda.device_count()
 
 
 class Prepared(NamedTuple):

@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from .console import Console
-from .launch import (RDZV_JOIN_TIMEOUT_S, Agent, child_env, prepare, results_frame, run_agents,
-                     torchrun_command)
+from .launch import (RDZV_JOIN_TIMEOUT_S, Agent, child_env, cuda_device_count, prepare, results_frame,
+                     run_agents, torchrun_command)
 from .progress import read_results
 
 MAX_LOCAL_NODES = 9
@@ -63,8 +63,7 @@ def _visible_devices() -> list[str]:
     listed = os.environ.get("CUDA_VISIBLE_DEVICES")
     if listed is not None:
         return [d for d in listed.split(",") if d.strip()]
-    import torch  # loaded when an NCCL run starts, as the launcher does (cadlib.infra.launch._cuda_available)
-    return [str(i) for i in range(torch.cuda.device_count())]
+    return [str(i) for i in range(cuda_device_count())]
 
 
 def collect_results(run_dir: Path, nnodes: int) -> dict[int, int]:
