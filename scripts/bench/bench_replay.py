@@ -380,6 +380,14 @@ def cmd_compose(a) -> int:
             model_check = replay_results.kernel_model_check(replay.paper_3d_settings()[:3], cache["times"],
                                                             cost, backend, rates)
         print(f"kernel table against the timed calls: {model_check}")
+        sample = replay_results.sample_check(todo, cache["times"], cost, backend, rates, model_check["scale"])
+        if sample:
+            errs = [r["step_err"] for r in sample]
+            sp = [r["speedup_modelled"] - r["speedup_timed"] for r in sample if "speedup_timed" in r]
+            model_check["sample_check"] = sample
+            print(f"the batches timed call by call, all their calls from the table instead: steps "
+                  f"{min(errs):+.3f}..{max(errs):+.3f}, speedups over WLB-ideal "
+                  f"{min(sp, default=0):+.3f}..{max(sp, default=0):+.3f}")
     for s in settings(a.suite.split(","), a.batches, a.only, a.linear):
         if model_check is not None:
             for b in range(s.batches):

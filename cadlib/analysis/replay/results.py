@@ -19,7 +19,8 @@ from ...scheduling.buffer import RECORD_KEYS
 from .phases import (NCCL_LATENCY_S, TP_COLLECTIVES, Links, batch_work, choose_wlb, compose_work,
                      model_compose, phases)
 from .settings import Setting, Work
-from .times import LINEAR_GRID, attention_jobs, grid_points, head_key, linear_key, optimizer_key, scaled
+from .times import (LINEAR_GRID, attention_jobs, grid_points, head_key, linear_key, model_attention_times,
+                    optimizer_key, scaled)
 
 
 def missing_times(s: Setting, works: dict[str, Work], times: dict, backend: str) -> list[str]:
@@ -222,3 +223,43 @@ def kernel_model_check(settings_, times: dict, cost, backend: str, rates: dict, 
     r = m / p
     return {"calls": int(m.size), "scale": float(m.sum() / p.sum()), "median": float(np.median(r)),
             "p10": float(np.percentile(r, 10)), "p90": float(np.percentile(r, 90)), "backend": backend}
+
+
+def sample_check(settings_, times: dict, cost, backend: str, rates: dict, scale: float) -> list[dict]:
+    """How much pricing the untimed server calls from the kernel table (scaled by ``scale``) moves a step:
+    every batch of each setting whose calls were all timed, composed twice, from the timings and with
+    every call from the table; per setting and method the mean steps both ways and their relative
+    difference, and CAD with ping-pong's speedup over WLB-ideal both ways (WLB-ideal: its degree of least
+    mean step over these batches, as the paper reports it). The check of ``compose --model-missing``."""
+    out = []
+    for s in settings_:
+        links = Links.of(s, rates)
+        steps = {"timed": {}, "modelled": {}}
+        for b in range(s.batches):
+            works = batch_work(s, b, rates)
+            keys = attention_jobs(works.values(), s.spec, backend)
+            if any(k not in times or times[k].get("modelled") for k in keys):
+                continue
+            modelled = model_attention_times(works.values(), s.spec, backend, cost, scale)
+            table = {**times, **modelled}
+            for name, tt in (("timed", times), ("modelled", table)):
+                for m, c in compose_work(s, works, tt, links, backend).items():
+                    steps[name].setdefault(m, []).append(c.step)
+        if not steps["timed"]:
+            continue
+        mean = {n: {m: float(np.mean(v)) for m, v in d.items()} for n, d in steps.items()}
+        for n in mean:
+            wl = [v for m, v in mean[n].items() if m.startswith("wlb/")]
+            if wl:
+                mean[n]["wlb"] = min(wl)
+        for m in mean["timed"]:
+            if "/" in m:
+                continue
+            t_, mo = mean["timed"][m], mean["modelled"][m]
+            rec = {"setting": s.name, "method": m, "batches": len(steps["timed"][next(iter(steps["timed"]))]),
+                   "step_s_timed": t_, "step_s_modelled": mo, "step_err": mo / t_ - 1}
+            if m != "wlb" and "wlb" in mean["timed"]:
+                rec["speedup_timed"] = mean["timed"]["wlb"] / t_
+                rec["speedup_modelled"] = mean["modelled"]["wlb"] / mo
+            out.append(rec)
+    return out
