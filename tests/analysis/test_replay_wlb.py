@@ -132,3 +132,19 @@ def test_4d_wlb_as_distcas_4d_driver_packs_a_whole_step():
     assert s.wlb_degrees(dp, n_micro) == (1, 2, 4)
     with pytest.raises(ValueError, match="Setting4D.wlb_gather must be one of"):
         replace(s, wlb_gather="ring")
+
+
+def test_ratio_sem_matches_the_spread_of_the_estimator():
+    """The delta-method standard error of mean(a)/mean(b) over paired batches equals the spread of that
+    ratio over many independent draws of the batches (within 10%), and is 0 for one batch."""
+    rng = np.random.default_rng(0)
+    n, draws = 15, 4000
+
+    def draw():
+        shared = rng.normal(0, 0.3, n)                       # batch-to-batch size, common to both methods
+        return 7.0 + shared + rng.normal(0, 0.2, n), 6.0 + shared + rng.normal(0, 0.2, n)
+
+    ratios = [a.mean() / b.mean() for a, b in (draw() for _ in range(draws))]
+    predicted = np.mean([replay_results.ratio_sem(*draw()) for _ in range(400)])
+    assert abs(predicted / np.std(ratios) - 1) < 0.1
+    assert replay_results.ratio_sem([7.0], [6.0]) == 0.0

@@ -133,10 +133,29 @@ per-batch ratios of steps; the paper's, the ratio of the mean steps ("the averag
 of WLB-LLM over DistCA", Figures 9 and 10)."""
 
 
+def _sem(x) -> float:
+    """The standard error of a mean over batches (0 for one batch)."""
+    x = np.asarray(x, dtype=float)
+    return float(x.std(ddof=1) / np.sqrt(x.size)) if x.size > 1 else 0.0
+
+
+def ratio_sem(a, b) -> float:
+    """The standard error of ``mean(a) / mean(b)`` over paired batches (the delta method:
+    ``R * sqrt(var_a/a^2 + var_b/b^2 - 2 cov_ab/(a b)) / sqrt(n)``; 0 for one batch)."""
+    a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    if a.size < 2:
+        return 0.0
+    ma, mb = a.mean(), b.mean()
+    c = np.cov(a, b, ddof=1)
+    var = c[0, 0] / ma ** 2 + c[1, 1] / mb ** 2 - 2 * c[0, 1] / (ma * mb)
+    return float(ma / mb * np.sqrt(max(var, 0.0) / a.size))
+
+
 def summarise(s: Setting, rows: list[dict]) -> list[dict]:
     """Per method: speedups over colocated and over WLB-ideal, each both as the mean of per-batch
     ratios (``..._mean_of_ratios``) and as the ratio of mean steps (``..._ratio_of_means``), with
-    ``speedup_over_<base>`` the one of ``s.wlb_choice`` (:data:`SPEEDUP_DEFINITIONS`), the per-batch
+    ``speedup_over_<base>`` the one of ``s.wlb_choice`` (:data:`SPEEDUP_DEFINITIONS`) and its standard
+    error over the batches (``..._sem``; the mean step's is ``step_s_sem``), the per-batch
     ratios and the simulator's; the replay's error against a measured run; the batch count; for WLB
     the CP degree of each batch and, under ``"setting"``, the degree chosen (the replay's and the
     simulator's) and every composed degree's mean step."""
@@ -148,6 +167,7 @@ def summarise(s: Setting, rows: list[dict]) -> list[dict]:
         rec = {"setting": s.name, "dist": s.dist, "max_doc_len": s.max_doc_len, "dp": s.dp, "tp": s.tp,
                "tokens_per_group": s.tokens, "method": m, "batches": len(batches),
                "ranks": s.dp, "step_s_mean": float(np.mean([by[(m, b)]["step_s"] for b in batches])),
+               "step_s_sem": _sem([by[(m, b)]["step_s"] for b in batches]),
                "idle_fraction_mean": float(np.mean([by[(m, b)]["idle_fraction"] for b in batches]))}
         definition = SPEEDUP_DEFINITIONS[s.wlb_choice]
         for base in ("colocated", "wlb"):
@@ -160,6 +180,8 @@ def summarise(s: Setting, rows: list[dict]) -> list[dict]:
                     rec[f"{pre}speedup_over_{base}"] = got[definition]
                     if not pre:
                         rec[f"speedup_over_{base}_per_batch"] = [float(x) for x in sp]
+                        rec[f"speedup_over_{base}_sem"] = (_sem(sp) if definition == "mean_of_ratios"
+                                                           else ratio_sem(steps[0], steps[1]))
                     for name, v in got.items():
                         rec[f"{pre}speedup_over_{base}_{name}"] = v
         rec["speedup_definition"] = definition
