@@ -221,7 +221,8 @@ def summary_line(s: Setting, res: dict) -> str:
     for r in res["summary"]:
         if r["method"] in ("cad-pingpong", "wlb") or r["method"] == "colocated":
             sp = r.get("speedup_over_wlb")
-            wlb = f" ({sp:.3f}x wlb)" if sp else ""
+            se = r.get("speedup_over_wlb_sem")
+            wlb = (f" ({sp:.3f}x wlb" + (f" ± {se:.3f}" if se else "") + ")") if sp else ""
             parts.append(f"{r['method']} {r['step_s_mean'] * 1e3:.0f} ms{wlb}")
     return f"{s.name}: " + ", ".join(parts)
 
