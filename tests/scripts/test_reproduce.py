@@ -222,3 +222,17 @@ def test_missing_packages_are_named_in_one_line_before_any_import(flags, named):
     assert done.stderr.splitlines() == [f"reproduce.py: missing {named}; install with `make venv` in {ROOT}, "
                                         f"or `{sys.executable} -m pip install -e '{ROOT}[notebooks]'`"]
     assert reproduce.missing_dependencies() == []                 # this Python has everything
+
+
+def test_gpu1_profile_puts_every_one_gpu_notebook_on_one_gpu():
+    nbs = reproduce.find_notebooks([])
+    params, notes = reproduce.plan_parameters(nbs, reproduce.PROFILES["gpu1"], {})
+    by = {str(nb.relative_to(reproduce.ROOT / "notebooks")): p for nb, p in params.items()}
+    servers, e2e = by["02_cad/02_attention_servers.ipynb"], by["04_benchmarks/01_end_to_end.ipynb"]
+    assert servers["nproc"] == 1 and servers["dtype"] == "bf16" and servers["model_name"] == "llama3-8b"
+    assert e2e["nproc"] == 1 and e2e["methods"].split(",") == ["colocated", "cad-pingpong"]
+    assert e2e["steps"] == 1 and e2e["model"] == "llama3-8b" and e2e["timeout_s"] <= 600
+    assert by["04_benchmarks/04_at_scale.ipynb"] == {"live_replay": True, "live_batches": 1}
+    assert all(p.get("nproc", 1) <= 1 for p in by.values())            # nothing asks for a second GPU
+    budget = sum(p.get("timeout_s", 0) for p in by.values())
+    assert budget <= 20 * 60 and not notes
