@@ -1,7 +1,9 @@
-"""The what-if against the scale replay on every committed 3D setting: ``results/replay/whatif_vs_replay.json``.
+"""The what-if against the scale replay on every committed 3D setting.
 
-For each committed family of 3D replays (``replay_3d_*_3d.json``: FA4; ``*_3d_fa2.json``: FA2, the
-kernel timed call by call; ``*_paper*.json``: the paper's protocol, where committed), the kernel table's
+Writes ``results/replay/whatif_vs_replay.json``.
+
+For each committed family of 3D replays (``replay_3d_*_3d.json``: FA4; ``*_3d_fa2.json``: FA2,
+the kernel timed call by call; ``*_paper*.json``: the paper's protocol, where committed), the kernel table's
 scales are fitted on the timed server calls of the first two batches of its settings
 (:func:`cadlib.analysis.whatif.price.kernel_scales`), then every setting is priced as the what-if prices
 (:mod:`cadlib.analysis.whatif.price`) and compared with the replay (:func:`cadlib.analysis.whatif.errors.compare`):
@@ -29,7 +31,8 @@ def main(argv=None) -> int:
     p.add_argument("--only", default="", help="only the files whose name contains this")
     p.add_argument("--families", default=",".join(errors.PROTOCOLS), help="comma-separated: "
                    + ", ".join(errors.PROTOCOLS))
-    p.add_argument("--scale-batches", type=int, default=2, help="batches per setting the scales are fitted on")
+    p.add_argument("--scale-batches", type=int, default=2,
+                   help="batches per setting the scales are fitted on")
     a = p.parse_args(argv)
     rates = rp.link_rates(load_result("comm_overlap_probe_2xh200_nvlink.json"),
                           load_result("comm_overlap_probe_2xh200_inter-node-like.json"))
@@ -58,7 +61,8 @@ def main(argv=None) -> int:
                   f"CAD x WLB {cad.get('speedup_over_wlb_err', float('nan')):+.3f} "
                   f"({time.perf_counter() - t0:.0f} s)", flush=True)
         out["scale"].setdefault(backend, {**sc["scale"], "calls": sc["calls"], "fitted_on": fam})
-        out["families"][fam] = {"backend": backend, "scale": sc, "summary": errors.summary(rows), "rows": rows}
+        out["families"][fam] = {"backend": backend, "scale": sc, "summary": errors.summary(rows),
+                                "rows": rows}
         print(f"{fam}: {out['families'][fam]['summary']}", flush=True)
     for b, v in out["scale"].items():                  # the shape price.committed_scale reads
         out["scale"][b] = {"scale": {k: x for k, x in v.items() if k not in ("calls", "fitted_on")},

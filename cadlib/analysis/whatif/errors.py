@@ -34,8 +34,10 @@ from .price import ERRORS_FILE, Pricing
 
 VALIDATION_GLOB = "replay/replay_e2e_2x_*_validation.json"
 """The replays of the measured runs on 2x H200 (the one-GPU ones check the timings, not the composition)."""
-PROTOCOLS = {"3d": ("replay/replay_3d_*_3d.json", "fa4"), "3d_fa2": ("replay/replay_3d_*_3d_fa2.json", "torch_flash"),
-             "paper": ("replay/replay_3d_*_paper.json", None), "paper_fa2": ("replay/replay_3d_*_paper_fa2.json", None)}
+PROTOCOLS = {"3d": ("replay/replay_3d_*_3d.json", "fa4"),
+             "3d_fa2": ("replay/replay_3d_*_3d_fa2.json", "torch_flash"),
+             "paper": ("replay/replay_3d_*_paper.json", None),
+             "paper_fa2": ("replay/replay_3d_*_paper_fa2.json", None)}
 """The committed 3D replay families: file pattern and attention backend (None: the file's own)."""
 CAD = "cad-pingpong"
 
@@ -92,7 +94,8 @@ def summary(rows: list[dict]) -> dict:
             v = [abs(r[f"{q}_over_{base}_err"]) for r in rows if f"{q}_over_{base}_err" in r]
             out[f"max_{q}_err_over_{base}"] = max(v, default=None)
     for q in ("speedup", "saving"):
-        v = [out[f"max_{q}_err_over_{b}"] for b in ("colocated", "wlb") if out[f"max_{q}_err_over_{b}"] is not None]
+        v = [out[f"max_{q}_err_over_{b}"] for b in ("colocated", "wlb")
+             if out[f"max_{q}_err_over_{b}"] is not None]
         out[f"max_{q}_err"] = max(v, default=None)
     return out
 

@@ -31,7 +31,8 @@ from ...infra.results import RESULTS_DIR, load_result
 from ..model.compose import Composed, compose
 from ..replay import phases as rp
 from ..replay.settings import Setting, Work
-from ..replay.times import LINEAR_GRID, attention_jobs, head_key, linear_key, model_attention_times, optimizer_key
+from ..replay.times import (LINEAR_GRID, attention_jobs, head_key, linear_key, model_attention_times,
+                            optimizer_key)
 
 TIMES_FILE = RESULTS_DIR / "replay" / "times_h200.json"
 """The replay's timing cache (every linear-layer, head and optimizer grid the replay timed on one H200)."""
@@ -149,7 +150,8 @@ class Pricing:
         return rp.phases(s, w, table, links, self.backend)
 
     def compose(self, s: Setting, works: dict[str, Work], links: rp.Links) -> dict[str, Composed]:
-        """Every method of a batch composed as the replay does (:func:`~cadlib.analysis.replay.phases.compose_work`)."""
+        """Every method of a batch composed as the replay does
+        (:func:`~cadlib.analysis.replay.phases.compose_work`)."""
         if not self.fallback:
             return rp.compose_work(s, works, self.table(s, works), links, self.backend)
         out = {k: replace(compose(w.method, self.phases(s, w, links), s.spec.n_layers), method=k)
