@@ -15,7 +15,8 @@ A step of ``m`` micro-batches on ``pp`` stages of ``L / pp`` layers (1F1B): micr
 ``s`` takes its composed forward ``F[s, i]`` and backward ``B[s, i]`` (the ranks of a stage meet at
 every collective; the LM head only on the last stage), :func:`cadlib.analysis.model.compose.one_f_one_b` gives the
 makespan, and the gradient all-reduce and the optimizer follow: ``step = makespan + allreduce +
-optimizer``. With ``pp = m = 1`` this is exactly the replay's composition of the same batch. Per method: tokens/s ``= dp m T / step``;
+optimizer``. With ``pp = m = 1`` this is exactly the replay's composition of the same batch. Per
+method: tokens/s ``= dp m T / step``;
 idle fraction ``= 1 - mean_g busy_g / step``; bytes each GPU sends in the attention collectives per
 step (tensor parallelism and the all-reduce, the same for every method, left out); activation memory
 per GPU, ``tokens_held x L / pp x activation_bytes_per_token x min(pp, m)`` (in flight on the first
@@ -24,7 +25,8 @@ O and LSE it computed), against the GPU's memory (weights, gradients and optimiz
 
 Every step and CAD's speedups are the means over the sampled steps with the band of
 :mod:`cadlib.analysis.whatif.band` (sampling, composition and replay errors in quadrature); the
-verdict compares CAD with the faster baseline, and a short sweep over DP and context (MaxDocLen with the tokens per group in proportion) shows where it flips.
+verdict compares CAD with the faster baseline, and a short sweep over DP and context (MaxDocLen with
+the tokens per group in proportion) shows where it flips.
 """
 from __future__ import annotations
 
