@@ -80,7 +80,8 @@ def parser() -> argparse.ArgumentParser:
     tr.add_argument("--tokens-per-group", "--tokens-per-rank", dest="tokens_per_group", type=int,
                     default=TOKENS_PER_GROUP, help="tokens per DP group per micro-batch")
     tr.add_argument("--micro-batches", type=int, default=1)
-    tr.add_argument("--steps", type=int, default=3, help="sampled steps")
+    tr.add_argument("--steps", type=int, default=20, help="sampled steps (their spread is the band's sampling "
+                    "error)")
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE, help="the CAD scheduler's")
     out = ap.add_argument_group("output")

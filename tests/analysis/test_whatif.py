@@ -8,11 +8,10 @@ import pytest
 
 from cadlib import whatif as cli
 from cadlib.analysis.replay import phases as replay_phases
-from cadlib.analysis.model import band as sim_band
-from cadlib.analysis.whatif import page as whatif_page, planner as whatif
+from cadlib.analysis.whatif import page as whatif_page, planner as whatif, price as price_mod
 from cadlib.data.lengths import write_lengths
 from cadlib.data.workload import sample_docs
-from cadlib.infra.results import RESULTS_DIR, load_result
+from cadlib.infra.results import RESULTS_DIR
 
 OK = ["--lengths", "{d}/ok.txt"]
 SMALL = ["--gpus", "8", "--gpus-per-node", "2", "--tp", "2", "--context", "131072", "--tokens-per-group",
@@ -31,22 +30,48 @@ def _training(**kw):
 # The composition
 # ---------------------------------------------------------------------------------------------------
 
-def test_one_stage_one_micro_batch_is_the_simulators_step_of_the_scale_replay():
-    """The paper's 3D setting (64 GPUs, TP 8, 128K prolong) at the replay's link rates: the steps are the
-    ``sim_step_s`` the committed replay recorded for the same batches."""
-    path = RESULTS_DIR / "replay" / "replay_3d_prolong_128k_dp8_3d.json"
-    if not path.exists():
-        pytest.skip("no committed replay file")
-    rec = load_result(path)
-    rates = rec["config"]["links"]
-    rows = {(r["batch"], r["method"]): r["sim_step_s"] for r in rec["results"]["per_batch"]}
-    cl = whatif.Cluster(gpus=64, gpus_per_node=8, tp=8, intra_node_gbps=rates["tp"]["gbps"],
-                        inter_node_gbps=rates["dp"]["gbps"])
-    assert cl.dp_gbps() == rates["dp"]["gbps"]            # one DP group per node: all traffic inter-node
+def test_one_stage_one_micro_batch_is_the_replays_composition_priced_from_the_tables():
+    """The paper's 3D setting (64 GPUs, TP 8, 128K prolong): the what-if's step of a batch is the
+    replay's composition (:func:`cadlib.analysis.replay.phases.compose_work`) of the same batch, its
+    linear layers from the timed grid and its attention from the kernel table."""
+    if not price_mod.TIMES_FILE.exists():
+        pytest.skip("no committed timing cache")
+    cl = whatif.Cluster(gpus=64, gpus_per_node=8, tp=8)
     tr = whatif.Training(context=131072, steps=1)
-    sim = whatif.simulate("llama3-8b", cl, tr, whatif.Documents(dist="prolong"))
+    docs = whatif.Documents(dist="prolong")
+    price = whatif.make_pricing(cl)
+    sim = whatif.simulate("llama3-8b", cl, tr, docs, price=price)
+    assert not sim["pricing"]["fallback"] and "timed token grid" in sim["pricing"]["source"]
+    s = price.prepare(whatif.setting("llama3-8b", cl, tr, docs))
+    ref = price.compose(s, replay_phases.batch_work(s, 0), cl.links())
     for m in whatif.METHODS:
-        assert sim["methods"][m]["steps_s"][0] == pytest.approx(rows[(0, m)], rel=1e-9), m
+        assert sim["methods"][m]["steps_s"][0] == pytest.approx(ref[m].step, rel=1e-9), m
+
+
+def test_a_model_without_a_timed_grid_falls_back_to_the_cost_model_and_says_so():
+    cl = whatif.Cluster(gpus=8, gpus_per_node=8, tp=8)
+    tr = whatif.Training(context=65536, tokens_per_group=65536, steps=1)
+    sim = whatif.simulate("llama-34b", cl, tr, whatif.Documents(dist="pretrain"))
+    assert sim["pricing"]["fallback"] and "no timed token grid" in sim["pricing"]["source"]
+
+
+def test_the_band_is_the_three_known_errors_in_quadrature():
+    from cadlib.analysis.whatif import band
+    known = {"composition": {"step": 0.03, "saving_over_wlb": 0.02, "saving_over_colocated": 0.02},
+             "replay": {"step": 0.03, "saving": 0.01}}
+    rng = np.random.default_rng(0)
+    ratios = 1.06 + 0.02 * rng.standard_normal(40)
+    b = band.saving_band(ratios, "wlb", known)
+    x = ratios.mean()
+    samp = band.t975(39) * ratios.std(ddof=1) / np.sqrt(40) / x ** 2
+    assert b["parts"]["sampling"] == pytest.approx(samp)
+    assert b["half_width"] == pytest.approx(np.sqrt(samp ** 2 + 0.02 ** 2 + 0.01 ** 2))
+    assert b["saving_band"] == pytest.approx([1 - 1 / x - b["half_width"], 1 - 1 / x + b["half_width"]])
+    assert b["dominant"] == "composition"
+    few = band.saving_band(ratios[:5], "wlb", known)                # fewer steps: a wider sampling error
+    assert few["parts"]["sampling"] > b["parts"]["sampling"]
+    st = band.step_band([10.0, 10.0, 10.0], known)
+    assert st["band"] == pytest.approx([10 * (1 - np.sqrt(0.0018)), 10 * (1 + np.sqrt(0.0018))])
 
 
 def test_dp_link_mixes_in_node_and_inter_node_peers():
@@ -81,23 +106,6 @@ def test_pipeline_and_micro_batches_compose_by_1f1b():
         assert pipe4[m]["idle_fraction"] < pipe[m]["idle_fraction"]
 
 
-def test_the_error_band_brackets_its_estimate_and_says_where_it_comes_from(tmp_path):
-    eb = sim_band.error_bands()
-    if not eb["bands"]:
-        pytest.skip("no committed replay files")
-    for key in ("step/cad-pingpong", "speedup/cad-pingpong/wlb", "speedup/cad-pingpong/colocated"):
-        b = eb["bands"][key]
-        assert b.lo <= b.mid <= b.hi and b.n == len(eb["measured"]) + len(eb["replayed"])
-    assert eb["bands"]["step/colocated"].lo > 1                   # the simulator's steps run fast
-    gain = eb["bands"]["speedup/cad-pingpong/colocated"]
-    lo, mid, hi = gain.apply(1.0)
-    assert lo < mid == 1.0 < hi                                   # no gain simulated: no gain estimated
-    lo, mid, hi = gain.apply(1.5)
-    assert lo <= mid <= hi and 1 < mid < 1.5                      # ... a gain simulated: it shrinks
-    assert "measured on 2x H200" in eb["source"]
-    assert sim_band.error_bands(tmp_path)["bands"] == {}
-
-
 # ---------------------------------------------------------------------------------------------------
 # The CLI
 # ---------------------------------------------------------------------------------------------------
@@ -124,7 +132,7 @@ def test_a_file_of_a_tables_lengths_predicts_what_the_table_predicts(tmp_path, c
     for m in whatif.METHODS:
         a, b = got["table"]["methods"][m], got["file"]["methods"][m]
         for base in whatif.BASELINES:
-            key = f"sim_speedup_over_{base}"
+            key = f"speedup_over_{base}"
             assert b[key] == pytest.approx(a[key], rel=0.03), (m, base)
     assert got["table"]["verdict"]["baseline"] == got["file"]["verdict"]["baseline"]
 
@@ -140,9 +148,8 @@ def test_cli_prints_the_table_verdict_and_sweep_and_writes_json_and_html(tmp_pat
         r = res["methods"][m]
         assert r["step_s"] > 0 and r["tokens_per_s"] > 0 and 0 <= r["idle_fraction"] < 1
         assert r["sent_bytes_mean"] >= 0 and r["activation_bytes_max"] > 0
-        if res["band"]["source"]:
-            lo, hi = r["step_s_band"]
-            assert lo <= r["step_s"] <= hi
+        lo, hi = r["step_s_band"]
+        assert lo <= r["step_s"] <= hi
     assert res["verdict"]["line"] in out and "the straggler is" in res["verdict"]["line"]
     assert {(p["dp"], p["context"]) for p in res["sweep"]} == {(d, c) for d in (1, 2, 4)
                                                               for c in (32768, 65536, 131072)} - {(2, 65536)}
@@ -159,7 +166,7 @@ def test_kernel_table_prices_attention_and_says_the_band_was_not_measured_with_i
     argv = ["--dist", "pretrain", "--kernels", str(table), "--json", str(tmp_path / "k.json")] + SMALL[:-4]
     rc, out, err = _run(argv + ["--steps", "1", "--no-sweep", "--quiet"], capsys)
     assert rc == 0, err
-    assert "attention priced from" in out
+    assert "a kernel table of your own" in out
     res = json.loads((tmp_path / "k.json").read_text())
     assert res["inputs"]["cluster"]["kernels"] == str(table)
 
@@ -245,13 +252,14 @@ def test_documents_need_exactly_one_source():
         whatif.Cluster(gpus=6, tp=4)
 
 
-def test_without_the_committed_files_the_plan_says_it_has_no_band(tmp_path):
-    res = whatif.plan("llama3-8b", _cluster(gpus=4), _training(context=32768, tokens_per_group=16384),
+def test_without_the_committed_error_files_the_band_says_what_it_leaves_out(tmp_path):
+    tr = _training(context=32768, tokens_per_group=16384, steps=3)
+    res = whatif.plan("llama3-8b", _cluster(gpus=4), tr,
                       whatif.Documents(dist="pretrain"), with_sweep=False, results_dir=tmp_path)
-    assert res["band"]["source"] is None and "no band" in res["band"]["notes"][-1]
-    cad = res["methods"]["cad-pingpong"]
-    assert cad["step_s_band"] is None and cad["step_s"] == cad["sim_step_s"]
-    assert "no band" in res["verdict"]["line"] and "no band" in whatif_page.text(res)
+    assert "left out of the band" in res["band"]["notes"][-1]
+    v = res["verdict"]
+    assert v["parts"]["composition"] == v["parts"]["replay"] == 0 and v["dominant"] == "sampling"
+    assert "left out of the band" in whatif_page.text(res)
     assert whatif_page.page(res).count("class='plotly-graph-div'") == 3
 
 

@@ -32,7 +32,9 @@ def headline(res: dict) -> str:
     m, c, t, d = i["model"], i["cluster"], i["training"], i["documents"]
     nodes = -(-c["gpus"] // c["gpus_per_node"])
     docs = d["source"] + (f" ({d['n_lengths']:,} lengths)" if d.get("n_lengths") else "")
-    kern = f"kernel table {c['kernels']}" if c["kernels"] else "the simulator's H200 rates (FA4)"
+    pr = res["pricing"]
+    kern = ("a kernel table of your own" if c["kernels"] else f"the H200 tables ({pr['backend']})") + \
+        (", linear layers from the cost model (no timed grid)" if pr["fallback"] else "")
     return (f"{m['name']} on {c['gpus']} GPUs ({nodes} nodes x {c['gpus_per_node']}), TP {c['tp']}, "
             f"PP {c['pp']} -> DP {c['dp']}; context {_k(t['context'])}, {_k(t['tokens_per_group'])} tokens "
             f"per DP group x {t['micro_batches']} micro-batch{'es' if t['micro_batches'] > 1 else ''}; "
@@ -97,16 +99,22 @@ def sweep_text(res: dict) -> str:
             f"! CAD slower):\n{_grid(rows)}\n{said}")
 
 
+def band_text(res: dict) -> str:
+    """The saving's band, error by error."""
+    v = res["verdict"]
+    parts = ", ".join(f"{k} {100 * x:.1f}" for k, x in v["parts"].items())
+    return (f"The band on CAD's saving: +-{100 * v['half_width']:.1f} points = sqrt of the squares of "
+            f"{parts} (widest: {v['dominant']}).")
+
+
 def text(res: dict) -> str:
-    """The terminal output: headline, table, verdict, sweep, where the band comes from."""
+    """The terminal output: headline, table, verdict, the band's parts, sweep, where the numbers come from."""
     band = res["band"]
-    src = band["source"] or "no band"
     notes = "".join(f"\nnote: {n}" for n in band["notes"])
     ms = res["timing"]["plan_ms"]
-    return (f"{headline(res)}\n\n{_grid(table_rows(res))}\n\n{res['verdict']['line']}\n\n"
-            f"{sweep_text(res)}\n\n"
-            f"Estimates and bands (cadlib.analysis.model.band): {src}. Steps and speedups are banded apart, "
-            "so two estimated steps need not divide to the estimated speedup."
+    return (f"{headline(res)}\n\n{_grid(table_rows(res))}\n\n{res['verdict']['line']}\n"
+            f"{band_text(res)}\n\n{sweep_text(res)}\n\n"
+            f"Durations: {res['pricing']['source']}. Bands: {band['source']}."
             f"{notes}\nCAD scheduler: {max(ms):.0f} ms per batch at most "
             f"({len(ms)} batch{'es' if len(ms) > 1 else ''}); "
             f"planned in {res['timing']['wall_s']:.1f} s.")
@@ -129,9 +137,7 @@ def figures(res: dict) -> dict[str, dict]:
     ms = [res["methods"][k] for k in METHODS]
     figs = {"steps": {"data": [
         {"type": "bar", "x": names, "y": [r["step_s"] for r in ms], "name": "estimate (band)",
-         "error_y": _err([r["step_s"] for r in ms], [r["step_s_band"] for r in ms])},
-        {"type": "scatter", "mode": "markers", "x": names, "y": [r["sim_step_s"] for r in ms],
-         "name": "simulator", "marker": {"symbol": "diamond", "size": 10}}],
+         "error_y": _err([r["step_s"] for r in ms], [r["step_s_band"] for r in ms])}],
         "layout": {"title": {"text": f"Step time: {res['verdict']['line'].split(';')[0]}"},
                    "yaxis": {"title": {"text": "seconds per step"}}}}}
     figs["ranks"] = {"data": [
@@ -182,6 +188,8 @@ def _html_table(rows: list[dict]) -> str:
 def page(res: dict) -> str:
     """A self-contained HTML page: the headline, table and verdict, every figure, the sweep and the band."""
     figs = "\n".join(plotly_div_deferred(f, f"whatif-{k}") for k, f in figures(res).items())
+    v = res["verdict"]
+    decision = {"pays": "Yes", "loses": "No", "unsure": "Not decided"}[v["class"]]
     notes = "".join(f"<p class='note'>{html.escape(n)}</p>" for n in res["band"]["notes"])
     esc = lambda s: html.escape(s).replace("\n", "<br>")   # noqa: E731
     return ("<!DOCTYPE html><html><head><meta charset='utf-8'><title>cadlib what-if</title>"
@@ -189,7 +197,8 @@ def page(res: dict) -> str:
             "table{border-collapse:collapse}"
             "td,th{border:1px solid #ccc;padding:4px 8px;text-align:left}pre{background:#f6f6f6;padding:8px}"
             "</style></head><body>" + plotlyjs_packed_tag() +
-            f"<h1>Does CAD pay off here?</h1><p>{esc(headline(res))}</p>{_html_table(table_rows(res))}"
-            f"<h2>{html.escape(res['verdict']['line'])}</h2>{figs}<pre>{html.escape(sweep_text(res))}</pre>"
-            f"<p>Estimates and bands (cadlib.analysis.model.band): "
-            f"{html.escape(res['band']['source'] or 'no band')}.</p>{notes}</body></html>")
+            f"<h1>Does CAD pay off here? {decision}</h1><h2>{html.escape(v['line'])}</h2>"
+            f"<p>{html.escape(band_text(res))}</p><p>{esc(headline(res))}</p>{_html_table(table_rows(res))}"
+            f"{figs}<pre>{html.escape(sweep_text(res))}</pre>"
+            f"<p>Durations: {html.escape(res['pricing']['source'])}. Bands: "
+            f"{html.escape(res['band']['source'])}.</p>{notes}</body></html>")

@@ -1,33 +1,36 @@
-"""Does CAD pay off on this data and this cluster? The simulator on a user's documents, model, cluster
-and training setup, with the band its measured error gives.
+"""Does CAD pay off on this data and this cluster? The user's documents, model, cluster and training
+setup, priced from the measured tables as the scale replay prices them, with the band of what is known.
 
 Batches are sampled from the user's lengths (:func:`cadlib.data.workload.sample_lengths`) or a named
 distribution, as the scale replay samples (:func:`cadlib.analysis.replay.settings.batch_lengths`, the same
 seeds), and each is planned for every method (:func:`cadlib.analysis.replay.phases.batch_work`): colocated
 (sequential packing, per-document CP for documents split between ranks), WLB-ideal (balanced packing
-with per-document CP of the best degree) and CAD with ping-pong. The durations are the simulator's
-(:func:`cadlib.analysis.replay.phases.model_phases`: the H200 rates of :mod:`cadlib.core.cost`, or a kernel
-latency table), composed tick by tick (:mod:`cadlib.analysis.model.compose`) per stage and micro-batch.
+with per-document CP of the best degree) and CAD with ping-pong. The durations are the measured tables'
+(:mod:`cadlib.analysis.whatif.price`: the timed token grid, the kernel table scaled to the timed calls,
+the link model), composed tick by tick (:mod:`cadlib.analysis.model.compose`) per stage and micro-batch.
 
 The cluster, its links and the training setup are :mod:`cadlib.analysis.whatif.setup`'s.
 
 A step of ``m`` micro-batches on ``pp`` stages of ``L / pp`` layers (1F1B): micro-batch ``i`` on stage
 ``s`` takes its composed forward ``F[s, i]`` and backward ``B[s, i]`` (the ranks of a stage meet at
 every collective; the LM head only on the last stage), :func:`cadlib.analysis.model.compose.one_f_one_b` gives the
-makespan, and the gradient all-reduce follows: ``step = makespan + allreduce``. With ``pp = m = 1``
-this is exactly the simulator's step of the scale replay. Per method: tokens/s ``= dp m T / step``;
+makespan, and the gradient all-reduce and the optimizer follow: ``step = makespan + allreduce +
+optimizer``. With ``pp = m = 1`` this is exactly the replay's composition of the same batch. Per
+method: tokens/s ``= dp m T / step``;
 idle fraction ``= 1 - mean_g busy_g / step``; bytes each GPU sends in the attention collectives per
 step (tensor parallelism and the all-reduce, the same for every method, left out); activation memory
 per GPU, ``tokens_held x L / pp x activation_bytes_per_token x min(pp, m)`` (in flight on the first
 stage) plus, for CAD, what its attention server keeps until the backward (received Q, K, V, and the
 O and LSE it computed), against the GPU's memory (weights, gradients and optimizer state not counted).
 
-Every simulated step and speedup ``x`` is reported as ``x mid`` with the band ``[x lo, x hi]`` of
-:mod:`cadlib.analysis.model.band`; the verdict compares CAD with the faster baseline, and a short sweep
-over DP and context (MaxDocLen with the tokens per group in proportion) shows where it flips.
+Every step and CAD's speedups are the means over the sampled steps with the band of
+:mod:`cadlib.analysis.whatif.band` (sampling, composition and replay errors in quadrature); the
+verdict compares CAD with the faster baseline, and a short sweep over DP and context (MaxDocLen with
+the tokens per group in proportion) shows where it flips.
 """
 from __future__ import annotations
 
+import pathlib
 import time
 from dataclasses import asdict, replace
 
@@ -38,10 +41,11 @@ from ...core.measured import MeasuredCost
 from ...core.methods import METHODS as ALL_METHODS
 from ...data.packing import pack
 from ...scheduling import scheduler
-from ..model.band import error_bands
 from ..model.compose import Composed, compose, one_f_one_b
 from ..replay import phases as replay_phases
 from ..replay import settings as replay
+from .band import known_errors, saving_band, step_band
+from .price import Pricing, pricing
 from .setup import METHODS, Cluster, Documents, Training, setting
 
 BASELINES = tuple(m for m in METHODS if ALL_METHODS[m].baseline)
@@ -60,13 +64,14 @@ def _zeros_like_bwd(ph, head_fwd: bool):
     z = np.zeros_like
     return replace(ph, pre_bwd=z(ph.pre_bwd), post_bwd=z(ph.post_bwd), attn_bwd=z(ph.attn_bwd),
                    comm_in_bwd=z(ph.comm_in_bwd), comm_out_bwd=z(ph.comm_out_bwd),
-                   head=ph.head / 3 if head_fwd else z(ph.head), allreduce=0.0)
+                   head=ph.head / 3 if head_fwd else z(ph.head), allreduce=0.0, optimizer=0.0)
 
 
 def _stage(method: str, ph, layers: int, last: bool) -> tuple[float, float, Composed]:
-    """``(forward, backward, composed)`` of a micro-batch on one stage: no all-reduce; the LM head
-    (one forward, two backward thirds) on the last stage only."""
-    full = replace(ph, allreduce=0.0, head=ph.head if last else np.zeros_like(ph.head))
+    """``(forward, backward, composed)`` of a micro-batch on one stage: no all-reduce, no optimizer
+    (once per step, after the last backward); the LM head (one forward, two backward thirds) on the
+    last stage only."""
+    full = replace(ph, allreduce=0.0, optimizer=0.0, head=ph.head if last else np.zeros_like(ph.head))
     c = compose(method, full, layers)
     f = compose(method, _zeros_like_bwd(ph, last), layers).step
     return f, max(c.step - f, 0.0), c
@@ -86,8 +91,8 @@ def _work_stats(w: replay.Work, s: replay.Setting, coloc_tokens: np.ndarray) -> 
     return {"sent": sent, "act": act}
 
 
-def _method_steps(s: replay.Setting, cluster: Cluster, training: Training, step: int, cost, links,
-                  progress=None) -> dict:
+def _method_steps(s: replay.Setting, cluster: Cluster, training: Training, step: int, price: Pricing,
+                  links, progress=None) -> dict:
     """Every method's step ``step`` (its ``micro_batches`` batches), with what the output reports."""
     m, pp, L = training.micro_batches, cluster.pp, s.spec.n_layers
     F = {k: np.zeros((pp, m)) for k in METHODS}
@@ -104,9 +109,10 @@ def _method_steps(s: replay.Setting, cluster: Cluster, training: Training, step:
         plan_ms.append((time.perf_counter() - t0) * 1e3)
         works = replay_phases.batch_work(s, b)
         coloc = works["colocated"].tokens
+        table = None if price.fallback else price.table(s, works)
         per = {}
         for key, w in works.items():
-            ph = replay_phases.model_phases(s, w, links, cost=cost)
+            ph = price.phases(s, w, links, table)
             last = _stage(w.method, ph, L, True)
             first = _stage(w.method, ph, L, False) if pp > 1 else last
             per[key] = (w, ph, first, last)
@@ -130,9 +136,10 @@ def _method_steps(s: replay.Setting, cluster: Cluster, training: Training, step:
                 attn = (ph.attn + ph.attn_bwd).sum(0) if w.pingpong else ph.attn + ph.attn_bwd
                 a["ranks"] = {"tokens": coloc.tolist() if w.pingpong else w.tokens.tolist(),
                               "attention_s": (attn * L).tolist(), "busy_s": c.busy.tolist()}
+        optimizer = ph.optimizer
         if progress:
             progress(1)
-    allreduce = replay_phases.allreduce_seconds(s, links.dp)
+    allreduce = replay_phases.allreduce_seconds(s, links.dp) + optimizer
     out = {}
     for key in METHODS:
         a = acc[key]
@@ -149,17 +156,24 @@ def _method_steps(s: replay.Setting, cluster: Cluster, training: Training, step:
     return out
 
 
-def _load_cost(cluster: Cluster) -> MeasuredCost | None:
-    return MeasuredCost.load(cluster.kernels) if cluster.kernels else None
+def make_pricing(cluster: Cluster, times: dict | None = None, cost: MeasuredCost | None = None) -> Pricing:
+    """The what-if's :class:`~cadlib.analysis.whatif.price.Pricing`: ``times`` and ``cost`` given, else
+    the committed H200 files (``cluster.kernels``, a kernel table's path, in place of the committed one)."""
+    if cost is None and cluster.kernels:
+        cost = MeasuredCost.load(cluster.kernels)
+    return pricing(times, cost, backend=cost.backend if cost is not None else "torch_flash")
 
 
-def simulate(model, cluster: Cluster, training: Training, docs: Documents, progress=None) -> dict:
-    """The simulator's steps (no band): per method the mean over the sampled steps of the step, idle
-    fraction, attention of the slowest and the mean rank, exposed communication, bytes sent and
-    activation memory per GPU; the speedups (mean per-step ratios); rank detail of the first step."""
-    s = setting(model, cluster, training, docs)
-    links, cost = cluster.links(), _load_cost(cluster)
-    steps = [_method_steps(s, cluster, training, k, cost, links, progress) for k in range(training.steps)]
+def simulate(model, cluster: Cluster, training: Training, docs: Documents, progress=None,
+             price: Pricing | None = None) -> dict:
+    """Every method's steps priced from the measured tables (no band): per method the mean over the
+    sampled steps of the step, idle fraction, attention of the slowest and the mean rank, exposed
+    communication, bytes sent and activation memory per GPU; the speedups (mean per-step ratios) and
+    each step's; rank detail of the first step; ``pricing``: where the durations came from."""
+    price = price or make_pricing(cluster)
+    s = price.prepare(setting(model, cluster, training, docs))
+    links = cluster.links()
+    steps = [_method_steps(s, cluster, training, k, price, links, progress) for k in range(training.steps)]
     res = {}
     for key in METHODS:
         rows = [st[key] for st in steps]
@@ -169,37 +183,55 @@ def simulate(model, cluster: Cluster, training: Training, docs: Documents, progr
         for base in BASELINES:
             sp = [st[base]["step_s"] / st[key]["step_s"] for st in steps]
             r[f"speedup_over_{base}"] = float(np.mean(sp))
+            r[f"speedups_over_{base}"] = sp
         if key == "wlb":
             r["cp"] = [c for x in rows for c in x["cp"]]
         r["ranks"] = rows[0]["ranks"]
         r["steps_s"] = [x["step_s"] for x in rows]
         res[key] = r
-    return {"methods": res, "plan_ms": [p for st in steps for p in st["plan_ms"]]}
+    return {"methods": res, "plan_ms": [p for st in steps for p in st["plan_ms"]],
+            "pricing": {"source": price.source, "fallback": price.fallback, "backend": price.backend,
+                        "linear": s.linear, "scale": price.scale}}
 
 
 # ---------------------------------------------------------------------------------------------------
 # The band, the verdict, the sweep
 # ---------------------------------------------------------------------------------------------------
 
-def _banded(sim: dict, bands: dict, tokens_per_step: int) -> dict:
-    """Every method's simulated numbers with estimates and bands (``None`` where no band exists)."""
+def _banded(sim: dict, known: dict, tokens_per_step: int, spread: dict | None = None) -> dict:
+    """Every method's numbers with their bands (:mod:`cadlib.analysis.whatif.band`); ``spread``: the
+    per-step spreads of the planned setting, for a sweep point of one step."""
     out = {}
     for key, r in sim["methods"].items():
         row = {k: v for k, v in r.items() if k != "ranks"}
-        row["sim_step_s"] = r["step_s"]
-        b = bands.get(f"step/{key}")
-        lo, mid, hi = b.apply(r["step_s"]) if b else (None, r["step_s"], None)
-        row.update(step_s=mid, step_s_band=[lo, hi] if b else None,
-                   tokens_per_s=tokens_per_step / mid,
-                   tokens_per_s_band=[tokens_per_step / hi, tokens_per_step / lo] if b else None)
+        sb = step_band(r["steps_s"], known, (spread or {}).get(f"step/{key}"))
+        lo, hi = sb["band"]
+        row.update(step_s=sb["mid"], step_s_band=[lo, hi], step_s_parts=sb["parts"],
+                   tokens_per_s=tokens_per_step / sb["mid"],
+                   tokens_per_s_band=[tokens_per_step / hi, tokens_per_step / lo])
         for base in BASELINES:
-            sp = r[f"speedup_over_{base}"]
-            row[f"sim_speedup_over_{base}"] = sp
-            b = bands.get(f"speedup/{key}/{base}") if key != base else None
-            lo, mid, hi = b.apply(sp) if b else (None, sp, None)
-            row[f"speedup_over_{base}"] = mid
-            row[f"speedup_over_{base}_band"] = [lo, hi] if b else None
+            if key == base:
+                row[f"speedup_over_{base}_band"] = None
+                continue
+            sd = (spread or {}).get(f"speedup/{key}/{base}")
+            b = saving_band(r[f"speedups_over_{base}"], base, known, sd)
+            row[f"speedup_over_{base}"] = b["speedup"]
+            row[f"speedup_over_{base}_band"] = b["speedup_band"] if key == "cad-pingpong" else None
+            if key == "cad-pingpong":
+                row[f"saving_over_{base}"] = b
         out[key] = row
+    return out
+
+
+def spreads(methods: dict) -> dict:
+    """The per-step spreads of a planned setting (sd / mean of the steps, sd of CAD's speedups)."""
+    out = {}
+    for key, r in methods.items():
+        x = np.asarray(r["steps_s"])
+        out[f"step/{key}"] = float(x.std(ddof=1) / x.mean()) if x.size > 1 else 0.0
+        for base in BASELINES:
+            if f"saving_over_{base}" in r:
+                out[f"speedup/{key}/{base}"] = r[f"saving_over_{base}"]["sd"]
     return out
 
 
@@ -209,15 +241,14 @@ def pct(x: float) -> str:
 
 
 def _best_baseline(methods: dict) -> str:
-    """The faster baseline by CAD's estimated speedups (each step carries its own band, so the speedups,
-    not the steps, decide, as the verdict quotes them)."""
+    """The faster baseline by CAD's estimated speedups (as the verdict quotes them)."""
     return min(BASELINES, key=lambda k: methods["cad-pingpong"][f"speedup_over_{k}"])
 
 
-def _classify(sp: float, band) -> str:
-    """``pays`` when the band (or, without one, the estimate) is above 1, ``loses`` below, else ``unsure``."""
-    lo, hi = (band if band and band[0] is not None else (sp, sp))
-    return "pays" if lo > 1 else "loses" if hi < 1 else "unsure"
+def _classify(band) -> str:
+    """``pays`` when the saving's band is above 0, ``loses`` below, else ``unsure``."""
+    lo, hi = band
+    return "pays" if lo > 0 else "loses" if hi < 0 else "unsure"
 
 
 def _straggler(methods: dict, base: str) -> str:
@@ -226,8 +257,8 @@ def _straggler(methods: dict, base: str) -> str:
     itself leaves exposed."""
     b, cad = methods[base], methods["cad-pingpong"]
     ratio = b["attention_max_s"] / b["attention_mean_s"] if b["attention_mean_s"] > 0 else 1.0
-    excess = (b["attention_max_s"] - b["attention_mean_s"]) / b["sim_step_s"]
-    comm = b["exposed_comm_s"] / b["sim_step_s"]
+    excess = (b["attention_max_s"] - b["attention_mean_s"]) / b["step_s"]
+    comm = b["exposed_comm_s"] / b["step_s"]
     who = LABELS[base]
     if max(excess, comm) < 0.02:
         text = (f"none to speak of: under {who} attention is balanced within {ratio:.2f}x the mean and "
@@ -238,21 +269,25 @@ def _straggler(methods: dict, base: str) -> str:
     else:
         text = (f"communication: under {who} per-document CP's K, V all-gathers leave {100 * comm:.0f}% of "
                 f"the step exposed (attention within {ratio:.2f}x the mean)")
-    exposed = cad["exposed_comm_s"] / cad["sim_step_s"]
+    exposed = cad["exposed_comm_s"] / cad["step_s"]
     if exposed >= 0.05:
         text += f"; CAD's all-to-alls leave {100 * exposed:.0f}% of its step exposed"
     return text
 
 
+WHY = {"sampling": "the sampled steps differ among themselves (sample more steps: --steps)",
+       "composition": "the what-if's composition against the replay (results/replay/whatif_vs_replay.json)",
+       "replay": "the replay's own error against the measured runs"}
+
+
 def verdict(methods: dict) -> dict:
     """CAD with ping-pong against the faster baseline: the saving ``1 - 1/speedup``, its band, the class
-    (``pays``, ``loses``, ``unsure``), the straggler and one line saying it."""
+    (``pays``, ``loses``, ``unsure``), which error dominates the band, the straggler and one line."""
     base = _best_baseline(methods)
-    cad = methods["cad-pingpong"]
-    sp, band = cad[f"speedup_over_{base}"], cad[f"speedup_over_{base}_band"]
-    save = 1 - 1 / sp
-    cls = _classify(sp, band)
-    span = f"{pct(1 - 1 / band[0])} to {pct(1 - 1 / band[1])}" if band else "no band"
+    sb = methods["cad-pingpong"][f"saving_over_{base}"]
+    sp, save, band = sb["speedup"], sb["saving"], sb["saving_band"]
+    cls = _classify(band)
+    span = f"{pct(band[0])} to {pct(band[1])}"
     who, strag = LABELS[base], _straggler(methods, base)
     if cls == "pays":
         line = f"CAD saves about {100 * save:.0f}% of the step here against {who} (band {span})"
@@ -265,8 +300,12 @@ def verdict(methods: dict) -> dict:
     else:
         line = (f"CAD likely does not pay off here: about {100 * -save:.0f}% slower than {who}, though the "
                 f"band ({span}) reaches a gain")
-    return {"baseline": base, "speedup": sp, "speedup_band": band, "saving": save, "class": cls,
-            "straggler": strag, "line": f"{line}; the straggler is {strag}."}
+    if cls == "unsure":
+        line += f"; the widest error is {WHY[sb['dominant']]}"
+    return {"baseline": base, "speedup": sp, "speedup_band": sb["speedup_band"], "saving": save,
+            "saving_band": band, "half_width": sb["half_width"], "parts": sb["parts"],
+            "dominant": sb["dominant"], "class": cls, "straggler": strag,
+            "line": f"{line}; the straggler is {strag}."}
 
 
 def sweep_points(cluster: Cluster, training: Training) -> list[tuple[int, int]]:
@@ -279,21 +318,22 @@ def sweep_points(cluster: Cluster, training: Training) -> list[tuple[int, int]]:
     return [(d, c) for d in dps for c in ctxs if (d, c) != (cluster.dp, training.context)]
 
 
-def sweep(model, cluster: Cluster, training: Training, docs: Documents, bands: dict,
-          progress=None) -> list[dict]:
-    """The verdict at each :func:`sweep_points` setting, one sampled step each: context scales MaxDocLen
-    and the tokens per group together."""
+def sweep(model, cluster: Cluster, training: Training, docs: Documents, known: dict, spread: dict,
+          price: Pricing, progress=None) -> list[dict]:
+    """The verdict at each :func:`sweep_points` setting, one sampled step each (its sampling error the
+    planned setting's per-step spread, ``spread``): context scales MaxDocLen and the tokens per group
+    together."""
     out = []
     for dp, ctx in sweep_points(cluster, training):
         cl = replace(cluster, gpus=dp * cluster.tp * cluster.pp)
         tr = replace(training, context=ctx, steps=1,
                      tokens_per_group=max(1, training.tokens_per_group * ctx // training.context))
-        sim = simulate(model, cl, tr, docs)
-        methods = _banded(sim, bands, dp * tr.micro_batches * tr.tokens_per_group)
+        sim = simulate(model, cl, tr, docs, price=price)
+        methods = _banded(sim, known, dp * tr.micro_batches * tr.tokens_per_group, spread)
         v = verdict(methods)
         out.append({"dp": dp, "gpus": cl.gpus, "context": ctx, "tokens_per_group": tr.tokens_per_group,
                     "baseline": v["baseline"], "speedup": v["speedup"], "speedup_band": v["speedup_band"],
-                    "saving": v["saving"], "class": v["class"]})
+                    "saving": v["saving"], "saving_band": v["saving_band"], "class": v["class"]})
         if progress:
             progress(1)
     return out
@@ -306,27 +346,35 @@ def work_units(cluster: Cluster, training: Training, with_sweep: bool = True) ->
 
 
 def plan(model, cluster: Cluster, training: Training, docs: Documents, *, with_sweep: bool = True,
-         results_dir=None, progress=None) -> dict:
+         results_dir=None, progress=None, times: dict | None = None,
+         cost: MeasuredCost | None = None) -> dict:
     """The what-if: inputs, per method the estimates with their bands, the verdict, the sweep and where
-    the verdict flips, the band's source, the first step's ranks; JSON-ready."""
+    the verdict flips, where the durations and the band come from, the first step's ranks; JSON-ready.
+    ``times`` (the replay cache's format) and ``cost`` (a kernel table) price the batches
+    (:mod:`cadlib.analysis.whatif.price`; default the committed H200 files)."""
     model = as_model(model)
     t0 = time.perf_counter()
-    eb = error_bands(results_dir)
-    bands = eb["bands"]
-    sim = simulate(model, cluster, training, docs, progress)
+    price = make_pricing(cluster, times, cost)
+    errors_file = None if results_dir is None else \
+        pathlib.Path(results_dir) / "replay" / "whatif_vs_replay.json"
+    known = known_errors(price.backend, results_dir, errors_file)
+    sim = simulate(model, cluster, training, docs, progress, price)
     tokens_per_step = cluster.dp * training.micro_batches * training.tokens_per_group
-    methods = _banded(sim, bands, tokens_per_step)
+    methods = _banded(sim, known, tokens_per_step)
     v = verdict(methods)
-    pts = sweep(model, cluster, training, docs, bands, progress) if with_sweep else []
+    pts = sweep(model, cluster, training, docs, known, spreads(methods), price, progress) \
+        if with_sweep else []
     notes = []
+    if sim["pricing"]["fallback"]:
+        notes.append(sim["pricing"]["source"])
     if cluster.pp > 1 or training.micro_batches > 1:
-        notes.append("pipeline stages and micro-batches are composed by 1F1B, which the committed runs did "
-                     "not measure: the band covers the per-stage composition only")
-    if cluster.kernels:
-        notes.append(f"attention priced from {cluster.kernels}; the band was measured with the built-in "
-                     "H200 rates")
-    if not bands:
-        notes.append("no band: the committed replay files (results/replay/) are not in this installation")
+        notes.append("pipeline stages and micro-batches are composed by 1F1B, which the committed replays "
+                     "did not check: the composition error covers one stage and one micro-batch")
+    if cost is not None or cluster.kernels:
+        notes.append("attention priced from a kernel table of your own; the composition error was measured "
+                     "with the committed H200 table")
+    if known["missing"]:
+        notes.append(f"no {' and no '.join(known['missing'])}: those errors are left out of the band")
     mem = cluster.gpu_memory_gb * GB
     over = [k for k in METHODS if methods[k]["activation_bytes_max"] > mem]
     if over:
@@ -340,13 +388,19 @@ def plan(model, cluster: Cluster, training: Training, docs: Documents, *, with_s
                    "training": asdict(training), "documents": _doc_summary(docs, lengths, training)},
         "methods": methods, "verdict": v, "sweep": pts,
         "flips": [p for p in pts if p["class"] != v["class"]],
-        "band": {"source": eb["source"] if bands else None, "files": eb["measured"] + eb["replayed"],
-                 "notes": notes},
+        "pricing": sim["pricing"],
+        "band": {"errors": known, "source": BAND_SOURCE, "notes": notes},
         "ranks": {k: r["ranks"] for k, r in sim["methods"].items()},
         "memory": {"gpu_memory_bytes": cluster.gpu_memory_gb * GB,
                    "activation_bytes_per_token_per_layer": spec.activation_bytes_per_token()},
         "timing": {"plan_ms": sim["plan_ms"], "wall_s": time.perf_counter() - t0},
     }
+
+
+BAND_SOURCE = ("half-width = sqrt(sampling^2 + composition^2 + replay^2): the 95% interval of the mean over "
+               "the sampled steps, the what-if against the replay on every committed 3D setting, the replay "
+               "against "
+               "the measured runs (cadlib.analysis.whatif.band)")
 
 
 def _doc_summary(docs: Documents, lengths, training: Training) -> dict:

@@ -91,7 +91,7 @@ class Training:
     context: int
     tokens_per_group: int = replay.TOKENS_PER_GROUP
     micro_batches: int = 1
-    steps: int = 3
+    steps: int = 20
     seed: int = 0
     elongate: float = 1.0
     tolerance: float = DEFAULT_TOLERANCE
