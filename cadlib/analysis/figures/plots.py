@@ -7,8 +7,10 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from ...core.plan import Plan
+from .palette import BAND_OPACITY, COLOURS, PIPELINE_COLOURS, SIMULATOR_DASH  # noqa: F401 (re-exported)
 
-PALETTE = ["#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#EECA3B", "#B279A2", "#FF9DA6",
+PALETTE = [  # categorical series that are not methods (ranks, stages, distributions); methods: COLOURS
+"#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#EECA3B", "#B279A2", "#FF9DA6",
            "#9D755D", "#BAB0AC",
            # beyond ten series (a ping-pong timeline has 11 stages): ColorBrewer Dark2, cyan, olive
            "#1B9E77", "#D95F02", "#7570B3", "#E7298A", "#66A61E", "#E6AB02", "#A6761D", "#666666",
@@ -103,13 +105,14 @@ def tradeoff_curve(df, x="imbalance", y="gbytes", label="tolerance", title="Byte
 
 
 def lines(df, x: str, y: str, color: str, title: str, xlog=False, ylabel=None, xlabel=None):
-    """A line per value of ``color``: the general sweep plot (idle fraction vs DP size, TF/s vs shard)."""
+    """A line per value of ``color``: the general sweep plot (idle fraction vs DP size, TF/s vs shard).
+    A value that names a method (:data:`COLOURS`) keeps the method's colour."""
     go = _go()
     fig = go.Figure()
     for i, (key, g) in enumerate(df.groupby(color, sort=True)):
         g = g.sort_values(x)
         fig.add_trace(go.Scatter(x=g[x], y=g[y], mode="lines+markers", name=f"{color}={key}",
-                                 line=dict(color=_color(i))))
+                                 line=dict(color=COLOURS.get(str(key), _color(i)))))
     fig.update_layout(title=title, xaxis=dict(title=xlabel or x, type="log" if xlog else "linear"),
                       yaxis=dict(title=ylabel or y), height=380)
     return fig
@@ -190,7 +193,8 @@ def bytes_heatmap(matrix, title: str = "Bytes sent, sender x receiver", unit: st
 def grouped_bars(df, x: str, series: Mapping[str, str], title: str, yaxis: str = "",
                  hover: Sequence[str] = (), base: float | None = None):
     """Grouped bars: one group per row of ``df`` (labelled by column ``x``), one bar per entry of
-    ``series`` (legend name -> column). ``hover`` names extra columns shown on hover. ``base``: bars
+    ``series`` (legend name -> column; a name that is a method's keeps its :data:`COLOURS` colour).
+    ``hover`` names extra columns shown on hover. ``base``: bars
     start there instead of at 0 (e.g. 1 for ratios: a speedup rises above it, a slowdown falls below),
     so that differences of a few percent are visible."""
     go = _go()
@@ -201,7 +205,7 @@ def grouped_bars(df, x: str, series: Mapping[str, str], title: str, yaxis: str =
         custom = np.column_stack([val, *(df[c].to_numpy() for c in hover)]).astype(object)
         fig.add_trace(go.Bar(x=df[x], y=val if base is None else val - base,
                              base=None if base is None else [base] * len(val), name=name,
-                             marker_color=_color(i), customdata=custom,
+                             marker_color=COLOURS.get(name, _color(i)), customdata=custom,
                              hovertemplate=f"{name}: %{{customdata[0]:.4g}}{extra}<extra>%{{x}}</extra>"))
     fig.update_layout(title=title, barmode="group", yaxis=dict(title=yaxis), height=400)
     if base is not None:
