@@ -61,7 +61,7 @@ def test_an_error_in_a_cell_fails_the_check_and_leaves_no_process(tmp_path):
 def test_committed_report_opens_with_its_answer_one_row_per_claim_and_draws_every_figure():
     page = ROOT / "results" / "reports" / "report.html"
     got = check_report(page, SHOTS / f"{STAMP}-report.png")
-    assert 4 <= got["headline_rows"] <= 6
+    assert 4 <= got["headline_rows"] <= 9
     assert got["claims"] == list(paper.CLAIMS), "one row per claim, in the registry's order"
     assert got["figures"] >= 8
 

@@ -217,13 +217,17 @@ STAGE_COLORS = {"linear": "#4C78A8", "send": "#F58518", "attn": "#54A24B", "retu
                 "head": "#B279A2", "cp": "#72B7B2", "attention": "#54A24B"}
 """One colour per stage of a step, whatever the method and the nano-batch (``send A`` and ``send' B`` are
 both ``send``), so that the timelines of one stream and of ping-pong read alike."""
-VERDICT_COLORS = {"holds": "#2E7D32", "within": "#2E7D32", "below": "#1F5FA8", "above": "#C25E00",
+VERDICT_COLORS = {"reproduced": "#2E7D32", "partly": "#1F5FA8", "not at this scale": "#C25E00",
                   "not reproduced": "#888888"}
+"""One colour per answer of the claims table (:data:`cadlib.analysis.report.verdicts.ANSWERS`)."""
+_RATIO_TICKS = (0.1, 0.2, 0.3, 0.5, 0.7, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0)
 
 
 def claims_chart(points: Sequence[Mapping], title: str = "Ours against the paper"):
-    """One marker per claim (``claim``, ``ratio``, ``verdict``, ``label``): ours over the paper's figure on a
-    log axis, 1 = the paper (within its range), coloured by verdict."""
+    """One marker per claim (``claim``, ``ratio``, ``verdict``, ``label``): ours over the paper's figure,
+    1 = the paper (within its range), coloured by the answer. The axis is logarithmic (0.5x and 2x lie
+    as far from 1), its ticks written out in full (``0.5x``, ``0.9x``), never plotly's abbreviated
+    minor labels (which print 0.4-0.9 as 4-9)."""
     go = _go()
     fig = go.Figure()
     for v, color in VERDICT_COLORS.items():
@@ -232,10 +236,14 @@ def claims_chart(points: Sequence[Mapping], title: str = "Ours against the paper
             fig.add_trace(go.Scatter(x=[p["ratio"] for p in pts], y=[p["claim"] for p in pts], mode="markers",
                                      name=v, marker=dict(size=12, color=color),
                                      hovertext=[p["label"] for p in pts], hoverinfo="text+y"))
+    ratios = [p["ratio"] for p in points if p["ratio"] > 0] or [1.0]
+    lo, hi = min(min(ratios), 1.0) / 1.15, max(max(ratios), 1.0) * 1.15
+    ticks = [t for t in _RATIO_TICKS if lo <= t <= hi]
     fig.add_vline(x=1.0, line=dict(color="gray", dash="dot"), annotation_text="the paper")
     fig.update_layout(title=title, height=140 + 26 * len(points), margin=dict(l=230),
-                      xaxis=dict(title="ours ÷ the paper's figure (its nearer end for a range; log)",
-                                 type="log"),
+                      xaxis=dict(title="ours ÷ the paper's figure (its nearer end for a range)", type="log",
+                                 range=[float(np.log10(lo)), float(np.log10(hi))], tickmode="array",
+                                 tickvals=ticks, ticktext=[f"{t:g}x" for t in ticks], minor=dict(showgrid=False)),
                       yaxis=dict(autorange="reversed"), legend=dict(orientation="h", y=-0.25))
     return fig
 
