@@ -66,6 +66,17 @@ def test_committed_report_opens_with_its_answer_one_row_per_claim_and_draws_ever
     assert got["figures"] >= 8
 
 
+def test_a_published_notebook_reads_with_its_outputs_figures_and_maths():
+    """The executed copy `make report` publishes beside the report (linked from the README's notebook
+    table): every figure drawn from the one shared plotly.min.js, the maths as MathML, no error output."""
+    page = ROOT / "results" / "reports" / "notebooks" / "03_pingpong__02_pipeline.html"
+    text = page.read_text()
+    assert (page.parent / "plotly.min.js").exists() and 'src="plotly.min.js"' in text
+    assert "<math" in text and "mathjax" not in text.lower() and "Traceback" not in text
+    assert "notebooks/03_pingpong__02_pipeline.html" in (ROOT / "results" / "reports" / "report.html").read_text()
+    assert check_figures(page, SHOTS / f"{STAMP}-published-pipeline.png") >= 3   # 1F1B, and the run's two
+
+
 def test_whatif_page_draws_every_figure(tmp_path):
     """``python -m cadlib.whatif --html`` writes one self-contained page; each plotly figure in it is drawn."""
     page = tmp_path / "whatif.html"
