@@ -9,7 +9,9 @@ Colourblind-safe hues (Okabe-Ito); CAD is blue in every shade, the baselines are
 * ``colocated`` (and plain data parallelism ``dp``): grey; ``wlb`` / ``WLB-ideal``: vermilion;
   ``varlen`` (variable-length chunking): orange;
 * ``cad``: sky blue; ``cad-pingpong`` / ``CAD (ping-pong)``: blue; ``signal-only``: purple;
-* ``paper``: green (a band: :data:`BAND_OPACITY`); ``simulator``: black, dashed (:data:`SIMULATOR_DASH`).
+* ``paper``: green (a band: :data:`BAND_OPACITY`); ``simulator``: black, dashed (:data:`SIMULATOR_DASH`);
+* the CP mechanisms of notebook 4.3 (``allgather``, ``ring``, ``ulysses``, ``usp``, ``loongtrain``; ``cad``
+  is CAD's colour).
 """
 from __future__ import annotations
 
@@ -25,6 +27,8 @@ COLOURS: dict[str, str] = {
     "signal-only": PURPLE,
     "paper": GREEN,
     "simulator": BLACK,
+    # the CP mechanisms of cadlib.cp (4.3): CAD keeps its colour, the others hues no method uses
+    "allgather": "#A6761D", "ring": "#1B9E77", "ulysses": "#E7298A", "usp": "#7570B3", "loongtrain": "#BCBD22",
 }
 """The colour of each method (by name and by label) and of the paper's and the simulator's lines."""
 BAND_OPACITY = 0.18

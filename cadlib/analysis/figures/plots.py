@@ -318,3 +318,34 @@ def with_picker(figures: Mapping[str, object], title: str = ""):
                       updatemenus=[dict(buttons=buttons, direction="down", x=1.0, xanchor="right", y=1.02,
                                         yanchor="bottom", showactive=True, pad=dict(b=30))])
     return fig
+
+
+def add_band(fig, y0: float, y1: float, name: str = "paper", colour: str | None = None, *, row=None, col=None,
+             showlegend: bool = True):
+    """A filled horizontal band ``[y0, y1]`` (the paper's range, a ±3% tolerance) on ``fig`` (in subplot
+    ``row``, ``col`` when given), in ``colour`` (default :data:`COLOURS` ``[name]``, else the paper's)
+    at :data:`BAND_OPACITY`, with a legend entry ``name`` (a shape has none of its own; draw it once per
+    figure: ``showlegend=False`` on the other subplots). Returns ``fig``."""
+    go = _go()
+    if not y0 <= y1:
+        raise ValueError(f"add_band: y0 must be <= y1, got {y0} and {y1}")
+    colour = colour or COLOURS.get(name, COLOURS["paper"])
+    where = {} if row is None else {"row": row, "col": col}
+    fig.add_hrect(y0=y0, y1=y1, fillcolor=colour, opacity=BAND_OPACITY, line_width=0, layer="below", **where)
+    if showlegend:
+        fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=name, legendgroup=name,
+                                 marker=dict(symbol="square", size=14, color=colour, opacity=0.4)), **where)
+    return fig
+
+
+def add_simulator(fig, x, y, name: str = "simulator", colour: str | None = None, *, row=None, col=None,
+                  showlegend: bool = True):
+    """The simulator's prediction as a dashed line (:data:`SIMULATOR_DASH`) named ``name`` in the legend
+    (once per figure: ``showlegend=False`` on the other subplots), in ``colour`` (default the
+    simulator's). Returns ``fig``."""
+    go = _go()
+    where = {} if row is None else {"row": row, "col": col}
+    fig.add_trace(go.Scatter(x=list(x), y=list(y), mode="lines", name=name, legendgroup=name,
+                             showlegend=showlegend,
+                             line=dict(dash=SIMULATOR_DASH, color=colour or COLOURS["simulator"])), **where)
+    return fig
