@@ -20,7 +20,8 @@ Executed notebooks land in runs/<timestamp>-<profile>/ with their HTML (every pl
 plotly.js loaded from plotly.min.js beside them; maths as MathML), report.md, a self-contained
 report.html and report.json. ``--publish DIR`` writes the report into DIR too, and the executed
 notebooks' HTML into DIR/notebooks/ (one shared plotly.min.js; links between notebooks rewritten to
-their published pages), so that the workbook reads with its outputs without running it. The report opens with its answer: a headline block and the table of every
+their published pages), so that the workbook reads with its outputs without running it. The report
+opens with its answer: a headline block and the table of every
 claim of the papers, one row each (``cadlib.analysis.report.claims``: a claim this profile did not run says
 so; end-to-end ones fall back to the committed results); then each notebook's summary and key figures, the
 evidence appendix (``cadlib.analysis.report.evidence``) and every metric the cells recorded through

@@ -17,10 +17,11 @@ def _pages():
         if ".ipynb_checkpoints" in p.parts:
             continue
         cells = json.loads(p.read_text())["cells"]
-        yield str(p.relative_to(ROOT)), "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
+        text = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
+        yield str(p.relative_to(ROOT)), text
 
 
-@pytest.mark.parametrize("name, page", list(_pages()), ids=lambda x: x if isinstance(x, str) and len(x) < 80 else "")
+@pytest.mark.parametrize("name, page", list(_pages()), ids=[name for name, _ in _pages()])
 def test_every_marked_number_is_the_value_it_names(name, page):
     bad = answers.check_markers(page)
     assert not bad, f"{name}:\n" + "\n".join(bad)

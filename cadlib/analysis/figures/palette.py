@@ -28,7 +28,8 @@ COLOURS: dict[str, str] = {
     "paper": GREEN,
     "simulator": BLACK,
     # the CP mechanisms of cadlib.cp (4.3): CAD keeps its colour, the others hues no method uses
-    "allgather": "#A6761D", "ring": "#1B9E77", "ulysses": "#E7298A", "usp": "#7570B3", "loongtrain": "#BCBD22",
+    "allgather": "#A6761D", "ring": "#1B9E77", "ulysses": "#E7298A", "usp": "#7570B3",
+    "loongtrain": "#BCBD22",
 }
 """The colour of each method (by name and by label) and of the paper's and the simulator's lines."""
 BAND_OPACITY = 0.18

@@ -243,7 +243,8 @@ def claims_chart(points: Sequence[Mapping], title: str = "Ours against the paper
     fig.update_layout(title=title, height=140 + 26 * len(points), margin=dict(l=230),
                       xaxis=dict(title="ours ÷ the paper's figure (its nearer end for a range)", type="log",
                                  range=[float(np.log10(lo)), float(np.log10(hi))], tickmode="array",
-                                 tickvals=ticks, ticktext=[f"{t:g}x" for t in ticks], minor=dict(showgrid=False)),
+                                 tickvals=ticks, ticktext=[f"{t:g}x" for t in ticks],
+                                 minor=dict(showgrid=False)),
                       yaxis=dict(autorange="reversed"), legend=dict(orientation="h", y=-0.25))
     return fig
 

@@ -52,7 +52,8 @@ def numbers(results_dir=None) -> dict[str, Number]:
     idl = scale.idle(replay_dir).set_index("dp")
     for dp in (4, 8):
         v = float(idl.loc[dp, "varlen"])
-        out[f"distca.idle_dp{dp}@replay"] = Number(v, f"{v:.1f}%", f"{REPLAY} (variable-length chunking, DP={dp})")
+        out[f"distca.idle_dp{dp}@replay"] = Number(v, f"{v:.1f}%",
+                                                   f"{REPLAY} (variable-length chunking, DP={dp})")
     sp = scale.speedups(results_dir=replay_dir)
     for d in ("pretrain", "prolong"):
         g = sp[sp.dist == d].speedup_over_wlb
@@ -64,7 +65,8 @@ def numbers(results_dir=None) -> dict[str, Number]:
         for d in ("pretrain", "prolong"):
             g = s4[s4.dist == d].speedup_over_wlb
             out[f"distca.speedup_4d_8b_{d}@replay_{view}"] = Number(
-                (float(g.min()), float(g.max())), _span(g.min(), g.max(), ".2f", "x"), f"{REPLAY} (4D, {view})")
+                (float(g.min()), float(g.max())), _span(g.min(), g.max(), ".2f", "x"),
+                f"{REPLAY} (4D, {view})")
     ab = scale.pingpong_ablation(results_dir=replay_dir)
     exposed = float((1 / ab.signal_only_over_pingpong.mean() - 1) * 100)
     out["distca.comm_hidden@replay"] = Number(exposed, f"{exposed:.1f}%", REPLAY)

@@ -87,7 +87,8 @@ def _measured(q: Question, results_dir=None) -> dict | None:
         whys.append(name + why if why else "")
     return {"question": q.question, "claim": ", ".join(q.claims), "verdict": combine(said),
             "evidence": f"measured on 2x H200, {q.scale}", "ours": "; ".join(ours),
-            "paper": ", ".join(CLAIMS[c].paper_str() for c in q.claims), "why": "; ".join(w for w in whys if w)}
+            "paper": ", ".join(CLAIMS[c].paper_str() for c in q.claims),
+            "why": "; ".join(w for w in whys if w)}
 
 
 def headline_rows(table: list[dict], results_dir=None) -> list[dict]:
@@ -104,7 +105,7 @@ def headline_rows(table: list[dict], results_dir=None) -> list[dict]:
                 out.append(row)
             continue
         got = [by_id[c] for c in q.claims if c in by_id]
-        got = [r for r in got if r["ours"] != "—"] or got          # a claim not run does not dilute one that ran
+        got = [r for r in got if r["ours"] != "—"] or got      # a claim not run does not dilute one that ran
         if not got:
             continue
         many = len(got) > 1
@@ -115,7 +116,8 @@ def headline_rows(table: list[dict], results_dir=None) -> list[dict]:
                     "ours": "; ".join(_short(r["claim"], many) + r["ours"] for r in got),
                     "paper": ", ".join(r["paper"] for r in got),
                     "why": "; ".join(_short(r["claim"], many) + r["why"] for r in got if r["why"])})
-    gap = [r for r in table if r["verdict"] in ("not reproduced", "not at this scale") and CLAIMS[r["claim"]].gap
+    gap = [r for r in table
+           if r["verdict"] in ("not reproduced", "not at this scale") and CLAIMS[r["claim"]].gap
            and r["ours"] == "—"]
     if gap:
         reasons = dict.fromkeys(CLAIMS[r["claim"]].gap.split(" (")[0] for r in gap)   # each once, in order

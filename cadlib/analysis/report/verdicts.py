@@ -33,9 +33,9 @@ DIRECTION = {"below": "below the paper", "above": "above the paper"}
 
 
 def answer(direction: str, why: str, claim_id: str, value: float | None = None) -> tuple[str, str]:
-    """``(answer, why)``: :func:`cadlib.analysis.report.claims.judge`'s ``direction`` (holds, within, below, above, not
-    reproduced) and its ``why`` turned into one of :data:`ANSWERS`, ``why`` starting with the direction
-    where ours misses (``"below the paper: 0.0165x under 1.05x"``)."""
+    """``(answer, why)``: :func:`cadlib.analysis.report.claims.judge`'s ``direction`` (holds, within,
+    below, above, not reproduced) and its ``why`` turned into one of :data:`ANSWERS`, ``why`` starting
+    with the direction where ours misses (``"below the paper: 0.0165x under 1.05x"``)."""
     if direction not in DIRECTIONS:
         raise ValueError(f"direction must be one of {', '.join(DIRECTIONS)}, got {direction!r}")
     c = CLAIMS[claim_id]
@@ -48,7 +48,8 @@ def answer(direction: str, why: str, claim_id: str, value: float | None = None) 
     if small:
         return "not at this scale", why
     ref = c.high if direction == "above" else c.low
-    if value is not None and ref and (abs(value / ref - 1) <= PARTLY or (c.unit == "%" and abs(value - ref) <= 1)):
+    if value is not None and ref and (abs(value / ref - 1) <= PARTLY
+                                      or (c.unit == "%" and abs(value - ref) <= 1)):
         return "partly", why
     return "not reproduced", why
 
