@@ -1,6 +1,7 @@
 # The two commands: `make run` (papermill reproduction, CPU/gloo default) and `make test`.
 # Both create .venv and install everything on first use. `make test-browser` runs the workbook in
-# JupyterLab in chromium; `make report` refreshes the committed CPU report in results/reports/.
+# JupyterLab in chromium; `make report` refreshes the committed CPU report in results/reports/ and the
+# executed notebooks' HTML beside it (results/reports/notebooks/).
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.cadlib-installed

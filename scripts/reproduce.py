@@ -6,7 +6,8 @@
     python scripts/reproduce.py -p n_ranks=16        # override a parameter in every notebook that has it
     python scripts/reproduce.py --profile h200x2     # a named parameter profile (see PROFILES)
     python scripts/reproduce.py --list-params        # every notebook's parameters, defaults and rules
-    python scripts/reproduce.py --publish results/reports   # also copy the report there
+    python scripts/reproduce.py --publish results/reports   # also copy the report and the executed
+                                                            # notebooks' HTML there (`make report`)
 
 Every override and profile entry is checked against the notebooks' ``parameters`` cells before
 anything runs: a name no selected notebook defines, or a value of the wrong type or outside its rule,
@@ -17,7 +18,10 @@ Before that, a package the reproduction needs and this Python lacks (:data:`NEED
 
 Executed notebooks land in runs/<timestamp>-<profile>/ with their HTML (every plotly figure drawn;
 plotly.js loaded from plotly.min.js beside them; maths as MathML), report.md, a self-contained
-report.html and report.json. The report opens with its answer: a headline block and the table of every
+report.html and report.json. ``--publish DIR`` writes the report into DIR too, and the executed
+notebooks' HTML into DIR/notebooks/ (one shared plotly.min.js; links between notebooks rewritten to
+their published pages), so that the workbook reads with its outputs without running it. The report
+opens with its answer: a headline block and the table of every
 claim of the papers, one row each (``cadlib.analysis.report.claims``: a claim this profile did not run says
 so; end-to-end ones fall back to the committed results); then each notebook's summary and key figures, the
 evidence appendix (``cadlib.analysis.report.evidence``) and every metric the cells recorded through
@@ -33,6 +37,7 @@ import io
 import json
 import os
 import pathlib
+import re
 import shutil
 import sys
 import time
@@ -151,8 +156,12 @@ RULES: dict[str, dict] = {
     "paper_cap_factor": {"min": 1},
     "divergence_cap_factor": {"min": 1},
     "pp_stages": {"min": 1},
-    "n_microbatches": {"min": 2},
+    "n_microbatches": {"min": 1},
     "microbatch_tokens": {"min": 8},
+    "sim_microbatches": {"min": 2},
+    "run_stages": {"min": 1},
+    "run_microbatches": {"min": 1},
+    "run_tokens_per_rank": {"min": 32},
     "small_ranks": {"min": 2},
     "compare_seeds": {"min": 1},
     "picture_docs": {"min": 1},
@@ -436,11 +445,65 @@ def run_notebook(nb: pathlib.Path, out: pathlib.Path, params: dict, run_dir: pat
     return row
 
 
+PUBLISHED = "notebooks"
+"""The folder under ``--publish`` that holds the executed notebooks' HTML and the one plotly.min.js."""
+_HREF = re.compile(r'href="([^"#:]+)(#[^"]*)?"')
+
+
+def published_name(notebook: str) -> str:
+    """The published HTML of a notebook (its path under notebooks/): ``03_pingpong__02_pipeline.html``."""
+    return notebook.replace("/", "__").removesuffix(".ipynb") + ".html"
+
+
+def _relink(page: str, notebook: str, folder: pathlib.Path) -> str:
+    """A published page's relative links, written for where it now lies: another notebook's link goes
+    to that notebook's published HTML, any other file's to the file in the repository."""
+    src = (ROOT / "notebooks" / notebook).parent
+
+    def fix(m):
+        target = (src / m.group(1)).resolve()
+        if not target.is_relative_to(ROOT):
+            return m.group(0)
+        if target.suffix == ".ipynb" and target.is_relative_to(ROOT / "notebooks"):
+            href = published_name(str(target.relative_to(ROOT / "notebooks")))
+        else:
+            href = os.path.relpath(target, folder)
+        return f'href="{href}{m.group(2) or ""}"'
+    return _HREF.sub(fix, page)
+
+
+def publish_notebooks(dest: pathlib.Path, rows: list[dict], run_dir: pathlib.Path) -> dict[str, str]:
+    """Copy each executed notebook's HTML (outputs and figures drawn, maths as MathML) into
+    ``dest/notebooks/`` with one shared plotly.min.js, its links rewritten (:func:`_relink`); returns
+    ``{notebook: href from dest}``. Pages of an earlier publication that this run did not make are
+    removed only when this run covered every notebook."""
+    folder = dest / PUBLISHED
+    folder.mkdir(parents=True, exist_ok=True)
+    out = {}
+    for r in rows:
+        html_name = r.get("links", {}).get("html")
+        if not html_name or not (run_dir / html_name).exists():
+            continue
+        name = published_name(r["notebook"])
+        page = _relink((run_dir / html_name).read_text(), r["notebook"], folder)
+        atomic_write_text(folder / name, page)
+        out[r["notebook"]] = f"{PUBLISHED}/{name}"
+    if out:
+        figures_html.write_plotlyjs(folder)
+        if len(rows) == len(find_notebooks([])):
+            for stale in set(folder.glob("*.html")) - {folder / pathlib.Path(h).name for h in out.values()}:
+                stale.unlink()
+    return out
+
+
 def publish(dest: pathlib.Path, rows: list[dict], meta: dict, profile: str, run_dir: pathlib.Path,
             notes: list[str]) -> None:
-    """The report again in ``dest`` (e.g. results/reports/), linking the repository's notebooks."""
+    """The report again in ``dest`` (e.g. results/reports/), linking the repository's notebooks and
+    their executed HTML (:func:`publish_notebooks`)."""
     dest.mkdir(parents=True, exist_ok=True)
-    pub_rows = [dict(r, links={"notebook": os.path.relpath(ROOT / "notebooks" / r["notebook"], dest)})
+    pages = publish_notebooks(dest, rows, run_dir)
+    pub_rows = [dict(r, links={"notebook": os.path.relpath(ROOT / "notebooks" / r["notebook"], dest),
+                               **({"html": pages[r["notebook"]]} if r["notebook"] in pages else {})})
                 for r in rows]
     recorded = metrics.load_metrics(run_dir)
     writer.write_report(dest, pub_rows, meta, profile, recorded, notes,

@@ -5,6 +5,7 @@ skipped in a plain ``pytest`` run, which must stay fast and needs no browser.
 """
 import os
 import pathlib
+import re
 import time
 
 import nbformat
@@ -61,9 +62,21 @@ def test_an_error_in_a_cell_fails_the_check_and_leaves_no_process(tmp_path):
 def test_committed_report_opens_with_its_answer_one_row_per_claim_and_draws_every_figure():
     page = ROOT / "results" / "reports" / "report.html"
     got = check_report(page, SHOTS / f"{STAMP}-report.png")
-    assert 4 <= got["headline_rows"] <= 6
+    assert 4 <= got["headline_rows"] <= 9
     assert got["claims"] == list(paper.CLAIMS), "one row per claim, in the registry's order"
     assert got["figures"] >= 8
+
+
+def test_a_published_notebook_reads_with_its_outputs_figures_and_maths():
+    """The executed copy `make report` publishes beside the report (linked from the README's notebook
+    table): every figure drawn from the one shared plotly.min.js, the maths as MathML, no error output."""
+    page = ROOT / "results" / "reports" / "notebooks" / "03_pingpong__02_pipeline.html"
+    text = page.read_text()
+    assert (page.parent / "plotly.min.js").exists() and 'src="plotly.min.js"' in text
+    assert "<math" in text and "Traceback" not in text
+    assert not re.search(r"<script[^>]*src=\"[^\"]*mathjax", text, re.I), "maths must not need MathJax's CDN"
+    assert "notebooks/03_pingpong__02_pipeline.html" in (ROOT / "results" / "reports" / "report.html").read_text()
+    assert check_figures(page, SHOTS / f"{STAMP}-published-pipeline.png") >= 3   # 1F1B, and the run's two
 
 
 def test_whatif_page_draws_every_figure(tmp_path):

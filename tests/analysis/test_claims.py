@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from cadlib.analysis.report import claims, evidence, headline, metrics, writer
+from cadlib.analysis.report import claims, evidence, headline, metrics, verdicts, writer
 
 from cadlib.analysis.runs import server_bench
 from cadlib.core import paper
@@ -93,7 +93,8 @@ def test_record_writes_the_claim_with_its_verdict(tmp_path, monkeypatch):
     assert "Figure 4a" in rows["distca.memory_divergence@dp4"]["paper_source"]
     table = claims.claims_table(metrics.load_metrics(tmp_path), "cpu", results_dir=tmp_path)
     (div,) = [r for r in table if r["claim"] == "distca.memory_divergence"]       # one row per claim
-    assert div["ours"] == "1.3x (dp8)" and div["verdict"] == "above" and div["why"] == "0.13x over 1.17x"
+    assert div["ours"] == "1.3x (dp8)" and div["verdict"] == "partly" and div["direction"] == "above"
+    assert div["why"] == "above the paper: 0.13x over 1.17x"
     assert div["other settings"] == "1.1x (dp4); 1 control run left out" and div["value"] == 1.3
     with pytest.raises(ValueError, match="setting must be"):
         claims.record("distca.idle_dp8", 1, how="x", setting="a@b")
@@ -158,7 +159,7 @@ def test_record_e2e_records_every_setting(tmp_path, monkeypatch):
 def test_claims_table_shows_every_claim_once_run_or_not(tmp_path):
     table = claims.claims_table([], "cpu", results_dir=tmp_path)
     assert len(table) == len(paper.CLAIMS) and all(list(r) == claims.TABLE_COLUMNS for r in table)
-    assert all(r["verdict"] in claims.VERDICTS for r in table)
+    assert all(r["verdict"] in verdicts.ANSWERS and r["direction"] in claims.VERDICTS for r in table)
     by_id = {r["claim"]: r for r in table}
     assert by_id["distca.idle_dp4"]["verdict"] == "not reproduced"
     assert by_id["distca.idle_dp4"]["why"] == "not run in profile cpu: its cell did not run"
@@ -168,13 +169,14 @@ def test_claims_table_shows_every_claim_once_run_or_not(tmp_path):
     _e2e(tmp_path / "bench_e2e_x.json", "prolong", [(104.0, 103.0, 101.0, 100.0, 99.9)])
     table = claims.claims_table([], "cpu", results_dir=tmp_path)
     row = next(r for r in table if r["claim"] == "distca.speedup_3d_prolong")
-    assert row["ours"] == "1.03x (prolong_64k_2gpu_nvlink)" and row["verdict"] == "below"
+    assert row["ours"] == "1.03x (prolong_64k_2gpu_nvlink)" and row["direction"] == "below"
+    assert row["verdict"] == "not at this scale" and row["why"].startswith("below the paper: ")
     assert "committed results/bench_e2e_x.json" in row["kind"]
     recorded = [{"metric": "distca.speedup_3d_prolong@run", "ours": 1.06, "kind": "measured on 2x H200",
                  "notebook": "04_benchmarks/01_end_to_end.ipynb"}]
     row = next(r for r in claims.claims_table(recorded, "h200x2", results_dir=tmp_path)
                if r["claim"] == "distca.speedup_3d_prolong")
-    assert row["ours"] == "1.06x (run)" and row["verdict"] == "within"       # judged again: none recorded
+    assert row["ours"] == "1.06x (run)" and row["verdict"] == "reproduced"   # judged again: none recorded
 
 
 def test_closest_setting_and_range():
@@ -196,9 +198,10 @@ def test_report_opens_with_the_answer(tmp_path):
                                  {"metric": "distca.scheduler_bytes@vs_equal_flops", "ours": 0.9,
                                   "kind": "computed", "verdict": "holds: fewer bytes out", "primary": True}],
                                 "cpu", results_dir=tmp_path)
-    lines = headline.headline_rows(table)
-    assert 4 <= len(lines) <= 6 and lines[0]["verdict"] == "within" and lines[1]["verdict"] == "holds"
-    assert lines[-1]["verdict"] == "not reproduced" and "need more GPUs than lent" in lines[-1]["question"]
+    lines = headline.headline_rows(table, results_dir=tmp_path)
+    assert 4 <= len(lines) <= 8 and lines[0]["verdict"] == "reproduced" and lines[1]["verdict"] == "reproduced"
+    assert all(x["evidence"] for x in lines) and lines[0]["evidence"].startswith("simulated, DP=4 and 8")
+    assert lines[-1]["verdict"] == "not at this scale" and "need more GPUs than lent" in lines[-1]["question"]
     assert "speedup_4d_34b_pretrain" in lines[-1]["question"] and "hybrid_cp_best" in lines[-1]["question"]
     assert lines[-1]["why"] == ("a 34B model at long context needs more GPUs than the measured 2; not at this "
                                 "scale: needs several GPUs, only one is lent")
@@ -313,3 +316,23 @@ def test_evidence_sections_read_the_committed_results(tmp_path):
     assert {"composability", "cost-model", "e2e", "overlap"} <= set(ids)
     for s in evidence.sections():
         assert s["text"] and (s["tables"] or s["figures"])
+
+
+@pytest.mark.parametrize("direction, why, cid, value, expected", [
+    ("within", "", "distca.speedup_3d_pretrain", 1.1, "reproduced"),
+    ("holds", "", "distca.scheduler_bytes", None, "reproduced"),
+    ("below", "0.0165x under 1.05x", "distca.speedup_3d_prolong", 1.03, "partly"),
+    ("above", "0.526 points over 2%", "distca.comm_hidden", 2.53, "partly"),          # within a point
+    ("below", "18.2 points under 30%", "distca.cp_kv_memory_16nodes", 11.8, "not reproduced"),
+    ("below", "x; 2 GPUs (DP=2) against the paper's 64-512", "distca.speedup_3d_pretrain", 1.01, "not at this scale"),
+    ("above", "not WLB-ideal on 512 GPUs", "distca.speedup_max", 1.43, "partly"),       # 512, not 2 GPUs
+    ("not reproduced", "not run", "distca.idle_dp4", None, "not reproduced"),
+])
+def test_answers_say_what_reproduced_and_keep_the_direction(direction, why, cid, value, expected):
+    said, text = verdicts.answer(direction, why, cid, value)
+    assert said == expected and said in verdicts.ANSWERS
+    if direction in ("below", "above"):
+        assert text.startswith(f"{direction} the paper")
+    assert verdicts.combine(["reproduced", "partly"]) == "partly"
+    assert verdicts.combine(["reproduced", "reproduced"]) == "reproduced"
+    assert verdicts.combine(["not reproduced", "not at this scale"]) == "not reproduced"

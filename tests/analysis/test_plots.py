@@ -1,6 +1,7 @@
 """Plot helpers: the figures carry the data they were given (bars, bases, widths, colours)."""
 import numpy as np
 import pandas as pd
+import plotly.graph_objects as go
 import pytest
 
 from cadlib.analysis.figures import plots
@@ -75,3 +76,33 @@ def test_grouped_bars_from_a_base_keep_the_values():
     assert np.allclose([c[0] for c in cad.customdata], df.cad)              # hover shows the value
     flat = plots.grouped_bars(df, "batch", {"CAD": "cad"}, title="t")
     assert flat.data[0].base is None and np.allclose(flat.data[0].y, df.cad)
+
+
+def test_one_palette_bands_and_simulator_lines():
+    from cadlib.analysis import figures
+    from cadlib.analysis.figures import plots
+    from cadlib.core.methods import METHODS
+
+    for name, m in METHODS.items():                       # every method, by name and label, one colour
+        assert figures.COLOURS[name] == figures.colour(m.label)
+    assert figures.COLOURS["wlb"] != figures.COLOURS["cad-pingpong"] != figures.COLOURS["colocated"]
+    with pytest.raises(ValueError, match="no colour for 'nope'; choose one of: colocated"):
+        figures.colour("nope")
+    bars = plots.grouped_bars(pd.DataFrame({"x": ["a"], "wlb": [1.0], "cad-pingpong": [1.1]}), "x",
+                              {"wlb": "wlb", "cad-pingpong": "cad-pingpong"}, title="")
+    assert [t.marker.color for t in bars.data] == [figures.COLOURS["wlb"], figures.COLOURS["cad-pingpong"]]
+    fig = plots.add_simulator(plots.add_band(go.Figure(), 1.07, 1.2), [1, 2], [1.1, 1.2])
+    (band,) = fig.layout.shapes
+    assert band.fillcolor == figures.COLOURS["paper"] and band.opacity == figures.BAND_OPACITY > 0
+    assert [t.name for t in fig.data] == ["paper", "simulator"] and fig.data[1].line.dash == "dash"
+    with pytest.raises(ValueError, match="y0 must be <= y1"):
+        plots.add_band(go.Figure(), 2, 1)
+
+
+def test_hero_axis_writes_its_ticks_out():
+    from cadlib.analysis.figures import plots
+
+    fig = plots.claims_chart([{"claim": "a", "ratio": 0.45, "verdict": "not reproduced", "label": ""},
+                              {"claim": "b", "ratio": 1.3, "verdict": "partly", "label": ""}])
+    assert fig.layout.xaxis.type == "log" and "0.5x" in fig.layout.xaxis.ticktext
+    assert all(t.endswith("x") for t in fig.layout.xaxis.ticktext) and fig.layout.xaxis.tickvals[0] >= 0.39

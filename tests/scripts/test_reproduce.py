@@ -189,6 +189,20 @@ def test_run_writes_report_with_summary_metrics_figures_and_failures(repo):
     published = repo / "results" / "reports"
     assert "href='../../notebooks/a.ipynb'" in (published / "report.html").read_text()
     assert metrics.load_metrics(published)[0]["ours"] == 8
+    assert "href='notebooks/a.html'" in (published / "report.html").read_text()   # the executed page, linked
+    pub_page = (published / "notebooks" / "a.html").read_text()
+    assert pub_page.count("Plotly.newPlot(") == 2 and 'src="plotly.min.js"' in pub_page
+    assert (published / "notebooks" / "plotly.min.js").stat().st_size > 1_000_000
+
+
+def test_published_pages_link_each_other_and_the_repository():
+    folder = reproduce.ROOT / "results" / "reports" / "notebooks"
+    page = ('<a href="02_pipeline.ipynb">next</a> <a href="../04_benchmarks/01_end_to_end.ipynb#top">4.1</a> '
+            '<a href="../../results/reports/report.html#claims">report</a> <a href="https://x.org/a.ipynb">web</a>')
+    got = reproduce._relink(page, "03_pingpong/01_overlap.ipynb", folder)
+    assert 'href="03_pingpong__02_pipeline.html"' in got and 'href="04_benchmarks__01_end_to_end.html#top"' in got
+    assert 'href="../report.html#claims"' in got and 'href="https://x.org/a.ipynb"' in got
+    assert reproduce.published_name("01_imbalance/01_stragglers.ipynb") == "01_imbalance__01_stragglers.html"
 
 
 def test_key_figures_fall_back_to_every_figure_when_no_cell_is_tagged():

@@ -7,8 +7,10 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from ...core.plan import Plan
+from .palette import BAND_OPACITY, COLOURS, PIPELINE_COLOURS, SIMULATOR_DASH  # noqa: F401 (re-exported)
 
-PALETTE = ["#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#EECA3B", "#B279A2", "#FF9DA6",
+PALETTE = [  # categorical series that are not methods (ranks, stages, distributions); methods: COLOURS
+"#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#EECA3B", "#B279A2", "#FF9DA6",
            "#9D755D", "#BAB0AC",
            # beyond ten series (a ping-pong timeline has 11 stages): ColorBrewer Dark2, cyan, olive
            "#1B9E77", "#D95F02", "#7570B3", "#E7298A", "#66A61E", "#E6AB02", "#A6761D", "#666666",
@@ -103,13 +105,14 @@ def tradeoff_curve(df, x="imbalance", y="gbytes", label="tolerance", title="Byte
 
 
 def lines(df, x: str, y: str, color: str, title: str, xlog=False, ylabel=None, xlabel=None):
-    """A line per value of ``color``: the general sweep plot (idle fraction vs DP size, TF/s vs shard)."""
+    """A line per value of ``color``: the general sweep plot (idle fraction vs DP size, TF/s vs shard).
+    A value that names a method (:data:`COLOURS`) keeps the method's colour."""
     go = _go()
     fig = go.Figure()
     for i, (key, g) in enumerate(df.groupby(color, sort=True)):
         g = g.sort_values(x)
         fig.add_trace(go.Scatter(x=g[x], y=g[y], mode="lines+markers", name=f"{color}={key}",
-                                 line=dict(color=_color(i))))
+                                 line=dict(color=COLOURS.get(str(key), _color(i)))))
     fig.update_layout(title=title, xaxis=dict(title=xlabel or x, type="log" if xlog else "linear"),
                       yaxis=dict(title=ylabel or y), height=380)
     return fig
@@ -190,7 +193,8 @@ def bytes_heatmap(matrix, title: str = "Bytes sent, sender x receiver", unit: st
 def grouped_bars(df, x: str, series: Mapping[str, str], title: str, yaxis: str = "",
                  hover: Sequence[str] = (), base: float | None = None):
     """Grouped bars: one group per row of ``df`` (labelled by column ``x``), one bar per entry of
-    ``series`` (legend name -> column). ``hover`` names extra columns shown on hover. ``base``: bars
+    ``series`` (legend name -> column; a name that is a method's keeps its :data:`COLOURS` colour).
+    ``hover`` names extra columns shown on hover. ``base``: bars
     start there instead of at 0 (e.g. 1 for ratios: a speedup rises above it, a slowdown falls below),
     so that differences of a few percent are visible."""
     go = _go()
@@ -201,7 +205,7 @@ def grouped_bars(df, x: str, series: Mapping[str, str], title: str, yaxis: str =
         custom = np.column_stack([val, *(df[c].to_numpy() for c in hover)]).astype(object)
         fig.add_trace(go.Bar(x=df[x], y=val if base is None else val - base,
                              base=None if base is None else [base] * len(val), name=name,
-                             marker_color=_color(i), customdata=custom,
+                             marker_color=COLOURS.get(name, _color(i)), customdata=custom,
                              hovertemplate=f"{name}: %{{customdata[0]:.4g}}{extra}<extra>%{{x}}</extra>"))
     fig.update_layout(title=title, barmode="group", yaxis=dict(title=yaxis), height=400)
     if base is not None:
@@ -213,13 +217,17 @@ STAGE_COLORS = {"linear": "#4C78A8", "send": "#F58518", "attn": "#54A24B", "retu
                 "head": "#B279A2", "cp": "#72B7B2", "attention": "#54A24B"}
 """One colour per stage of a step, whatever the method and the nano-batch (``send A`` and ``send' B`` are
 both ``send``), so that the timelines of one stream and of ping-pong read alike."""
-VERDICT_COLORS = {"holds": "#2E7D32", "within": "#2E7D32", "below": "#1F5FA8", "above": "#C25E00",
+VERDICT_COLORS = {"reproduced": "#2E7D32", "partly": "#1F5FA8", "not at this scale": "#C25E00",
                   "not reproduced": "#888888"}
+"""One colour per answer of the claims table (:data:`cadlib.analysis.report.verdicts.ANSWERS`)."""
+_RATIO_TICKS = (0.1, 0.2, 0.3, 0.5, 0.7, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0)
 
 
 def claims_chart(points: Sequence[Mapping], title: str = "Ours against the paper"):
-    """One marker per claim (``claim``, ``ratio``, ``verdict``, ``label``): ours over the paper's figure on a
-    log axis, 1 = the paper (within its range), coloured by verdict."""
+    """One marker per claim (``claim``, ``ratio``, ``verdict``, ``label``): ours over the paper's figure,
+    1 = the paper (within its range), coloured by the answer. The axis is logarithmic (0.5x and 2x lie
+    as far from 1), its ticks written out in full (``0.5x``, ``0.9x``), never plotly's abbreviated
+    minor labels (which print 0.4-0.9 as 4-9)."""
     go = _go()
     fig = go.Figure()
     for v, color in VERDICT_COLORS.items():
@@ -228,10 +236,15 @@ def claims_chart(points: Sequence[Mapping], title: str = "Ours against the paper
             fig.add_trace(go.Scatter(x=[p["ratio"] for p in pts], y=[p["claim"] for p in pts], mode="markers",
                                      name=v, marker=dict(size=12, color=color),
                                      hovertext=[p["label"] for p in pts], hoverinfo="text+y"))
+    ratios = [p["ratio"] for p in points if p["ratio"] > 0] or [1.0]
+    lo, hi = min(min(ratios), 1.0) / 1.15, max(max(ratios), 1.0) * 1.15
+    ticks = [t for t in _RATIO_TICKS if lo <= t <= hi]
     fig.add_vline(x=1.0, line=dict(color="gray", dash="dot"), annotation_text="the paper")
     fig.update_layout(title=title, height=140 + 26 * len(points), margin=dict(l=230),
-                      xaxis=dict(title="ours ÷ the paper's figure (its nearer end for a range; log)",
-                                 type="log"),
+                      xaxis=dict(title="ours ÷ the paper's figure (its nearer end for a range)", type="log",
+                                 range=[float(np.log10(lo)), float(np.log10(hi))], tickmode="array",
+                                 tickvals=ticks, ticktext=[f"{t:g}x" for t in ticks],
+                                 minor=dict(showgrid=False)),
                       yaxis=dict(autorange="reversed"), legend=dict(orientation="h", y=-0.25))
     return fig
 
@@ -305,4 +318,35 @@ def with_picker(figures: Mapping[str, object], title: str = ""):
     fig.update_layout(title=title or first.layout.title.text, margin=dict(t=120),
                       updatemenus=[dict(buttons=buttons, direction="down", x=1.0, xanchor="right", y=1.02,
                                         yanchor="bottom", showactive=True, pad=dict(b=30))])
+    return fig
+
+
+def add_band(fig, y0: float, y1: float, name: str = "paper", colour: str | None = None, *, row=None, col=None,
+             showlegend: bool = True):
+    """A filled horizontal band ``[y0, y1]`` (the paper's range, a ±3% tolerance) on ``fig`` (in subplot
+    ``row``, ``col`` when given), in ``colour`` (default :data:`COLOURS` ``[name]``, else the paper's)
+    at :data:`BAND_OPACITY`, with a legend entry ``name`` (a shape has none of its own; draw it once per
+    figure: ``showlegend=False`` on the other subplots). Returns ``fig``."""
+    go = _go()
+    if not y0 <= y1:
+        raise ValueError(f"add_band: y0 must be <= y1, got {y0} and {y1}")
+    colour = colour or COLOURS.get(name, COLOURS["paper"])
+    where = {} if row is None else {"row": row, "col": col}
+    fig.add_hrect(y0=y0, y1=y1, fillcolor=colour, opacity=BAND_OPACITY, line_width=0, layer="below", **where)
+    if showlegend:
+        fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=name, legendgroup=name,
+                                 marker=dict(symbol="square", size=14, color=colour, opacity=0.4)), **where)
+    return fig
+
+
+def add_simulator(fig, x, y, name: str = "simulator", colour: str | None = None, *, row=None, col=None,
+                  showlegend: bool = True):
+    """The simulator's prediction as a dashed line (:data:`SIMULATOR_DASH`) named ``name`` in the legend
+    (once per figure: ``showlegend=False`` on the other subplots), in ``colour`` (default the
+    simulator's). Returns ``fig``."""
+    go = _go()
+    where = {} if row is None else {"row": row, "col": col}
+    fig.add_trace(go.Scatter(x=list(x), y=list(y), mode="lines", name=name, legendgroup=name,
+                             showlegend=showlegend,
+                             line=dict(dash=SIMULATOR_DASH, color=colour or COLOURS["simulator"])), **where)
     return fig

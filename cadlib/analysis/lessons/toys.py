@@ -4,9 +4,10 @@ notebooks grow them into. Nothing here computes what a module of its own owns: t
 dispatches, simulations and masks come from the layers below.
 
 * chapter 1 (stragglers): :func:`unit_step` (a step in unit costs), :func:`paper_idle_table`,
-  :func:`straggler_view` and :func:`explorer` (the interactive view), :func:`pp_cases` (1F1B);
+  :func:`straggler_view` and :func:`explorer` (the interactive view);
 * chapter 2 (CAD) has its own module, :mod:`cadlib.analysis.lessons.cad`;
-* chapter 3 (ping-pong): :func:`nano_halves`; chapter 4 (end to end): :func:`toy_runs`; (kernels x masks)
+* chapter 3 (ping-pong): :func:`nano_halves`; pipeline parallelism has its own module,
+  :mod:`cadlib.analysis.lessons.pipeline`; chapter 4 (end to end): :func:`toy_runs`; (kernels x masks)
   :func:`block_picture` and :func:`sparse_areas`;
 * every chapter: :func:`check_params`, the parameter checks a notebook runs first.
 """
@@ -23,8 +24,7 @@ from ...core.layout import Layout
 from ...data import packing, sparse, workload
 from ...scheduling import nanosplit
 from ..figures import plots
-from ..model import compose, sim
-from ..model.idle import pp_timeline
+from ..model import sim
 
 
 def check_params(**rules) -> None:
@@ -127,60 +127,6 @@ def explorer(view: Callable, controls: Mapping[str, tuple]):
     box = widgets.VBox([widgets.HBox(list(ws.values())), out])
     display(box)
     return box
-
-
-def pp_cases(model, pp_stages: int, n_microbatches: int, microbatch_tokens: int):
-    """1F1B on ``pp_stages`` stages: equal microbatches of eight short documents each, against the same
-    step whose microbatch 0 is one whole document of the same tokens. Returns ``(timeline, makespans)``:
-    every op of both cases (``lane``, ``phase``, ``start_ms``, ``end_ms``, ``microbatch``, ``case``) and each
-    case's step in seconds; the second case is checked against the simulator's own PP entry."""
-    check_params(
-        pp_stages=(
-            pp_stages,
-            pp_stages >= 1 and model.n_layers % pp_stages == 0,
-            f"a divisor of n_layers={model.n_layers}",
-        ),
-        n_microbatches=(n_microbatches, n_microbatches >= 2, "an integer >= 2"),
-        microbatch_tokens=(microbatch_tokens, microbatch_tokens >= 8, "an integer >= 8"),
-    )
-    hw, lps, short = sim.Hardware(), model.n_layers // pp_stages, microbatch_tokens // 8
-    cases = {
-        "equal microbatches": [[(0, short)] * 8] * n_microbatches,
-        "microbatch 0 = one long document": [[(0, 8 * short)]] + [[(0, short)] * 8] * (n_microbatches - 1),
-    }
-    frames, makespans = [], {}
-    for name, mbs in cases.items():
-        fwd, bwd = (
-            np.tile(
-                [
-                    sim.linear_seconds(sum(e - s for s, e in mb), model, hw, ph, lps)
-                    + sim.attention_seconds(*zip(*mb), model, hw, ph, lps).sum()
-                    for mb in mbs
-                ],
-                (pp_stages, 1),
-            )
-            for ph in ("fwd", "bwd")
-        )
-        t = _pp_frame(fwd, bwd, heavy=name.startswith("microbatch 0"))
-        frames.append(t.assign(case=name))
-        makespans[name] = compose.one_f_one_b(fwd, bwd)[0]
-    long_case = cases["microbatch 0 = one long document"]
-    ranks, d = [], 0
-    for mb in long_case:
-        ranks.append([(d + k, 0, e - s) for k, (s, e) in enumerate(mb)])
-        d += len(mb)
-    lens = [e - s for mb in long_case for s, e in mb]
-    pp = sim.simulate_pp(Layout(ranks, lens), model, pp_stages=pp_stages)
-    np.testing.assert_allclose(pp.step, makespans["microbatch 0 = one long document"], rtol=1e-9)
-    return pd.concat(frames, ignore_index=True), makespans
-
-
-def _pp_frame(fwd, bwd, heavy: bool) -> pd.DataFrame:
-    t = pp_timeline(fwd, bwd)
-    long = (t.microbatch == 0) & heavy
-    t["phase"] = np.where(t.phase == "F", "forward", "backward") + np.where(long, " (long document)", "")
-    t["lane"] = "stage " + t.stage.astype(str)
-    return t
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -11,7 +11,10 @@
 * :func:`claims_table` is the report's claims table: **one row per claim**. Ours is the setting
   closest to the paper's (:data:`CLOSEST`, or the row a notebook marked ``primary``); the other
   settings are folded into a range, and control runs (documents with nothing to balance, runs at
-  other knobs than the defaults) are left out of both (they stay in the metrics table).
+  other knobs than the defaults) are left out of both (they stay in the metrics table). Its
+  ``verdict`` answers the question (:data:`cadlib.analysis.report.verdicts.ANSWERS`: reproduced,
+  partly, not at this scale, not reproduced), ``direction`` keeps the comparison and ``why`` starts
+  with it.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ from ...core.paper import CLAIMS, Claim, claim
 from ...infra.results import find_results, load_result
 from ..runs.e2e import file_variant
 from . import metrics
+from .verdicts import DIRECTIONS, answer
 
 E2E_PATTERN = "bench_e2e_*.json"
 E2E_NOTEBOOK = "04_benchmarks/01_end_to_end.ipynb"
@@ -34,14 +38,17 @@ E2E_CLAIMS = ("distca.speedup_3d_pretrain", "distca.speedup_3d_prolong", "distca
 """The claims :func:`e2e_ours` fills from the end-to-end measurements."""
 CLOSE = 0.10
 """A point figure (no range) counts as ``within`` when ours is within this relative distance of it."""
-VERDICTS = ("holds", "within", "below", "above", "not reproduced")
-"""The only words a verdict starts with: a qualitative claim ``holds`` (or is ``not reproduced``); a
+VERDICTS = DIRECTIONS
+"""The only words a recorded verdict (a comparison; the claims table turns it into an answer) starts with: a qualitative claim ``holds`` (or is ``not reproduced``); a
 figure is ``within`` the paper's range (or 10% of its point), ``below`` or ``above`` it; a claim this
 workbook cannot check, or did not run, is ``not reproduced``."""
 TABLE_COLUMNS = ["claim", "statement", "paper", "ours", "other settings", "verdict", "why", "kind",
-                 "notebook", "source", "value"]
-"""The claims table's columns; ``value`` is ours as a number (None where it is not one), for figures."""
+                 "notebook", "source", "value", "direction"]
+"""The claims table's columns; ``value`` is ours as a number (None where it is not one), for figures;
+``verdict`` the answer, ``direction`` the comparison it came from (:data:`VERDICTS`)."""
 CLOSEST: dict[str, tuple[str, ...]] = {
+    "distca.idle_dp4": ("h200-replay",),
+    "distca.idle_dp8": ("h200-replay",),
     "distca.speedup_3d_pretrain": ("128k_2gpu_nvlink",),
     "distca.speedup_3d_prolong": ("128k_2gpu_nvlink",),
     "distca.pingpong_gain": ("inter-node-like",),
@@ -50,7 +57,8 @@ CLOSEST: dict[str, tuple[str, ...]] = {
     "distca.composability": ("fwd_bwd",),
     "distca.scheduler_bytes": ("vs_equal_flops",),
 }
-"""Per claim, the setting labels (substrings, in order of preference) closest to the paper's: the longest
+"""Per claim, the setting labels (substrings, in order of preference) closest to the paper's: the replay
+with measured kernel times for the idle shares (the simulator's rates are a model), the longest
 context for the speedups (the paper trains at up to 512K), the inter-node-like link for what hides
 communication (the paper runs on several nodes), the largest DP for memory divergence, forward+backward
 for composability (training runs both), bytes-blind balancing as the paper's baseline."""
@@ -341,8 +349,9 @@ def claims_table(recorded: list[dict], profile: str = "cpu",
                 where = ("measured on GPUs (profile h200x2)" if c.kind == "measured"
                          else "its cell did not run")
                 why = f"not run in profile {profile}: {where}"
-            table.append({**row, "ours": "—", "kind": c.kind, "verdict": "not reproduced", "why": why,
-                          "value": None})
+            word, why = answer("not reproduced", why, c.id)
+            table.append({**row, "ours": "—", "kind": c.kind, "verdict": word, "why": why,
+                          "value": None, "direction": "not reproduced"})
             continue
         try:
             word, why = split_verdict(best.get("verdict") or "")
@@ -353,8 +362,9 @@ def claims_table(recorded: list[dict], profile: str = "cpu",
         value = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
         extra = f"{len(controls)} control run{'s' if len(controls) != 1 else ''} left out" if controls else ""
         others_text = "; ".join(s for s in (_range(others, c.unit), extra) if s)
+        said, why = answer(word, why, c.id, value)
         table.append({**row, "ours": _ours_str(best.get("ours"), c.unit) + setting,
                       "other settings": others_text,
-                      "kind": best.get("kind", c.kind), "verdict": word, "why": why,
-                      "notebook": best.get("notebook") or c.notebook, "value": value})
+                      "kind": best.get("kind", c.kind), "verdict": said, "why": why,
+                      "notebook": best.get("notebook") or c.notebook, "value": value, "direction": word})
     return [{k: r[k] for k in TABLE_COLUMNS} for r in table]

@@ -29,7 +29,9 @@ CLAIM_COLUMNS = ["claim", "paper", "ours", "other settings", "verdict", "why", "
 CLAIMS_INTRO = ("One row per headline claim of DistCA and LongCA-bench (registry: cadlib.core.paper.CLAIMS). "
                 "Ours is the setting closest to the paper's, the other settings are folded into a range, and "
                 "control runs are left out (every recorded value is in the metrics table at the end). "
-                "Verdicts: holds, within, below, above, not reproduced; the next column says why in a line.")
+                "Verdicts answer the claim: reproduced, partly, not at this scale, not reproduced; the next "
+                "column says why in a line, starting with the direction (below or above the paper) where "
+                "ours misses, and the kind column says what the evidence is.")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -45,7 +47,7 @@ _CSS = ("body{font-family:system-ui,sans-serif;max-width:74em;margin:2em auto;pa
         "table.claims td,table.metrics td{font-size:.85em;overflow-wrap:anywhere}"
         ".src{color:#777;font-size:.85em}"
         "table.headline td{font-size:1em}.v{font-weight:600;white-space:nowrap}"
-        ".v-holds,.v-within{color:#2E7D32}.v-below{color:#1F5FA8}.v-above{color:#C25E00}"
+        ".v-reproduced{color:#2E7D32}.v-partly{color:#1F5FA8}.v-not-at-this-scale{color:#C25E00}"
         ".v-not-reproduced{color:#777}details{margin:.4em 0}summary{cursor:pointer;font-weight:600}"
         "section.evidence{border-top:1px solid #ddd;margin-top:1.5em}")
 _CLAIM_WIDTHS = (16, 9, 13, 15, 8, 21, 11, 7)
@@ -100,9 +102,9 @@ def write_report(dest: str | os.PathLike, rows: list[dict], meta: dict, profile:
           *[f"- {n}" for n in notes], *([""] if notes else [])]
     md += [f"**FAILED:** `{r['notebook']}`" for r in failed] + ([""] if failed else [])
     if claims is not None:
-        md += ["## The answer", "", *_md_table(["question", "verdict", "ours", "paper", "why"],
-                                               [(x["question"], x["verdict"], x["ours"], x["paper"], x["why"])
-                                                for x in lines]),
+        md += ["## The answer", "", *_md_table(["question", "evidence", "verdict", "ours", "paper", "why"],
+                                               [(x["question"], x["evidence"], x["verdict"], x["ours"],
+                                                 x["paper"], x["why"]) for x in lines]),
                "", "## Claims: one row per claim", "", CLAIMS_INTRO, "",
                *_md_table(CLAIM_COLUMNS, [[c.get(k, "") for k in CLAIM_COLUMNS] for c in claims])]
     for r in rows:
@@ -137,17 +139,18 @@ def write_report(dest: str | os.PathLike, rows: list[dict], meta: dict, profile:
     h += [f"<p class='failed'>FAILED: <a href='#{esc(_anchor(r['notebook']))}'>{esc(r['notebook'])}</a></p>"
           for r in failed]
     if claims is not None:
-        h += ["<section id='headline'><h2>The answer</h2><table class='headline'><tr><th style='width:34%'>"
-              "question</th><th style='width:11%'>verdict</th><th style='width:16%'>ours</th>"
-              "<th style='width:12%'>paper</th><th>why</th></tr>"]
-        h += [f"<tr><td>{esc(x['question'])}</td><td class='{_vcls(x['verdict'])}'>{esc(x['verdict'])}</td>"
+        h += ["<section id='headline'><h2>The answer</h2><table class='headline'><tr><th style='width:22%'>"
+              "question</th><th style='width:16%'>evidence</th><th style='width:10%'>verdict</th>"
+              "<th style='width:14%'>ours</th><th style='width:11%'>paper</th><th>why</th></tr>"]
+        h += [f"<tr><td>{esc(x['question'])}</td><td>{esc(x['evidence'])}</td>"
+              f"<td class='{_vcls(x['verdict'])}'>{esc(x['verdict'])}</td>"
               f"<td>{esc(x['ours'])}</td><td>{esc(x['paper'])}</td><td>{esc(x['why'])}</td></tr>"
               for x in lines]
         hero = figure_html({PLOTLY: hero_figure(claims).to_plotly_json()}, "hero")
         h += ["</table>", f"<div class='figure'>{hero}</div><p class='caption'>Every claim this run checked, "
-              "ours over the paper's figure: on the dotted line ours is the paper's (inside its range, or a "
-              "qualitative claim that holds); left of it ours is below, right of it above. Hover a point for "
-              "both figures.</p></section>",
+              "ours over the paper's figure (log axis: 0.5x and 2x lie as far from 1): on the dotted line ours "
+              "is the paper's (inside its range, or a qualitative claim that holds); left of it ours is below, "
+              "right of it above; the colour is the verdict. Hover a point for both figures.</p></section>",
               "<h2 id='claims'>Claims: one row per claim</h2>", f"<p>{esc(CLAIMS_INTRO)}</p>",
               "<table class='claims'><colgroup>" + "".join(f"<col style='width:{w}%'>" for w in _CLAIM_WIDTHS)
               + "</colgroup><tr>" + "".join(f"<th>{esc(k)}</th>" for k in CLAIM_COLUMNS) + "</tr>"]

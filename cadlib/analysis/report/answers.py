@@ -1,0 +1,123 @@
+"""Every number the prose quotes, computed once from the committed results.
+
+:func:`numbers` computes, from the scale replay under ``results/replay/`` and the end-to-end runs
+``results/bench_e2e_*.json``, each figure that the README and the notebooks' markdown quote, keyed by
+the claim it answers and its evidence (``distca.idle_dp8@replay``) or by what it measures
+(``replay.raw_err``), with that evidence in words (how it was obtained, at which scale). The prose marks
+a quoted number with its key in an HTML comment, invisible when rendered::
+
+    the replay idles <!-- distca.idle_dp8@replay -->46.3% of the GPU time at DP=8
+
+and :func:`check_markers` (``tests/test_answers.py``, over the README and every notebook) fails when
+the number after a marker is not :func:`text` of its key, so no page quotes a stale figure. The
+verdicts these numbers carry are :mod:`cadlib.analysis.report.verdicts`'.
+"""
+from __future__ import annotations
+
+import functools
+import pathlib
+import re
+from typing import NamedTuple
+
+from . import claims, scale
+
+# ---------------------------------------------------------------------------------------------------
+# The numbers the prose quotes
+# ---------------------------------------------------------------------------------------------------
+
+class Number(NamedTuple):
+    """A figure the prose quotes: ``value`` (a number, or ``(low, high)``), ``text`` exactly as written,
+    and its ``evidence`` (how it was obtained, at which scale)."""
+
+    value: float | tuple[float, float]
+    text: str
+    evidence: str
+
+
+def _span(lo: float, hi: float, fmt: str, unit: str) -> str:
+    a, b = format(lo, fmt), format(hi, fmt)
+    return f"{a}{unit}" if a == b else f"{a}-{b}{unit}"
+
+
+REPLAY = "replayed on 1x H200 from the paper's 64-256-GPU settings"
+E2E = "measured on 2x H200"
+
+
+@functools.lru_cache(maxsize=4)
+def numbers(results_dir=None) -> dict[str, Number]:
+    """Every quoted figure by key, from the committed results (``results_dir``: the repository's
+    ``results/`` by default; the replay's files under its ``replay/``)."""
+    replay_dir = None if results_dir is None else pathlib.Path(results_dir) / "replay"
+    out: dict[str, Number] = {}
+    idl = scale.idle(replay_dir).set_index("dp")
+    for dp in (4, 8):
+        v = float(idl.loc[dp, "varlen"])
+        out[f"distca.idle_dp{dp}@replay"] = Number(v, f"{v:.1f}%",
+                                                   f"{REPLAY} (variable-length chunking, DP={dp})")
+    sp = scale.speedups(results_dir=replay_dir)
+    for d in ("pretrain", "prolong"):
+        g = sp[sp.dist == d].speedup_over_wlb
+        out[f"distca.speedup_3d_{d}@replay"] = Number(float(g.mean()), f"{g.mean():.2f}x", f"{REPLAY}, mean")
+        out[f"distca.speedup_3d_{d}@replay_range"] = Number((float(g.min()), float(g.max())),
+                                                            _span(g.min(), g.max(), ".2f", "x"), REPLAY)
+    for view in ("any", "budget"):
+        s4 = scale.speedups_4d(view, replay_dir)
+        for d in ("pretrain", "prolong"):
+            g = s4[s4.dist == d].speedup_over_wlb
+            out[f"distca.speedup_4d_8b_{d}@replay_{view}"] = Number(
+                (float(g.min()), float(g.max())), _span(g.min(), g.max(), ".2f", "x"),
+                f"{REPLAY} (4D, {view})")
+    ab = scale.pingpong_ablation(results_dir=replay_dir)
+    exposed = float((1 / ab.signal_only_over_pingpong.mean() - 1) * 100)
+    out["distca.comm_hidden@replay"] = Number(exposed, f"{exposed:.1f}%", REPLAY)
+    e2e = [r for r in claims.e2e_ours(results_dir) if not r["control"] and "_2gpu_" in r["setting"]]
+    hidden = [r["ours"] for r in e2e if r["claim"] == "distca.comm_hidden"]
+    if hidden:
+        out["distca.comm_hidden@2xh200"] = Number((min(hidden), max(hidden)),
+                                                  _span(min(hidden), max(hidden), ".1f", "%"), E2E)
+    v = scale.validation(replay_dir)
+    v = v[~v.setting.str.startswith("uniform")]
+    raw, fixed = v.err_of_mean.abs(), v.on_gpu_err_of_mean.abs()
+    out["replay.raw_err"] = Number((float(raw.min()), float(raw.max())),
+                                   _span(100 * raw.min(), 100 * raw.max(), ".1f", "%"),
+                                   "the DP=2 replay against the 2x H200 runs: |error| of the mean step")
+    out["replay.scaled_err"] = Number((float(fixed.min()), float(fixed.max())),
+                                      _span(100 * fixed.min(), 100 * fixed.max(), ".1f", "%"),
+                                      "the same, timings scaled to the runs' GPU (device_ratio)")
+    dr = v.device_ratio - 1
+    out["replay.device_ratio"] = Number((float(dr.min()), float(dr.max())),
+                                        _span(100 * dr.min(), 100 * dr.max(), ".1f", "%"),
+                                        "the 2x H200 machine's LM head over the timing GPU's, minus 1")
+    diff = float((v.speedup_replayed - v.speedup_measured).abs().max() * 100)
+    out["replay.speedup_diff"] = Number(diff, f"{diff:.1f}", "points: replayed against measured speedups")
+    return out
+
+
+def text(key: str, results_dir=None) -> str:
+    """The quoted text of ``key`` (see :func:`numbers`); ValueError naming the keys."""
+    got = numbers(results_dir)
+    if key not in got:
+        raise ValueError(f"no number {key!r}; choose one of: {', '.join(got)}")
+    return got[key].text
+
+
+MARKER = re.compile(r"<!--\s*([A-Za-z0-9_.@-]+)\s*-->([^\s<]*)")
+"""A quoted number's marker: ``<!-- key -->`` right before the number (no space between)."""
+
+
+def markers(page: str) -> list[tuple[str, str]]:
+    """``(key, quoted)`` of every marker in ``page``; ``quoted`` loses a trailing ``.,;:)``."""
+    return [(k, q.rstrip(".,;:)")) for k, q in MARKER.findall(page)]
+
+
+def check_markers(page: str, results_dir=None) -> list[str]:
+    """What is wrong with the markers of ``page``: an unknown key, or a number that is not the key's
+    :func:`text` (one line each; empty when all agree)."""
+    got = numbers(results_dir)
+    bad = []
+    for key, quoted in markers(page):
+        if key not in got:
+            bad.append(f"unknown key {key!r} (quoted {quoted!r})")
+        elif quoted != got[key].text:
+            bad.append(f"{key}: the page says {quoted!r}, the results say {got[key].text!r}")
+    return bad

@@ -1,0 +1,44 @@
+"""One answer per claim in the prose: every number the README and the notebooks' markdown quote behind a
+marker ``<!-- key -->`` must be what ``cadlib.analysis.report.answers`` computes from the committed
+results for that key, so no page quotes a stale or second figure."""
+import json
+import pathlib
+
+import pytest
+
+from cadlib.analysis.report import answers
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _pages():
+    yield "README.md", (ROOT / "README.md").read_text()
+    for p in sorted((ROOT / "notebooks").rglob("*.ipynb")):
+        if ".ipynb_checkpoints" in p.parts:
+            continue
+        cells = json.loads(p.read_text())["cells"]
+        text = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
+        yield str(p.relative_to(ROOT)), text
+
+
+@pytest.mark.parametrize("name, page", list(_pages()), ids=[name for name, _ in _pages()])
+def test_every_marked_number_is_the_value_it_names(name, page):
+    bad = answers.check_markers(page)
+    assert not bad, f"{name}:\n" + "\n".join(bad)
+
+
+def test_the_readme_marks_its_numbers():
+    keys = {k for k, _ in answers.markers((ROOT / "README.md").read_text())}
+    assert {"distca.comm_hidden@2xh200", "distca.speedup_3d_pretrain@replay_range",
+            "distca.speedup_3d_prolong@replay_range"} <= keys
+
+
+def test_a_stale_number_is_caught():
+    key = "distca.idle_dp8@replay"
+    right = answers.text(key)
+    assert answers.check_markers(f"idles <!-- {key} -->{right}.") == []
+    assert answers.check_markers(f"idles <!-- {key} -->47% at DP=8") == [
+        f"{key}: the page says '47%', the results say {right!r}"]
+    assert "unknown key" in answers.check_markers("<!-- no.such -->3%")[0]
+    with pytest.raises(ValueError, match="no number 'x'"):
+        answers.text("x")
