@@ -40,6 +40,7 @@ def test_variants_change_one_thing_and_name_themselves():
     s = P.paper_3d("prolong")[0]
     assert P.one_change(s, "backward").backward == "stateful" and P.one_change(s, "backward").nano_split == "distca"
     assert P.one_change(s, "samplers").dist == "prolong" and P.one_change(s, "samplers").sequence_len is None
-    assert P.variant(s, "nano").name == s.name + "@nano"
+    assert P.variant(s, "nano").name == s.name + "@upto-nano"
+    assert P.one_change(s, "nano").name == s.name + "@nano"
     with pytest.raises(ValueError, match="unknown variant"):
         P.one_change(s, "kernel")

@@ -146,12 +146,13 @@ def one_change(s: Setting, name: str) -> Setting:
 
 
 def variant(s: Setting, upto: str) -> Setting:
-    """``s`` with every variant up to and including ``upto`` applied, in :data:`VARIANTS`' order."""
+    """``s`` with every variant up to and including ``upto`` applied, in :data:`VARIANTS`' order, named
+    ``<s.name>@upto-<upto>`` (:func:`one_change`'s are ``<s.name>@<name>``)."""
     if upto not in _BY_NAME:
         raise ValueError(f"unknown variant {upto!r}; choose one of: {', '.join(_BY_NAME)}")
     out = s
     for v in VARIANTS:
-        out = replace(v.apply(out), name=f"{s.name}@{v.name}")
+        out = replace(v.apply(out), name=f"{s.name}@upto-{v.name}")
         if v.name == upto:
             break
     return out
