@@ -183,3 +183,45 @@ def whatif_argv(*, lengths_path: str = "", column: str = "", distribution: str =
     argv += ["--intra-node-gbps", str(intra_node_gbps)] if intra_node_gbps else []
     argv += ["--inter-node-gbps", str(inter_node_gbps)] if inter_node_gbps else []
     return argv
+
+
+def whatif_widgets(values: dict, run, models=("tiny", "llama3-8b", "llama-34b"),
+                   contexts=(32768, 65536, 131072, 262144, 524288, 1048576)):
+    """The what-if's inputs as ipywidgets (``values``: the notebook's parameters by name) and a **plan**
+    button that prints ``run(**{name: value})`` (a callable answering with text, or raising ValueError
+    with the CLI's one line) into an output area below. Returns ``(box, press)``; ``press()`` plans the
+    current values, as the button does."""
+    import ipywidgets as widgets
+
+    v = values
+    controls = {
+        "lengths_path": widgets.Text(value=v["lengths_path"], placeholder="the shipped ProLong sample",
+                                     description="lengths file"),
+        "column": widgets.Text(value=v["column"], description="column"),
+        "distribution": widgets.Text(value=v["distribution"], placeholder="or: prolong, pretrain, ...",
+                                     description="distribution"),
+        "clip": widgets.Checkbox(value=v["clip"], description="clip to context"),
+        "model_name": widgets.Dropdown(options=list(models), value=v["model_name"], description="model"),
+        "gpus": widgets.IntText(value=v["gpus"], description="GPUs"),
+        "gpus_per_node": widgets.IntText(value=v["gpus_per_node"], description="GPUs/node"),
+        "tp": widgets.IntText(value=v["tp"], description="TP"),
+        "pp": widgets.IntText(value=v["pp"], description="PP"),
+        "context": widgets.Dropdown(options=sorted({*contexts, v["context"]}), value=v["context"],
+                                    description="context"),
+        "tokens_per_group": widgets.IntText(value=v["tokens_per_group"], description="tokens/group"),
+        "inter_node_gbps": widgets.FloatText(value=v["inter_node_gbps"], description="inter-node GB/s"),
+    }
+    button, out = widgets.Button(description="plan", button_style="primary"), widgets.Output()
+
+    def press(_=None):
+        with out:
+            out.clear_output(wait=True)
+            try:
+                print(run(**{k: w.value for k, w in controls.items()}))
+            except ValueError as e:
+                print(e)
+
+    button.on_click(press)
+    ws = list(controls.values())
+    box = widgets.VBox([widgets.HBox(ws[:4]), widgets.HBox(ws[4:8]), widgets.HBox(ws[8:]), button, out])
+    return box, press
