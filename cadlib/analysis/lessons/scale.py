@@ -43,7 +43,8 @@ def toy_phases(method: str, attention=(4.0, 1.0), linear: float = 1.0, comm: flo
     elif method in ("cad", "cad-pingpong"):
         att, c, halves = np.full_like(a, a.mean()), comm, 2 if method == "cad-pingpong" else 1
     else:
-        raise ValueError(f"toy_phases: unknown method {method!r}; choose one of: colocated, cad, cad-pingpong")
+        raise ValueError(f"toy_phases: unknown method {method!r}; choose one of: colocated, cad, "
+                         "cad-pingpong")
 
     def per(x):
         x = np.broadcast_to(np.asarray(x, dtype=np.float64), a.shape) / halves
@@ -130,7 +131,8 @@ def unit_table(ranks_docs: list[list[int]], cap: int | None = None) -> tuple[pd.
     tokens = np.array([sum(r) for r in ranks_docs])
     cap = int(tokens.max()) if cap is None else cap
     wlb = capped_longest_first(docs, len(ranks_docs), cap)
-    pairs = {"colocated": [sum(map(_pairs, r)) for r in ranks_docs], "wlb": [sum(map(_pairs, r)) for r in wlb]}
+    pairs = {"colocated": [sum(map(_pairs, r)) for r in ranks_docs],
+             "wlb": [sum(map(_pairs, r)) for r in wlb]}
     pairs["cad-pingpong"] = [sum(pairs["colocated"]) / len(ranks_docs)] * len(ranks_docs)
     toks = {"colocated": tokens, "wlb": np.array([sum(r) for r in wlb]), "cad-pingpong": tokens}
     per_rank = pd.concat({m: pd.DataFrame({"tokens": toks[m], "pairs": pairs[m],
@@ -163,7 +165,8 @@ def hand_check(res: dict) -> pd.DataFrame:
     for base in ("colocated", "wlb"):
         b = res["methods"][base]
         rows.append({"check": f"CAD over {base}, step 0 = {base}'s step / CAD's",
-                     "table": cad[f"speedups_over_{base}"][0], "by hand": b["steps_s"][0] / cad["steps_s"][0]})
+                     "table": cad[f"speedups_over_{base}"][0],
+                     "by hand": b["steps_s"][0] / cad["steps_s"][0]})
     df = pd.DataFrame(rows)
     df["agree"] = np.isclose(df["table"], df["by hand"], rtol=1e-9)
     return df

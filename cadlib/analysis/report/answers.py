@@ -71,7 +71,8 @@ def numbers(results_dir=None) -> dict[str, Number]:
                 f"{REPLAY} under the paper's protocol ({kernel}, {int(g.batches.min())} batches)")
             out[f"distca.speedup_3d_{d}@{key}_inside"] = Number(
                 float(g.inside.sum()), str(int(g.inside.sum())),
-                f"settings of {len(g)} inside the paper's range, {REPLAY} under the paper's protocol ({kernel})")
+                f"settings of {len(g)} inside the paper's range, {REPLAY} under the paper's protocol "
+                f"({kernel})")
     for view in ("any", "budget"):
         s4 = scale.speedups_4d(view, replay_dir)
         for d in ("pretrain", "prolong"):

@@ -119,8 +119,8 @@ def steps(base: str, rows: pd.DataFrame, cumulative: bool = True) -> pd.DataFram
                          f"{', '.join(sorted(parts['paper'].base.unique()))}")
     v = parts["cumulative" if cumulative else "one"]
     v = v[v.base == base].set_index("variant")
-    out = [{"variant": "paper", "label": "the paper's protocol", "speedup": float(p.speedup_over_wlb.iloc[0]),
-            "sem": float(p.speedup_over_wlb_sem.iloc[0])}]
+    out = [{"variant": "paper", "label": "the paper's protocol",
+            "speedup": float(p.speedup_over_wlb.iloc[0]), "sem": float(p.speedup_over_wlb_sem.iloc[0])}]
     for var in VARIANTS:
         if var.name in v.index:
             r = v.loc[var.name]
