@@ -45,8 +45,8 @@ def _summary(path: pathlib.Path) -> pd.DataFrame:
 
 def paper_speedups(tag: str = "_paper", results_dir=None) -> pd.DataFrame:
     """Per setting of ``replay_summary<tag>.json``: dataset, MaxDocLen (K), DP, batches, WLB-ideal's CP
-    degree, CAD with ping-pong over WLB-ideal and its standard error (``speedup_sem``), the paper's range for the dataset
-    and whether the speedup lies inside it."""
+    degree, CAD with ping-pong over WLB-ideal and its standard error (``speedup_sem``), the paper's range
+    for the dataset and whether the speedup lies inside it."""
     s = _summary(pathlib.Path(results_dir or REPLAY_DIR) / f"replay_summary{tag}.json")
     cad = s[s.method == CAD].set_index("setting")
     wlb = s[s.method == "wlb"].set_index("setting")
