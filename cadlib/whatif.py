@@ -10,7 +10,8 @@ The model is a named spec, its fields overridden by ``--layers``, ``--hidden``, 
 with ping-pong (step, tokens/s, idle, speedups with the simulator's measured error band, bytes sent and
 activation memory per GPU), a verdict and where it flips (:mod:`cadlib.analysis.whatif.planner`); ``--json``
 and ``--html`` write the same. ``--gpu-table`` prices with a calibration of the user's own GPU
-(``python -m cadlib.calibrate``, :mod:`cadlib.analysis.whatif.gpu_table`). Bad input stops it before
+(``python -m cadlib.calibrate``, :mod:`cadlib.analysis.whatif.gpu_table`). Then, per method, the
+configurations that fit in ``--gpu-mem-gib`` (:mod:`cadlib.analysis.whatif.fit`). Bad input stops it before
 any work with exit status 2 and one line naming the input and what is valid.
 """
 from __future__ import annotations
@@ -24,7 +25,7 @@ import sys
 import numpy as np
 
 from .analysis.replay.settings import TOKENS_PER_GROUP
-from .analysis.whatif import gpu_table, page, planner
+from .analysis.whatif import fit, gpu_table, page, planner
 from .analysis.whatif.gpu_table import GpuTable, GpuTableError
 from .analysis.whatif.setup import Cluster, Documents, Training
 from .core.cost import DEFAULT_MODEL, H200_NVLINK_ALL_TO_ALL_GBPS, IB_GBPS_PER_GPU, MODELS, as_model
@@ -74,7 +75,11 @@ def parser() -> argparse.ArgumentParser:
                     help="in-node bandwidth per GPU, GB/s (default: the H200 NVLink all-to-all)")
     cl.add_argument("--inter-node-gbps", type=float, default=IB_GBPS_PER_GPU,
                     help="inter-node bandwidth per GPU, GB/s (default: DistCA's InfiniBand)")
-    cl.add_argument("--gpu-memory-gb", type=float, default=DISTCA_GPU_MEMORY_GB)
+    cl.add_argument("--gpu-memory-gb", type=float, default=DISTCA_GPU_MEMORY_GB,
+                    help="GPU memory in GB that the activation column is measured against")
+    cl.add_argument("--gpu-mem-gib", type=float, default=fit.DEFAULT_GPU_MEM_GIB,
+                    help="GPU memory in GiB the configuration search fits under (default "
+                    f"{fit.DEFAULT_GPU_MEM_GIB:g}, an H200 as DistCA counts it)")
     cl.add_argument("--kernels", help="a kernel latency table (scripts/bench/profile_kernels.py's JSON, e.g. "
                     "results/kernel_profile_h200.json; default: the simulator's H200 rates)")
     cl.add_argument("--gpu-table", help="a calibration of your GPU (python -m cadlib.calibrate --out FILE): "
@@ -95,6 +100,7 @@ def parser() -> argparse.ArgumentParser:
     out.add_argument("--json", help="write the plan as JSON here")
     out.add_argument("--html", help="write a self-contained HTML page with plotly figures here")
     out.add_argument("--no-sweep", action="store_true", help="skip the DP x context sweep")
+    out.add_argument("--no-fit", action="store_true", help="skip the search of configurations that fit")
     out.add_argument("--quiet", action="store_true", help="no progress bar")
     return ap
 
@@ -115,7 +121,7 @@ def check(args) -> tuple:
                        "(and override its fields with --layers, --hidden, --heads, ...)")
     _positive(args, ("layers", "hidden", "heads", "kv_heads", "head_dim", "ffn", "vocab", "gpus", "nodes",
                      "gpus_per_node", "tp", "pp", "context", "tokens_per_group", "micro_batches", "steps"))
-    _positive(args, ("intra_node_gbps", "inter_node_gbps", "gpu_memory_gb", "elongate"), float)
+    _positive(args, ("intra_node_gbps", "inter_node_gbps", "gpu_memory_gb", "gpu_mem_gib", "elongate"), float)
     if args.tolerance < 0:
         raise BadInput(f"--tolerance {args.tolerance}: must be >= 0")
     over = {DIMS[k]: getattr(args, k) for k in DIMS if getattr(args, k) is not None}
@@ -229,6 +235,11 @@ def main(argv=None) -> int:
         if bar is not None:
             bar.close()
     print(page.text(res))
+    if not args.no_fit:
+        res["fit"] = fit.search(model, cluster.gpus, cluster.gpus_per_node,
+                                cluster.dp * training.micro_batches * training.tokens_per_group,
+                                training.context, gpu_mem_gib=args.gpu_mem_gib, tp_pref=cluster.tp)
+        print("\n" + fit.text(res["fit"]))
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(res, indent=1))
         print(f"wrote {args.json}")
