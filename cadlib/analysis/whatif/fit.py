@@ -16,8 +16,8 @@ default):
 * WLB-ideal: per-document CP of degree ``CP`` (the gathered ``(CP - 1) n`` K, V rows);
 * CAD with ping-pong: two nano-batches, attention servers over the DP ranks (no CP);
 * CP ring (zigzag over the packed sequence, as Megatron, Transformer Engine and torchtitan run it):
-  ``n`` rows of Q, K, V, O kept; its backward call holds the K, V block being used and the one arriving (``call_kv = 2 n``) and passes dK, dV
-  around with them (``regather = 2 n``).
+  ``n`` rows of Q, K, V, O kept; its backward call holds the K, V block being used and the one
+  arriving (``call_kv = 2 n``) and passes dK, dV around with them (``regather = 2 n``).
 
 A configuration is ruled out for one reason, the first that applies: ``tp`` (TP does not divide the
 model or exceeds a node), ``divide`` (TP x PP x CP does not divide the GPUs, PP the layers, or DP CP m the
