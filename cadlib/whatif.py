@@ -9,8 +9,10 @@ The model is a named spec, its fields overridden by ``--layers``, ``--hidden``, 
 ``--kv-heads``, ``--head-dim``, ``--ffn``, ``--vocab``. Prints a table of colocated, WLB-ideal and CAD
 with ping-pong (step, tokens/s, idle, speedups with the simulator's measured error band, bytes sent and
 activation memory per GPU), a verdict and where it flips (:mod:`cadlib.analysis.whatif.planner`); ``--json``
-and ``--html`` write the same. Bad input stops it before any work with exit status 2 and one line naming
-the input and what is valid.
+and ``--html`` write the same. ``--gpu-table`` prices with a calibration of the user's own GPU
+(``python -m cadlib.calibrate``, :mod:`cadlib.analysis.whatif.gpu_table`). Then, per method, the
+configurations that fit in ``--gpu-mem-gib`` (:mod:`cadlib.analysis.whatif.fit`). Bad input stops it before
+any work with exit status 2 and one line naming the input and what is valid.
 """
 from __future__ import annotations
 
@@ -23,7 +25,8 @@ import sys
 import numpy as np
 
 from .analysis.replay.settings import TOKENS_PER_GROUP
-from .analysis.whatif import page, planner
+from .analysis.whatif import fit, gpu_table, page, planner
+from .analysis.whatif.gpu_table import GpuTable, GpuTableError
 from .analysis.whatif.setup import Cluster, Documents, Training
 from .core.cost import DEFAULT_MODEL, H200_NVLINK_ALL_TO_ALL_GBPS, IB_GBPS_PER_GPU, MODELS, as_model
 from .core.defaults import DEFAULT_TOLERANCE
@@ -72,9 +75,18 @@ def parser() -> argparse.ArgumentParser:
                     help="in-node bandwidth per GPU, GB/s (default: the H200 NVLink all-to-all)")
     cl.add_argument("--inter-node-gbps", type=float, default=IB_GBPS_PER_GPU,
                     help="inter-node bandwidth per GPU, GB/s (default: DistCA's InfiniBand)")
-    cl.add_argument("--gpu-memory-gb", type=float, default=DISTCA_GPU_MEMORY_GB)
+    cl.add_argument("--gpu-memory-gb", type=float, default=DISTCA_GPU_MEMORY_GB,
+                    help="GPU memory in GB that the activation column is measured against")
+    cl.add_argument("--gpu-mem-gib", type=float, default=fit.DEFAULT_GPU_MEM_GIB,
+                    help="GPU memory in GiB the configuration search fits under (default "
+                    f"{fit.DEFAULT_GPU_MEM_GIB:g}, an H200 as DistCA counts it)")
     cl.add_argument("--kernels", help="a kernel latency table (scripts/bench/profile_kernels.py's JSON, e.g. "
                     "results/kernel_profile_h200.json; default: the simulator's H200 rates)")
+    cl.add_argument("--gpu-table", help="a calibration of your GPU (python -m cadlib.calibrate --out FILE): "
+                    "its linear-layer grid and attention kernel table price the batches instead of the "
+                    "committed H200 ones; it must be for --model (and --backend when given)")
+    cl.add_argument("--backend", help="the attention kernel a --gpu-table must have been calibrated with "
+                    "(e.g. torch_flash, fa4; default: whichever it was)")
     tr = ap.add_argument_group("training")
     tr.add_argument("--context", type=int, default=131072, help="MaxDocLen, tokens")
     tr.add_argument("--tokens-per-group", "--tokens-per-rank", dest="tokens_per_group", type=int,
@@ -88,6 +100,7 @@ def parser() -> argparse.ArgumentParser:
     out.add_argument("--json", help="write the plan as JSON here")
     out.add_argument("--html", help="write a self-contained HTML page with plotly figures here")
     out.add_argument("--no-sweep", action="store_true", help="skip the DP x context sweep")
+    out.add_argument("--no-fit", action="store_true", help="skip the search of configurations that fit")
     out.add_argument("--quiet", action="store_true", help="no progress bar")
     return ap
 
@@ -108,7 +121,7 @@ def check(args) -> tuple:
                        "(and override its fields with --layers, --hidden, --heads, ...)")
     _positive(args, ("layers", "hidden", "heads", "kv_heads", "head_dim", "ffn", "vocab", "gpus", "nodes",
                      "gpus_per_node", "tp", "pp", "context", "tokens_per_group", "micro_batches", "steps"))
-    _positive(args, ("intra_node_gbps", "inter_node_gbps", "gpu_memory_gb", "elongate"), float)
+    _positive(args, ("intra_node_gbps", "inter_node_gbps", "gpu_memory_gb", "gpu_mem_gib", "elongate"), float)
     if args.tolerance < 0:
         raise BadInput(f"--tolerance {args.tolerance}: must be >= 0")
     over = {DIMS[k]: getattr(args, k) for k in DIMS if getattr(args, k) is not None}
@@ -136,6 +149,10 @@ def check(args) -> tuple:
                        f"({model.n_kv_heads}), FFN ({model.ffn}) and vocabulary ({model.vocab})") from None
     if model.n_layers % args.pp:
         raise BadInput(f"--pp {args.pp}: must divide the model's {model.n_layers} layers")
+    if args.gpu_table and args.kernels:
+        raise BadInput("--gpu-table: already holds a kernel table; give --gpu-table or --kernels, not both")
+    if args.backend and not args.gpu_table:
+        raise BadInput(f"--backend {args.backend}: applies to a --gpu-table")
     if args.kernels:
         try:
             MeasuredCost.load(args.kernels)
@@ -149,6 +166,16 @@ def check(args) -> tuple:
                                micro_batches=args.micro_batches, steps=args.steps, seed=args.seed,
                                elongate=args.elongate, tolerance=args.tolerance)
     return model, cluster, training, _documents(args)
+
+
+def _gpu_table(args, model) -> GpuTable | None:
+    """The ``--gpu-table`` checked against the model and kernel asked (its error's one line otherwise)."""
+    if not args.gpu_table:
+        return None
+    try:
+        return gpu_table.load(args.gpu_table, model=model.name, backend=args.backend)
+    except GpuTableError as e:
+        raise BadInput(f"--gpu-table {e}") from None
 
 
 def _documents(args) -> Documents:
@@ -192,6 +219,7 @@ def main(argv=None) -> int:
     try:
         args = parser().parse_args(argv)
         model, cluster, training, docs = check(args)
+        table = _gpu_table(args, model)
         for flag in ("json", "html"):
             p = getattr(args, flag)
             if p and not pathlib.Path(p).resolve().parent.is_dir():
@@ -201,11 +229,17 @@ def main(argv=None) -> int:
         return 2
     bar, tick = _progress(planner.work_units(cluster, training, not args.no_sweep), args.quiet)
     try:
-        res = planner.plan(model, cluster, training, docs, with_sweep=not args.no_sweep, progress=tick)
+        res = planner.plan(model, cluster, training, docs, with_sweep=not args.no_sweep, progress=tick,
+                           gpu=table)
     finally:
         if bar is not None:
             bar.close()
     print(page.text(res))
+    if not args.no_fit:
+        res["fit"] = fit.search(model, cluster.gpus, cluster.gpus_per_node,
+                                cluster.dp * training.micro_batches * training.tokens_per_group,
+                                training.context, gpu_mem_gib=args.gpu_mem_gib, tp_pref=cluster.tp)
+        print("\n" + fit.text(res["fit"]))
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(res, indent=1))
         print(f"wrote {args.json}")

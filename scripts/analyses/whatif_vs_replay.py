@@ -5,7 +5,8 @@ Writes ``results/replay/whatif_vs_replay.json``.
 For each committed family of 3D replays (``replay_3d_*_3d.json``: FA4; ``*_3d_fa2.json``: FA2,
 the kernel timed call by call; ``*_paper*.json``: the paper's protocol, where committed), the kernel table's
 scales are fitted on the timed server calls of the first two batches of its settings
-(:func:`cadlib.analysis.whatif.price.kernel_scales`), then every setting is priced as the what-if prices
+(:func:`cadlib.analysis.whatif.price.kernel_scales`; under the paper's protocol, the one scale the replay
+priced its untimed batches with, :data:`cadlib.analysis.whatif.errors.PROTOCOLS`), then every setting is priced as the what-if prices
 (:mod:`cadlib.analysis.whatif.price`) and compared with the replay (:func:`cadlib.analysis.whatif.errors.compare`):
 step errors per method, speedup and saving errors of CAD with ping-pong over each baseline. The
 replay's own error against the measured runs is recorded beside them. Host only, no torch (minutes).
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import os
 import sys
 import time
 
@@ -40,7 +42,7 @@ def main(argv=None) -> int:
     out = {"scale": {}, "families": {}, "replay_error": errors.replay_error()}
     t0 = time.perf_counter()
     for fam in a.families.split(","):
-        pattern, backend = errors.PROTOCOLS[fam]
+        pattern, backend, mode = errors.PROTOCOLS[fam]
         files = [f for f in sorted(glob.glob(str(RESULTS_DIR / pattern))) if a.only in f]
         if not files:
             print(f"{fam}: no committed file ({pattern})")
@@ -48,19 +50,26 @@ def main(argv=None) -> int:
         backend = backend or load_result(files[0])["config"]["backend"]
         cost = price.load_cost(backend=backend)
         settings = [errors.setting_of(load_result(f)["config"]) for f in files]
-        sc = price.kernel_scales(settings, times, cost, backend, rates, a.scale_batches)
-        print(f"{fam} ({backend}): scales {sc['scale']} over {sc['calls']} calls", flush=True)
-        pricing = price.pricing(times, cost, backend, sc["scale"], linear="")
+        if mode == "replay":
+            per_file = {os.path.basename(f): errors.replay_scale(load_result(f)["config"]) or 1.0
+                        for f in files}
+            sc = {"scale": {"all": sum(per_file.values()) / len(per_file)}, "per_file": per_file,
+                  "calls": {}, "backend": backend, "mode": mode}
+        else:
+            sc = {**price.kernel_scales(settings, times, cost, backend, rates, a.scale_batches), "mode": mode}
+        print(f"{fam} ({backend}): scales {sc['scale']} ({mode}) over {sc['calls']} calls", flush=True)
         rows = []
         for f in files:
-            r = errors.compare(f, pricing, rates)
+            scale = {"all": sc["per_file"][os.path.basename(f)]} if mode == "replay" else sc["scale"]
+            r = errors.compare(f, price.pricing(times, cost, backend, scale, linear=""), rates)
             rows += r
             cad = next((x for x in r if x["method"] == errors.CAD), {})
             errs = " ".join(f"{x['method']} {x['step_err']:+.3f}" for x in r)
             print(f"  {r[0]['setting']}: steps {errs}; "
                   f"CAD x WLB {cad.get('speedup_over_wlb_err', float('nan')):+.3f} "
                   f"({time.perf_counter() - t0:.0f} s)", flush=True)
-        out["scale"].setdefault(backend, {**sc["scale"], "calls": sc["calls"], "fitted_on": fam})
+        if mode == "fit":                              # the scales a user's what-if prices with
+            out["scale"].setdefault(backend, {**sc["scale"], "calls": sc["calls"], "fitted_on": fam})
         out["families"][fam] = {"backend": backend, "scale": sc, "summary": errors.summary(rows),
                                 "rows": rows}
         print(f"{fam}: {out['families'][fam]['summary']}", flush=True)

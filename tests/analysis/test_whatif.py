@@ -14,6 +14,8 @@ from cadlib.data.workload import sample_docs
 from cadlib.infra.results import RESULTS_DIR
 
 OK = ["--lengths", "{d}/ok.txt"]
+CALIBRATION = RESULTS_DIR / "calibration_h200.json"
+"""A ``python -m cadlib.calibrate`` table of one H200 (llama3-8b, TP 8, torch_flash)."""
 SMALL = ["--gpus", "8", "--gpus-per-node", "2", "--tp", "2", "--context", "131072", "--tokens-per-group",
          "65536", "--steps", "2", "--no-sweep", "--quiet"]
 
@@ -171,6 +173,31 @@ def test_kernel_table_prices_attention_and_says_the_band_was_not_measured_with_i
     assert res["inputs"]["cluster"]["kernels"] == str(table)
 
 
+def test_gpu_table_prices_with_its_own_times_and_kernel_and_names_its_gpu(tmp_path, capsys):
+    """``--gpu-table`` prices with the calibration's linear grid and kernel table (the same steps as
+    :func:`planner.plan` given them), and the output names the table's GPU."""
+    if not CALIBRATION.exists():
+        pytest.skip("no committed calibration")
+    from cadlib.analysis.whatif import gpu_table
+    argv = ["--dist", "pretrain", "--gpus", "16", "--context", "65536", "--tokens-per-group", "65536",
+            "--steps", "1", "--no-sweep", "--quiet"]
+    rc, out, err = _run(argv + ["--gpu-table", str(CALIBRATION), "--json", str(tmp_path / "g.json")], capsys)
+    assert rc == 0, err
+    t = gpu_table.load(CALIBRATION)
+    assert "1x NVIDIA H200" in t.label() and t.label() in out
+    res = json.loads((tmp_path / "g.json").read_text())
+    assert res["pricing"]["gpu_table"] == {"path": str(CALIBRATION), "label": t.label()}
+    assert any("your GPU's calibration" in n for n in res["band"]["notes"])
+    cl = whatif.Cluster(gpus=16, gpus_per_node=8, tp=8)
+    tr = whatif.Training(context=65536, tokens_per_group=65536, steps=1)
+    docs = whatif.Documents(dist="pretrain")
+    same = whatif.plan("llama3-8b", cl, tr, docs, with_sweep=False, times=t.times, cost=t.measured_cost())
+    committed = whatif.plan("llama3-8b", cl, tr, docs, with_sweep=False)
+    for m in whatif.METHODS:
+        assert res["methods"][m]["steps_s"] == pytest.approx(same["methods"][m]["steps_s"], rel=1e-12)
+    assert res["methods"]["colocated"]["steps_s"] != committed["methods"]["colocated"]["steps_s"]
+
+
 @pytest.fixture
 def files(tmp_path):
     (tmp_path / "empty.txt").write_text("")
@@ -209,6 +236,16 @@ def files(tmp_path):
     (OK + ["--gpus", "8", "--kernels", "{d}/ok.txt"], "--kernels {d}/ok.txt: not a kernel latency table"),
     (OK + ["--gpus", "8", "--steps", "0"], "--steps 0: must be an integer >= 1"),
     (OK + ["--gpus", "eight"], "argument --gpus: invalid int value: 'eight'"),
+    (OK + ["--gpus", "8", "--gpu-table", "{d}/ok.txt"],
+     "--gpu-table {d}/ok.txt: not a JSON calibration file"),
+    (OK + ["--gpus", "8", "--gpu-table", "{d}/nothing.json"], "--gpu-table {d}/nothing.json: no such file"),
+    (OK + ["--gpus", "8", "--gpu-table", "{d}/t.csv", "--kernels", "{d}/t.csv"], "give --gpu-table or "
+     "--kernels, not both"),
+    (OK + ["--gpus", "8", "--backend", "fa4"], "--backend fa4: applies to a --gpu-table"),
+    (OK + ["--gpus", "8", "--model", "llama-34b", "--gpu-table", str(CALIBRATION)],
+     "calibrated for model 'llama3-8b', not 'llama-34b'"),
+    (OK + ["--gpus", "8", "--gpu-table", str(CALIBRATION), "--backend", "fa4"],
+     "calibrated with the 'torch_flash' attention kernel, not 'fa4'"),
 ])
 def test_bad_input_exits_2_with_one_line_before_any_work(files, monkeypatch, capsys, argv, message):
     def no_work(*a, **k):

@@ -34,11 +34,24 @@ from .price import ERRORS_FILE, Pricing
 
 VALIDATION_GLOB = "replay/replay_e2e_2x_*_validation.json"
 """The replays of the measured runs on 2x H200 (the one-GPU ones check the timings, not the composition)."""
-PROTOCOLS = {"3d": ("replay/replay_3d_*_3d.json", "fa4"),
-             "3d_fa2": ("replay/replay_3d_*_3d_fa2.json", "torch_flash"),
-             "paper": ("replay/replay_3d_*_paper.json", None),
-             "paper_fa2": ("replay/replay_3d_*_paper_fa2.json", None)}
-"""The committed 3D replay families: file pattern and attention backend (None: the file's own)."""
+PROTOCOLS = {"3d": ("replay/replay_3d_*_3d.json", "fa4", "fit"),
+             "3d_fa2": ("replay/replay_3d_*_3d_fa2.json", "torch_flash", "fit"),
+             "paper": ("replay/replay_3d_*_paper.json", None, "replay"),
+             "paper_fa4": ("replay/replay_3d_*_paper_fa4.json", None, "replay"),
+             "paper_fit": ("replay/replay_3d_*_paper.json", None, "fit")}
+"""The committed 3D replay families: file pattern, attention backend (None: the file's own) and where
+the kernel table's scale comes from: ``fit``, per method on the family's timed calls
+(:func:`cadlib.analysis.whatif.price.kernel_scales`); ``replay``, the one scale the replay itself priced
+its untimed calls with (``config.kernel_model.scale``; the paper protocol times batch 0 only and prices
+the other 14 batches from the table at that scale, the FA4 files all of them). ``paper_fit`` prices the
+paper's settings with per-method scales fitted on their timed batch 0, as a user's what-if prices: it
+shows how far the replay's one scale moves its own speedups."""
+
+
+def replay_scale(config: dict) -> float | None:
+    """The kernel table's scale a replay priced its untimed calls with (None when it timed them all)."""
+    km = config.get("kernel_model") or {}
+    return float(km["scale"]) if km.get("scale") else None
 CAD = "cad-pingpong"
 
 

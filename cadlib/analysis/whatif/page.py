@@ -33,7 +33,8 @@ def headline(res: dict) -> str:
     nodes = -(-c["gpus"] // c["gpus_per_node"])
     docs = d["source"] + (f" ({d['n_lengths']:,} lengths)" if d.get("n_lengths") else "")
     pr = res["pricing"]
-    kern = ("a kernel table of your own" if c["kernels"] else f"the H200 tables ({pr['backend']})") + \
+    kern = (f"your GPU's tables ({pr['gpu_table']['label']})" if pr.get("gpu_table") else
+            "a kernel table of your own" if c["kernels"] else f"the H200 tables ({pr['backend']})") + \
         (", linear layers from the cost model (no timed grid)" if pr["fallback"] else "")
     return (f"{m['name']} on {c['gpus']} GPUs ({nodes} nodes x {c['gpus_per_node']}), TP {c['tp']}, "
             f"PP {c['pp']} -> DP {c['dp']}; context {_k(t['context'])}, {_k(t['tokens_per_group'])} tokens "

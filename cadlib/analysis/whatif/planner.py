@@ -45,6 +45,7 @@ from ..model.compose import Composed, compose, one_f_one_b
 from ..replay import phases as replay_phases
 from ..replay import settings as replay
 from .band import known_errors, saving_band, step_band
+from .gpu_table import GpuTable
 from .price import Pricing, pricing
 from .setup import METHODS, Cluster, Documents, Training, setting
 
@@ -347,13 +348,16 @@ def work_units(cluster: Cluster, training: Training, with_sweep: bool = True) ->
 
 def plan(model, cluster: Cluster, training: Training, docs: Documents, *, with_sweep: bool = True,
          results_dir=None, progress=None, times: dict | None = None,
-         cost: MeasuredCost | None = None) -> dict:
+         cost: MeasuredCost | None = None, gpu: GpuTable | None = None) -> dict:
     """The what-if: inputs, per method the estimates with their bands, the verdict, the sweep and where
     the verdict flips, where the durations and the band come from, the first step's ranks; JSON-ready.
     ``times`` (the replay cache's format) and ``cost`` (a kernel table) price the batches
-    (:mod:`cadlib.analysis.whatif.price`; default the committed H200 files)."""
+    (:mod:`cadlib.analysis.whatif.price`; default the committed H200 files); ``gpu``, a calibration of
+    the user's GPU (:class:`~cadlib.analysis.whatif.gpu_table.GpuTable`), gives both."""
     model = as_model(model)
     t0 = time.perf_counter()
+    if gpu is not None:
+        times, cost = gpu.times, gpu.measured_cost()
     price = make_pricing(cluster, times, cost)
     errors_file = None if results_dir is None else \
         pathlib.Path(results_dir) / "replay" / "whatif_vs_replay.json"
@@ -370,7 +374,11 @@ def plan(model, cluster: Cluster, training: Training, docs: Documents, *, with_s
     if cluster.pp > 1 or training.micro_batches > 1:
         notes.append("pipeline stages and micro-batches are composed by 1F1B, which the committed replays "
                      "did not check: the composition error covers one stage and one micro-batch")
-    if cost is not None or cluster.kernels:
+    if gpu is not None:
+        sim["pricing"]["gpu_table"] = {"path": gpu.path, "label": gpu.label()}
+        notes.append(f"priced from your GPU's calibration ({gpu.label()}); the composition error was "
+                     "measured with the committed H200 tables")
+    elif cost is not None or cluster.kernels:
         notes.append("attention priced from a kernel table of your own; the composition error was measured "
                      "with the committed H200 table")
     if known["missing"]:
