@@ -78,27 +78,21 @@ def oracle_wlb(setting: str, tag: str = "_paper", results_dir=None) -> dict:
 
 
 def _split(rows: pd.DataFrame) -> dict[str, pd.DataFrame]:
-    """The fidelity summary's CAD rows as ``paper`` (no ``@``), ``one`` (one change at a time) and
-    ``cumulative``. ``changes3d`` and ``waterfall3d`` name their settings alike (``<base>@<variant>``):
-    a ``suite`` column tells them apart where there is one, else their order (``--suite
-    paper3d,changes3d,waterfall3d``: each name's first occurrence is the one change, the second the
-    cumulative one; the first variant's two settings are the same)."""
+    """The fidelity summary's CAD rows as ``paper`` (no ``@``), ``one`` (one change at a time,
+    ``<base>@<variant>``, :func:`cadlib.analysis.replay.protocol.one_change`) and ``cumulative``
+    (``<base>@upto-<variant>``, :func:`~cadlib.analysis.replay.protocol.variant`)."""
     cad = rows[rows.method == CAD].copy()
     named = cad.setting.str.contains("@")
     paper = cad[~named].assign(base=lambda f: f.setting, variant="paper")
     var = cad[named].copy()
     var["base"] = var.setting.str.split("@").str[0]
-    var["variant"] = var.setting.str.split("@").str[1]
+    tail = var.setting.str.split("@").str[1]
+    var["cumulative"] = tail.str.startswith("upto-")
+    var["variant"] = tail.str.removeprefix("upto-")
     unknown = sorted(set(var.variant) - set(LABELS))
     if unknown:
         raise ValueError(f"unknown variants {unknown} in the fidelity summary; known: {', '.join(LABELS)}")
-    if "suite" in var:
-        one, cum = var[var.suite == "changes3d"], var[var.suite == "waterfall3d"]
-    else:
-        nth = var.groupby("setting").cumcount()
-        count = var.groupby("setting").setting.transform("size")
-        one, cum = var[nth == 0], var[(nth == 1) | ((count == 1) & (var.variant == VARIANTS[0].name))]
-    return {"paper": paper, "one": one, "cumulative": cum}
+    return {"paper": paper, "one": var[~var.cumulative], "cumulative": var[var.cumulative]}
 
 
 def fidelity_summary(results_dir=None) -> pd.DataFrame | None:
