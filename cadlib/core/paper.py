@@ -75,6 +75,24 @@ DISTCA_TABLE4_8B = ((131072, (32, 64, 128), (64, 128, 256)),
                     (262144, (16, 32, 32), (64, 128, 256)),
                     (524288, (8, 8, 16), (64, 128, 256)))
 """Table 4, 4D (with PP) training configurations of Llama-8B, as Table 3."""
+DISTCA_ZCONFIG = {"batch_size": (0.5, 1, 2, 4, 8, 16, 32, 64), "n_micro": (1, 2, 4, 8, 16, 32, 64),
+                  "pp": (1, 2, 4, 8), "wlb_cp": (1, 2, 4, 8, 16, 32, 64)}
+"""The grid DistCA's 4D sweeps enumerate (``benchmarks/_250923_test_pp_34b/zconfig_gen.py:32-97`` at
+9bcf02a): ``batch_size`` sequences per ping (and per pong) of a micro-batch and ``n_micro``
+micro-batches with ``batch_size x n_micro`` half Table 4's batch; ``pp`` with one micro-batch without
+PP and at least ``2 pp`` with it; DistCA's attention servers on every node of a stage and no
+``batch_size`` 0.5; WLB-LLM's ``wlb_cp`` with ``pp x cp`` at most the nodes and ``nodes // cp`` at most
+the ``2 x batch_size`` sequences of a micro-batch. Its 8B generator (``_250920_test_pp/zconfig_gen.py``)
+is the same with ``batch_size`` to 8, ``n_micro`` to 16 and PP to 32; it cannot form Table 4's 8B
+batches, so the 34B grid is the one that does."""
+DISTCA_4D_BUFFER_GIB = 4.0
+"""DistCA's all-to-all buffer per GPU in its 8B 4D runs, GiB (``EXPERIMENT_NVSHMEM_BUFFER_SIZE_GB=4``,
+``benchmarks/_250920_test_pp/salloc_srun.test_pp_basic.missing-v4.sh:25`` at 9bcf02a)."""
+DISTCA_4D_TOLERANCE_FACTORS = (0.05, 0.1, 0.15, 0.2, 0.22, 0.25, 0.28, 0.3, 0.35, 0.4, 0.45, 0.5, 0.6, 0.7,
+                               0.8, 0.9, 1.0)
+"""The tolerances DistCA's 4D driver tries per tick, in order, from ``MIN_TOLERANCE_FACTOR`` (0.05) until
+the tick's plans fit the buffer; none fitting raises (the run fails) rather than growing the buffer
+(``distca/utils/test_util.py:619-795`` at 2afd219)."""
 DISTCA_TABLE3_34B = ((131072, (4, 8, 16), (64, 128, 256)),
                      (262144, (2, 4, 8), (64, 128, 256)),
                      (524288, (2, 4, 8), (64, 128, 256)))

@@ -12,10 +12,13 @@ forward and backward ticks (whose plans differ).
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from ..core.layout import Layout, stack_layouts
 from ..core.pipeline import Tick
+from .buffer import fit_buffer
 from .nanosplit import NanoBatch
 from .recipes import Recipe, cad_plan, nano_batches, plan_nano
 
@@ -54,3 +57,22 @@ def tick_plans(ticks: list[Tick], micro_layouts: list[Layout], recipe: Recipe, s
         return [[cad_plan(stack_layouts(tick_micro(t, micro_layouts), dp), recipe, spec)] for t in ticks]
     return [[plan_nano(stack_nanos(tick_micro(t, [n[j] for n in nanos]), dp), recipe, spec) for j in range(2)]
             for t in ticks]
+
+
+def fitted_tick_plans(ticks: list[Tick], micro_layouts: list[Layout], recipe: Recipe, spec, nanos,
+                      buffer_gib: float, tolerances, resend: bool = True, dtype: str = "bf16"):
+    """DistCA's 4D tolerance rule (``distca/utils/test_util.py:619-795``): per tick, its two nano-batch
+    plans at the first of ``tolerances`` from ``recipe.tolerance`` up whose all-to-alls fit ``buffer_gib``
+    GiB per GPU (:func:`cadlib.scheduling.buffer.fit_buffer`). Returns ``(plans per tick, fits per
+    tick)``; a tick that fits at no tolerance (DistCA's driver raises: the run fails) keeps the last
+    plans tried and its fit says ``grown``."""
+    dp = micro_layouts[0].n_ranks
+    plans, fits = [], []
+    for t in ticks:
+        stacked = [stack_nanos(tick_micro(t, [n[j] for n in nanos]), dp) for j in range(2)]
+        fit = fit_buffer(lambda tol: [plan_nano(nb, replace(recipe, tolerance=tol), spec) for nb in stacked],
+                         spec, buffer_gib, resend=resend, min_tolerance=recipe.tolerance,
+                         tolerances=tolerances, dtype=dtype)
+        plans.append(fit.made)
+        fits.append(fit)
+    return plans, fits

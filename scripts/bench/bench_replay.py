@@ -26,6 +26,8 @@ Two steps (:mod:`cadlib.analysis.replay.settings` says what a rank's work is):
     python scripts/bench/bench_replay.py shapes4d --sample 40        # Table 4: a sample of its server calls
     python scripts/bench/bench_replay.py time --suite 4d --cache $OUT/replay_times.json      # time the sample
     python scripts/bench/bench_replay.py compose --suite 4d --workers 2   # Table 4: PP, attention scaled
+    python scripts/bench/bench_replay.py compose --suite paper4d --backend torch_flash --linear fused-sp \
+        --model-missing --fitting-only --workers 2    # Table 4 under the paper's protocol (DistCA's sweep)
     python scripts/bench/bench_replay.py time --suite 3d --only prolong_128k --linear fused-sp --linear-only \
         --cache $OUT/replay_times.json                       # the TP=8 shard's layers, fused, SP's norms
     python scripts/bench/bench_replay.py compose --suite validation,3d --linear fused-sp --tag _fused_sp
@@ -51,6 +53,7 @@ from cadlib.analysis.replay import protocol
 from cadlib.analysis.replay import pipelined as replay4d
 from cadlib.analysis.replay import results as replay_results
 from cadlib.analysis.replay import settings as replay
+from cadlib.analysis.replay import sweep4d
 from cadlib.analysis.replay import times as replay_times
 from cadlib.analysis.runs.e2e import load_committed
 from cadlib.bench.inputs import ServeCall, rand
@@ -62,7 +65,11 @@ from cadlib.runtime import kernels
 from cadlib.runtime.device import to_device
 from cadlib.runtime.model import DecoderLayer
 
-SUITES = ("validation", "3d", "paper3d", "waterfall3d", "changes3d", "idle", "allgather", "smoke", "4d")
+SUITES = ("validation", "3d", "paper3d", "waterfall3d", "changes3d", "idle", "allgather", "smoke", "4d",
+          "paper4d", "changes4d")
+SWEEP_SUITES = ("paper4d", "changes4d")
+"""The 4D protocol's suites (:func:`cadlib.analysis.replay.protocol.paper_4d`, its variants), composed by
+:func:`cmd_compose_paper4d`."""
 
 
 def named(s, only: str) -> bool:
@@ -92,7 +99,7 @@ def settings(suites: list[str], batches: int | None, only: str = "",
             out += replay.idle_settings(batches or 5)
         elif s == "allgather":
             out += replay.allgather_settings()
-        elif s == "4d":
+        elif s == "4d" or s in SWEEP_SUITES:
             continue                        # composed by cmd_compose_4d (cadlib.analysis.replay.pipelined)
         elif s == "smoke":
             out += [replay.Setting("smoke_pretrain_dp4", "pretrain", 4, tokens=1024, max_doc_len=1024, tp=1,
@@ -100,7 +107,7 @@ def settings(suites: list[str], batches: int | None, only: str = "",
         else:
             raise SystemExit(f"unknown suite {s!r}; choose from: {', '.join(SUITES)}")
     out = [replace(s, linear=linear) for s in out if named(s, only)]
-    if not out and "4d" not in suites:
+    if not out and "4d" not in suites and not set(suites) & set(SWEEP_SUITES):
         raise SystemExit(f"no setting of {suites} is named like {only!r}")
     return out
 
@@ -280,6 +287,8 @@ def cmd_compose(a) -> int:
     backend = a.backend or "fa4"
     if "4d" in a.suite.split(","):
         return cmd_compose_4d(a, times, meta, rates, backend)
+    if set(a.suite.split(",")) & set(SWEEP_SUITES):
+        return cmd_compose_paper4d(a, cache, times, meta, rates, backend)
     out_dir = Path(a.out)
     summary = []
     model_check = None
@@ -406,6 +415,75 @@ def cmd_compose_4d(a, times, meta, rates, backend) -> int:
     return 0
 
 
+def sweep_settings(suites: list[str], batches: int | None, only: str = "", linear: str = "") -> list:
+    """The 4D protocol's settings of ``suites``: ``paper4d`` (Table 4's 8B rows, both datasets) and
+    ``changes4d`` (each of :data:`cadlib.analysis.replay.protocol.VARIANTS_4D` on its own)."""
+    n = batches or protocol.PAPER_BATCHES_4D
+    base = [x for d in protocol.PAPER_DISTS for x in protocol.paper_4d(d, n) if named(x, only)]
+    out = list(base) if "paper4d" in suites else []
+    if "changes4d" in suites:
+        out += [protocol.one_change_4d(x, v.name) for x in base for v in protocol.VARIANTS_4D]
+    return [replace(x, linear=linear) for x in out]
+
+
+def _one_sweep(job):
+    s, times, rates, backend, cost, scale, only_fitting = job
+    t0 = time.time()
+    price = replay_times.SegmentPrice(s.spec, backend, cost, scale, times)
+    res = sweep4d.replay_sweep(s, times, rates, backend, price, only_fitting=only_fitting)
+    return s, res, time.time() - t0
+
+
+def cmd_compose_paper4d(a, cache, times, meta, rates, backend) -> int:
+    """Table 4 under the paper's protocol (:mod:`cadlib.analysis.replay.sweep4d`): every configuration of
+    DistCA's grid (``--fitting-only``: those that fit in memory) of every step. Attention: the calls the
+    cache timed, the others from the kernel table times measured / predicted over the 3D protocol's timed
+    calls of this backend (``--model-missing`` says so; without it an untimed call is an error)."""
+    if not a.model_missing:
+        raise SystemExit("paper4d prices the server calls nobody timed from the kernel table: "
+                         "pass --model-missing")
+    cost = MeasuredCost.load(RESULTS_DIR / "kernel_profile_h200.json", backend)
+    t0 = time.time()
+    base3d = [replace(x, batches=1) for d in protocol.PAPER_DISTS for x in protocol.paper_3d(d, 1)]
+    check = replay_results.kernel_model_check(base3d, cache["times"], cost, backend, rates, batches=1)
+    kernel = "FA2" if backend == "torch_flash" else backend
+    check["note"] = (f"modelled from kernel table, scale from the 3D protocol's {check['calls']:,} timed "
+                     f"{kernel} calls (batch 0 of every paper3d setting)")
+    print(f"kernel table against the timed calls ({time.time() - t0:.0f} s): {check}", flush=True)
+    todo = sweep_settings(a.suite.split(","), a.batches, a.only, a.linear)
+    if not todo:
+        raise SystemExit(f"no 4D protocol setting is named like {a.only!r}")
+    jobs = [(s, times, rates, backend, cost, check["scale"], a.fitting_only) for s in todo]
+    tag = a.tag or "_paper"
+    out_dir, summary = Path(a.out), []
+    with multiprocessing.get_context("spawn").Pool(max(1, min(a.workers, len(jobs)))) as pool:
+        for s, res, wall in pool.imap_unordered(_one_sweep, jobs):
+            cfg = {k: getattr(s, k) for k in s.__dataclass_fields__}
+            save_result(out_dir / f"replay_{s.name}{tag}.json",
+                        {**cfg, "protocol": "paper_4d", "tokens_per_step": s.total_tokens,
+                         "grid": "DistCA's zconfig grid (cadlib.core.paper.DISTCA_ZCONFIG)",
+                         "memory_model": "cadlib.core.memory.configs, Megatron profile, recompute mlp",
+                         "fitting_only": a.fitting_only, "backend": backend, "linear": a.linear,
+                         "kernel_model": check, "attention": check["note"], "rates_gbps": rates,
+                         "times_meta": meta, "wall_s": wall}, res)
+            summary += res["summary"]
+            best = {r["method"]: r for r in res["summary"] if r["view"] == "paper"}
+            cad = best.get("cad-pingpong", {})
+            line = ", ".join(f"{m} {r['step_s_mean']:.2f}±{r['step_s_se']:.2f} s "
+                             f"(pp {r['pp']}, cp {r['cp']}, mb {r['n_micro']})" for m, r in best.items())
+            if "speedup_over_wlb" in cad:
+                sp, se = cad["speedup_over_wlb"], cad["speedup_se"]
+                line += f"; speedup {sp:.3f}±{se:.3f}"
+            print(f"{s.name} ({wall:.0f} s): {line}", flush=True)
+    summary.sort(key=lambda r: (r["setting"], r["view"], r["method"]))
+    save_result(out_dir / f"replay_summary_4d{tag}.json",
+                {"cache": str(a.cache), "suites": a.suite, "batches": a.batches or protocol.PAPER_BATCHES_4D,
+                 "backend": backend, "linear": a.linear, "kernel_model": check, "attention": check["note"],
+                 "fitting_only": a.fitting_only, "rates_gbps": rates, "times_meta": meta,
+                 "wall_s": time.time() - t0}, summary)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("command", choices=("time", "compose", "shapes4d"))
@@ -442,6 +520,8 @@ def main(argv=None) -> int:
     ap.add_argument("--all", action="store_true",
                     help="shapes4d: every distinct call of the first --batches steps (default 3), "
                          "not a sample")
+    ap.add_argument("--fitting-only", action="store_true",
+                    help="paper4d: replay only the configurations the memory model fits (no 'any' view)")
     ap.add_argument("--workers", type=int, default=12, help="processes planning batches beside the timing")
     a = ap.parse_args(argv)
     if a.smoke:

@@ -46,12 +46,12 @@ from ...core.cost import CAD_A2A_TO_SERVERS, ModelSpec, as_model
 from ...core.defaults import DEFAULT_NANO_SPLIT, DEFAULT_TOLERANCE
 from ...core.layout import Layout
 from ...core.methods import METHODS, names
-from ...core.paper import DISTCA_TABLE4_8B, DISTCA_TP
+from ...core.paper import DISTCA_4D_BUFFER_GIB, DISTCA_4D_TOLERANCE_FACTORS, DISTCA_TABLE4_8B, DISTCA_TP
 from ...core.pipeline import lockstep
 from ...core.precision import DTYPE_BYTES
 from ...data.packing import pack, per_doc_cp_layout, wlb_distca_buckets, wlb_layout
 from ...scheduling import scheduler
-from ...scheduling.pipeline import micro_nanos, tick_plans
+from ...scheduling.pipeline import fitted_tick_plans, micro_nanos, tick_plans
 from ..model.compose import Phases, compose_lockstep, compose_pass, one_f_one_b
 from ..model.idle import varlen_chunking
 from ..model.sim import Hardware
@@ -75,7 +75,15 @@ control (:mod:`cadlib.core.methods`)."""
 class Setting4D:
     """One Table 4 row and GPU count: ``gpus`` GPUs in nodes of ``tp``, ``batch`` sequences of
     ``max_doc_len`` tokens per step, microbatches of ``micro_tokens`` tokens per node; ``linear`` as
-    :class:`~cadlib.analysis.replay.settings.Setting`'s."""
+    :class:`~cadlib.analysis.replay.settings.Setting`'s. The protocol's choices
+    (:data:`WLB_CHOICES_4D`; :func:`cadlib.analysis.replay.protocol.paper_4d` sets the paper's):
+    ``sequence_len`` (DistCA's sequence batches, :mod:`cadlib.analysis.replay.sweep4d`),
+    ``cad_planner``, ``tolerance_rule`` (``"buffer"``: DistCA's 4D rule per tick,
+    :func:`cadlib.scheduling.pipeline.fitted_tick_plans`, with ``buffer_gib``), ``optimizer`` (whether a
+    step ends with the gradient all-reduce and the optimizer) as the 3D Setting's; ``schedule``:
+    ``"ops"`` (each 1F1B op the slowest of its stage's DP ranks: replicas in lock-step) or
+    ``"replica"`` (Megatron: each DP replica, a CP group under WLB, runs its own 1F1B until the
+    gradient all-reduce; the step is the slowest replica's)."""
 
     name: str
     dist: str
@@ -99,6 +107,12 @@ class Setting4D:
     wlb_gather: str = "sharing"
     wlb_choice: str = "batch"
     backward: str = "resend"
+    sequence_len: int | None = None
+    cad_planner: str = "ours"
+    tolerance_rule: str = "fixed"
+    buffer_gib: float = DISTCA_4D_BUFFER_GIB
+    optimizer: bool = True
+    schedule: str = "ops"
 
     def __post_init__(self):
         for f, valid in WLB_CHOICES_4D.items():
@@ -154,17 +168,22 @@ class Setting4D:
         return Setting(f"{self.name}_dp{dp}", self.dist, dp, tokens=self.micro_tokens,
                        max_doc_len=self.max_doc_len, elongate=self.elongate, tp=self.tp, model=self.model,
                        batches=self.batches, seed=self.seed, link=self.link, tolerance=self.tolerance,
-                       min_shard=self.min_shard, nano_split=self.nano_split, linear=self.linear)
+                       min_shard=self.min_shard, nano_split=self.nano_split, linear=self.linear,
+                       sequence_len=self.sequence_len, cad_planner=self.cad_planner,
+                       tolerance_rule=self.tolerance_rule, buffer_gib=self.buffer_gib, backward="resend",
+                       optimizer=self.optimizer)
 
 
 WLB_CHOICES_4D = {"wlb_packer": ("cut", "distca", "distca-4d"), "wlb_gather": ("sharing", "replica"),
-                  "wlb_choice": ("batch", "setting")}
+                  "wlb_choice": ("batch", "setting"), "cad_planner": ("ours", "distca"),
+                  "tolerance_rule": ("fixed", "buffer"), "optimizer": (True, False),
+                  "schedule": ("ops", "replica")}
 """The values of a 4D setting's WLB choices (the first of each: what the replay did before them).
 ``wlb_packer``: ``"cut"`` ours (:func:`wlb_micro_layouts`), ``"distca"`` WLB-LLM's packer over all of a
 step's replicas and micro-batches with ``Lmax`` = the mean, ``"distca-4d"`` the same as DistCA's 4D
 driver calls it, ``Lmax`` = the mean over the micro-batches (spec: its 3D ``Lmax`` with ``dp x
 micro-batches`` buckets). ``wlb_gather`` and ``wlb_choice``: as the 3D :class:`Setting`'s (the choice:
-:meth:`Setting4D.wlb_degrees`)."""
+:meth:`Setting4D.wlb_degrees`). The others: :class:`Setting4D`'s docstring."""
 
 
 def paper_4d_settings(batches: int = 3, dists=("distca-pretrain", "prolong")) -> list[Setting4D]:
@@ -335,14 +354,17 @@ def _ends(s: Setting4D, pp: int, times: dict, backend: str):
 # ---------------------------------------------------------------------------------------------------
 
 def pipeline_1f1b(s: Setting4D, lays: list[Layout], pp: int, dp: int, times, links: Links, price,
-                  backend: str, method: str, gather_cp: int | None = None) -> dict:
+                  backend: str, method: str, gather_cp: int | None = None, replica: int = 1) -> dict:
     """Colocated or WLB under 1F1B: each op is its stage's layers over the microbatch's ``dp`` ranks
     (``gather_cp``: per-document CP's all-gather over whole CP groups of that degree,
-    :func:`cadlib.analysis.replay.settings.gather_bytes`)."""
+    :func:`cadlib.analysis.replay.settings.gather_bytes`); ``replica``: ranks per DP replica (WLB's CP
+    degree), each replica its own 1F1B under ``s.schedule == "replica"``."""
     base, spec = s.base(dp), s.spec
     L = spec.n_layers // pp
     opt, head = _ends(s, pp, times, backend)
-    f, bk = np.zeros((pp, len(lays))), np.zeros((pp, len(lays)))
+    group = replica if s.schedule == "replica" else dp     # ranks that run one 1F1B together
+    n_rep = dp // group
+    f, bk = np.zeros((n_rep, pp, len(lays))), np.zeros((n_rep, pp, len(lays)))
     busy = 0.0                                    # GPU-seconds of work, all stages
     for m, lay in enumerate(lays):
         tok = lay.tokens_per_rank().astype(np.float64)
@@ -357,12 +379,14 @@ def pipeline_1f1b(s: Setting4D, lays: list[Layout], pp: int, dp: int, times, lin
         p2p = p2p_seconds(s, tok, links.dp) if pp > 1 else np.zeros(dp)
         fe, fb, _ = compose_pass("colocated", ph, L)
         be, bb, _ = compose_pass("colocated", ph, L, backward=True)
-        f[:, m], bk[:, m] = fe.max() + p2p.max(), be.max() + p2p.max()
-        f[-1, m] += float(hf.max())
-        bk[-1, m] += float(hb.max())
+        top = lambda x: np.asarray(x, dtype=np.float64).reshape(n_rep, group).max(1)   # noqa: E731
+        f[:, :, m] = (top(fe) + top(p2p))[:, None]
+        bk[:, :, m] = (top(be) + top(p2p))[:, None]
+        f[:, -1, m] += top(hf)
+        bk[:, -1, m] += top(hb)
         busy += pp * float((fb + bb + 2 * p2p).sum()) + float((hf + hb).sum())
-    makespan = one_f_one_b(f, bk)[0]
-    step = makespan + _allreduce(s, pp, dp, links.dp) + opt
+    makespan = max(one_f_one_b(f[r], bk[r])[0] for r in range(n_rep))
+    step = makespan + (_allreduce(s, pp, dp, links.dp) + opt if s.optimizer else 0.0)
     return {"step_s": step, "pipeline_s": makespan, "idle_fraction": 1 - busy / (pp * dp * makespan)}
 
 
@@ -375,7 +399,12 @@ def pipeline_lockstep(s: Setting4D, lays: list[Layout], pp: int, dp: int, times,
     recipe = base.recipe()
     ticks = lockstep(pp, len(lays))
     nanos = micro_nanos(lays, recipe)
-    plans = tick_plans(ticks, lays, recipe, spec, nanos)
+    fits = []
+    if s.tolerance_rule == "buffer":
+        plans, fits = fitted_tick_plans(ticks, lays, recipe, spec, nanos, s.buffer_gib,
+                                        DISTCA_4D_TOLERANCE_FACTORS, resend=True, dtype=DTYPE)
+    else:
+        plans = tick_plans(ticks, lays, recipe, spec, nanos)
     composed, imb = [], []
     for tick, ps in zip(ticks, plans):
         bwd = tick.phase == "B"
@@ -398,11 +427,15 @@ def pipeline_lockstep(s: Setting4D, lays: list[Layout], pp: int, dp: int, times,
         composed.append((tick.phase, ph, hd))
         imb.append(max(p.imbalance() for p in ps))
     p2p = p2p_seconds(s, s.micro_tokens, links.dp) if pp > 1 else 0.0
-    c = compose_lockstep("signal-only" if signal_only else "cad-pingpong", composed, L,
-                         _allreduce(s, pp, dp, links.dp), opt, float(np.max(p2p)))
-    return {"step_s": c.step, "pipeline_s": c.step - _allreduce(s, pp, dp, links.dp) - opt,
+    ar, opt = (_allreduce(s, pp, dp, links.dp), opt) if s.optimizer else (0.0, 0.0)
+    c = compose_lockstep("signal-only" if signal_only else "cad-pingpong", composed, L, ar, opt,
+                         float(np.max(p2p)))
+    fit = {} if not fits else {"tolerance_max": max(f.tolerance for f in fits),
+                               "buffer_need_gib_max": max(f.need for f in fits) / 2 ** 30,
+                               "buffer_failed_ticks": sum(f.grown for f in fits)}
+    return {"step_s": c.step, "pipeline_s": c.step - ar - opt,
             "idle_fraction": c.idle_fraction, "exposed_comm_s": c.breakdown["exposed_comm_s"],
-            "plan_imbalance_max": float(max(imb))}
+            "plan_imbalance_max": float(max(imb)), **fit}
 
 
 def _stack_rows(tick, parts, dp: int):

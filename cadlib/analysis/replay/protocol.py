@@ -25,7 +25,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ...core.paper import DISTCA_TABLE3_8B, DISTCA_TP
+from ...core.paper import (DISTCA_4D_BUFFER_GIB, DISTCA_MIN_TOLERANCE, DISTCA_TABLE3_8B, DISTCA_TABLE4_8B,
+                           DISTCA_TP, DISTCA_ZCONFIG)
+from .pipelined import Setting4D
 from .settings import Setting
 
 PAPER_BATCHES_3D = 15
@@ -156,3 +158,68 @@ def variant(s: Setting, upto: str) -> Setting:
         if v.name == upto:
             break
     return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# 4D (Table 4): DistCA's sweep of every configuration that fits in memory, for both methods
+# ---------------------------------------------------------------------------------------------------
+
+PAPER_4D = {"nano_split": "distca", "wlb_packer": "distca", "wlb_gather": "replica", "wlb_choice": "setting",
+            "cad_planner": "distca", "tolerance_rule": "buffer", "tolerance": DISTCA_MIN_TOLERANCE,
+            "buffer_gib": DISTCA_4D_BUFFER_GIB, "optimizer": False, "schedule": "replica",
+            "pps": DISTCA_ZCONFIG["pp"], "wlb_cp": DISTCA_ZCONFIG["wlb_cp"]}
+"""The Setting4D fields the 4D protocol fixes: the 3D protocol's choices (:data:`PAPER`), DistCA's 4D
+tolerance rule (per tick, from 0.05 up, a 4 GiB buffer, a tick that fits at none fails the run), 1F1B per
+DP replica, the zconfig grid's PP and CP degrees (:mod:`cadlib.analysis.replay.sweep4d` replays the grid,
+each configuration filtered by the memory model, each method's best by mean step)."""
+
+
+def paper_4d(dataset: str, batches: int = PAPER_BATCHES_4D) -> list[Setting4D]:
+    """Table 4's Llama-8B rows (MaxDocLen 128K-512K, 64-256 GPUs, TP=8) under the paper's protocol: a step
+    of Table 4's batch of MaxDocLen sequences (its batch counts both ping and pong: section 5 of the
+    notes), DistCA's samplers, :data:`PAPER_4D`."""
+    if dataset not in PAPER_DISTS:
+        raise ValueError(f"unknown dataset {dataset!r}; choose one of: {', '.join(PAPER_DISTS)}")
+    return [Setting4D(f"4d_{dataset}_{ctx // 1024}k_{g}gpus", PAPER_DISTS[dataset], g, seqs, ctx,
+                      sequence_len=ctx, batches=batches, **PAPER_4D)
+            for ctx, sizes, gpus in DISTCA_TABLE4_8B for seqs, g in zip(sizes, gpus)]
+
+
+VARIANTS_4D = (
+    Variant("schedule", "1F1B: a stage's DP replicas in lock-step",
+            {"schedule": "ops"},
+            "ours took each 1F1B op as the slowest of its stage's DP ranks; Megatron runs each replica's "
+            "pipeline on its own until the gradient all-reduce"),
+    Variant("nano", "nano-batches: per-rank halves that may cut documents",
+            {"nano_split": "docs"}, VARIANTS[0].why),
+    Variant("wlb_packer", "WLB-ideal: packing that cuts costly documents, 1.25x cap",
+            {"wlb_packer": "cut"}, _BY_NAME["wlb_packer"].why),
+    Variant("wlb_packer_4d", "WLB-ideal as DistCA's 4D driver ran it: the cap over the micro-batches",
+            {"wlb_packer": "distca-4d"},
+            "DistCA's 4D WLB driver passes the step's sequences with dp x micro-batches buckets, so its "
+            "packer caps each bucket at the mean over the micro-batches and places most documents uncapped "
+            "(tests/test_wlb_e2e.py:503-523): the baseline as run, weaker than WLB-LLM"),
+    Variant("wlb_gather", "WLB-ideal: all-gathers among the ranks sharing a document",
+            {"wlb_gather": "sharing"}, _BY_NAME["wlb_gather"].why),
+    Variant("planner", "CAD: our scheduler", {"cad_planner": "ours"}, _BY_NAME["planner"].why),
+    Variant("tolerance", "CAD: tolerance 0.02",
+            {"tolerance_rule": "fixed", "tolerance": 0.02},
+            "ours balanced to 2%; DistCA's 4D driver takes per tick the first tolerance from 0.05 whose "
+            "plans fit its 4 GiB buffer"),
+    Variant("optimizer", "a step includes the gradient all-reduce and the optimizer",
+            {"optimizer": True}, _BY_NAME["optimizer"].why),
+)
+"""Our 4D choices, each one Setting4D field (:func:`one_change_4d`). Two more are views of the same runs
+(:data:`cadlib.analysis.replay.sweep4d.VIEWS`): ``any`` (no memory limit) and ``oracle`` (WLB-ideal's best
+configuration batch by batch). Not a 4D variant: the stateful servers (a micro-batch's forward and backward
+run in different ticks with different plans) and the samplers (the sweep forms micro-batches from
+sequences)."""
+
+_BY_NAME_4D = {v.name: v for v in VARIANTS_4D}
+
+
+def one_change_4d(s: Setting4D, name: str) -> Setting4D:
+    """4D setting ``s`` with only variant ``name`` of :data:`VARIANTS_4D` applied."""
+    if name not in _BY_NAME_4D:
+        raise ValueError(f"unknown 4D variant {name!r}; choose one of: {', '.join(_BY_NAME_4D)}")
+    return _BY_NAME_4D[name].apply(s)
