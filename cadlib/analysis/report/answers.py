@@ -82,6 +82,12 @@ def numbers(results_dir=None) -> dict[str, Number]:
                 float(g.inside.sum()), str(int(g.inside.sum())),
                 f"settings of {len(g)} inside the paper's range, {REPLAY} under the paper's protocol "
                 f"({kernel})")
+    p4 = scale.speedups_4d_paper(results_dir=replay_dir)
+    for d in ("pretrain", "prolong"):
+        g = p4[p4.dist == d].speedup_over_wlb
+        out[f"distca.speedup_4d_8b_{d}@replay_range"] = Number(
+            (float(g.min()), float(g.max())), _span(g.min(), g.max(), ".2f", "x"),
+            f"{REPLAY_PAPER} (4D, each method at its best configuration that fits in memory)")
     for view in ("any", "budget"):
         s4 = scale.speedups_4d(view, replay_dir)
         for d in ("pretrain", "prolong"):
