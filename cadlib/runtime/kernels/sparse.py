@@ -97,6 +97,13 @@ def flex_tile(m: BlockSparseMask) -> int:
     return int(block) if block in FLEX_TILES and (m.rows == block).all() else 128
 
 
+def flex_kernel_options(tile: int) -> dict | None:
+    """The compiled FlexAttention's tile options for a block mask of ``tile`` rows and columns: its
+    default forward tile on Hopper is 128 x 64, which a 64-row block mask does not divide (Inductor
+    refuses it), so masks on a tile under 128 ask for ``tile x tile`` (None: the defaults)."""
+    return None if tile >= 128 else {"BLOCK_M": tile, "BLOCK_N": tile}
+
+
 def flex_block_mask(m: BlockSparseMask, q_heads: int, device="cpu") -> BlockMask:
     """FlexAttention's ``BlockMask`` of ``m`` for ``q_heads`` query heads (module docstring)."""
     group = _head_map(m, q_heads)
@@ -190,7 +197,8 @@ def setup(kernel: str, m: BlockSparseMask, q, k, v, flex_fn: Callable | None = N
         bm = flex_block_mask(m, hq, q.device)
         fn = flex_fn or flex_attention
         qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
-        return lambda: fn(qh, kh, vh, block_mask=bm, enable_gqa=gqa)[0].transpose(0, 1)
+        opts = flex_kernel_options(flex_tile(m))
+        return lambda: fn(qh, kh, vh, block_mask=bm, enable_gqa=gqa, kernel_options=opts)[0].transpose(0, 1)
     if kernel == "fa4":
         if q.device.type != "cuda":
             raise SparseUnsupported("FA4 needs CUDA")
