@@ -15,6 +15,7 @@ verdicts these numbers carry are :mod:`cadlib.analysis.report.verdicts`'.
 from __future__ import annotations
 
 import functools
+import json
 import pathlib
 import re
 from typing import NamedTuple
@@ -149,3 +150,59 @@ def check_markers(page: str, results_dir=None) -> list[str]:
         elif quoted != got[key].text:
             bad.append(f"{key}: the page says {quoted!r}, the results say {got[key].text!r}")
     return bad
+
+
+def refresh_markers(page: str, results_dir=None) -> tuple[str, list[str]]:
+    """``page`` with every marked number replaced by its key's :func:`text`, and one line per change
+    (``key: old -> new``). An unknown key raises ValueError naming it. What the prose around a number
+    says about it (above or below the paper, say) is not checked: read the changes."""
+    got = numbers(results_dir)
+    changes = []
+
+    def swap(m: re.Match) -> str:
+        key, quoted = m.group(1), m.group(2)
+        if key not in got:
+            raise ValueError(f"unknown key {key!r} (quoted {quoted!r}); choose one of: {', '.join(got)}")
+        bare = quoted.rstrip(".,;:)")
+        if bare == got[key].text:
+            return m.group(0)
+        changes.append(f"{key}: {bare} -> {got[key].text}")
+        return m.group(0).replace(quoted, got[key].text + quoted[len(bare):], 1)
+    return MARKER.sub(swap, page), changes
+
+
+def main(argv=None) -> int:
+    """``python -m cadlib.analysis.report.answers [--fix] FILE...``: check (or rewrite) the marked numbers
+    of the README and notebooks after the results change; exit 1 when a check finds a stale number."""
+    import argparse
+    ap = argparse.ArgumentParser(description=main.__doc__.split("\n")[0])
+    ap.add_argument("files", nargs="+")
+    ap.add_argument("--fix", action="store_true", help="rewrite stale numbers in place")
+    a = ap.parse_args(argv)
+    stale = 0
+    for f in a.files:
+        path = pathlib.Path(f)
+        if path.suffix == ".ipynb":                 # the markdown cells' text, not the file's JSON
+            nb = json.loads(path.read_text())
+            changes = []
+            for cell in nb["cells"]:
+                if cell["cell_type"] == "markdown":
+                    src = "".join(cell["source"])
+                    new, ch = refresh_markers(src)
+                    if ch:
+                        cell["source"] = new.splitlines(keepends=True)
+                        changes += ch
+            write = lambda: path.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n")  # noqa: E731
+        else:
+            new, changes = refresh_markers(path.read_text())
+            write = lambda: path.write_text(new)  # noqa: E731
+        for c in changes:
+            print(f"{f}: {c}")
+        stale += len(changes)
+        if a.fix and changes:
+            write()
+    return 0 if a.fix or not stale else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
