@@ -42,3 +42,21 @@ def test_a_stale_number_is_caught():
     assert "unknown key" in answers.check_markers("<!-- no.such -->3%")[0]
     with pytest.raises(ValueError, match="no number 'x'"):
         answers.text("x")
+
+
+def test_fix_rewrites_stale_numbers_in_markdown_and_notebooks(tmp_path):
+    key = "replay.raw_err"
+    right = answers.text(key)
+    md = tmp_path / "page.md"
+    md.write_text(f"the replay is <!-- {key} -->9.9-9.9% short.")
+    nb = tmp_path / "nb.ipynb"
+    nb.write_text(json.dumps({"cells": [{"cell_type": "markdown", "metadata": {}, "id": "a",
+                                         "source": [f"raw <!-- {key} -->1.0%\n", "next line"]}],
+                              "metadata": {}, "nbformat": 4, "nbformat_minor": 5}, indent=1))
+    assert answers.main([str(md), str(nb)]) == 1                       # a check finds both stale
+    assert answers.main(["--fix", str(md), str(nb)]) == 0
+    assert md.read_text() == f"the replay is <!-- {key} -->{right} short."
+    assert json.loads(nb.read_text())["cells"][0]["source"] == [f"raw <!-- {key} -->{right}\n", "next line"]
+    assert answers.main([str(md), str(nb)]) == 0
+    with pytest.raises(ValueError, match="unknown key 'nope'"):
+        answers.refresh_markers("<!-- nope -->1%")
