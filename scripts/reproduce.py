@@ -450,6 +450,10 @@ PUBLISHED = "notebooks"
 _HREF = re.compile(r'href="([^"#:]+)(#[^"]*)?"')
 
 
+NOTEBOOK_CSS = "notebook.css"
+"""The executed notebooks' one stylesheet (nbconvert's theme), beside their pages."""
+
+
 def published_name(notebook: str) -> str:
     """The published HTML of a notebook (its path under notebooks/): ``03_pingpong__02_pipeline.html``."""
     return notebook.replace("/", "__").removesuffix(".ipynb") + ".html"
@@ -490,6 +494,8 @@ def publish_notebooks(dest: pathlib.Path, rows: list[dict], run_dir: pathlib.Pat
         out[r["notebook"]] = f"{PUBLISHED}/{name}"
     if out:
         figures_html.write_plotlyjs(folder)
+        if (run_dir / NOTEBOOK_CSS).exists():
+            shutil.copyfile(run_dir / NOTEBOOK_CSS, folder / NOTEBOOK_CSS)
         if len(rows) == len(find_notebooks([])):
             for stale in set(folder.glob("*.html")) - {folder / pathlib.Path(h).name for h in out.values()}:
                 stale.unlink()
@@ -556,7 +562,8 @@ def main(argv=None) -> int:
             if not args.no_html:
                 try:
                     figures_html.write_plotlyjs(run_dir)
-                    figures_html.notebook_html(out, out.with_suffix(".html"), plotlyjs_src="plotly.min.js")
+                    figures_html.notebook_html(out, out.with_suffix(".html"), plotlyjs_src="plotly.min.js",
+                                               css_href=NOTEBOOK_CSS)
                     row["links"]["html"] = out.with_suffix(".html").name
                 except Exception as e:  # the report must not fail because a viewer could not be made
                     print(f"  (html export of {out.name} failed: {type(e).__name__}: {e})")

@@ -111,3 +111,4 @@ def test_block_sparse_pictures_and_areas():
     uni, var = areas[areas.family == sparse.UNIFORM], areas[areas.family == sparse.VARIABLE]
     assert np.allclose(uni["area / T^2"], uni["k / N"]) and (uni["kept k"] == [6, 32]).all()
     assert (var["head min"] < var["head max"]).all()          # random block sizes: each head its own area
+

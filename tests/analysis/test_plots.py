@@ -106,3 +106,14 @@ def test_hero_axis_writes_its_ticks_out():
                               {"claim": "b", "ratio": 1.3, "verdict": "partly", "label": ""}])
     assert fig.layout.xaxis.type == "log" and "0.5x" in fig.layout.xaxis.ticktext
     assert all(t.endswith("x") for t in fig.layout.xaxis.ticktext) and fig.layout.xaxis.tickvals[0] >= 0.39
+
+
+def test_shared_stylesheet_moves_the_heads_styles_to_one_file(tmp_path):
+    from cadlib.analysis.figures.static import shared_stylesheet
+    page = ("<html><head><style>a{color:red}</style><script src='plotly.min.js'></script>"
+            "<style type='text/css'>b{margin:0}</style></head><body><style>.cell{x:1}</style>body</body></html>")
+    out = shared_stylesheet(page, tmp_path / "notebook.css", "notebook.css")
+    assert (tmp_path / "notebook.css").read_text() == "a{color:red}\nb{margin:0}"
+    assert '<link rel="stylesheet" href="notebook.css">' in out and "a{color:red}" not in out
+    assert "<style>.cell{x:1}</style>" in out and "plotly.min.js" in out       # the body's own styles stay
+    assert shared_stylesheet("<p>no head</p>", tmp_path / "x.css", "x.css") == "<p>no head</p>"

@@ -170,10 +170,12 @@ def render_math(markdown: str) -> str:
     return "".join(parts)
 
 
-def notebook_html(ipynb: str | os.PathLike, dest: str | os.PathLike, plotlyjs_src: str | None = None):
+def notebook_html(ipynb: str | os.PathLike, dest: str | os.PathLike, plotlyjs_src: str | None = None,
+                  css_href: str | None = None):
     """Export an executed notebook to HTML with every plotly figure drawn (plotly.js inlined, or loaded
     from ``plotlyjs_src`` relative to the page) and its maths pre-rendered as MathML (:func:`render_math`;
-    no MathJax from the network)."""
+    no MathJax from the network). With ``css_href``, the page's own stylesheet (nbconvert's theme, some
+    7,000 lines, the same for every notebook) goes to that file beside ``dest`` and the page links it."""
     import nbformat
     from nbconvert import HTMLExporter
 
@@ -184,4 +186,24 @@ def notebook_html(ipynb: str | os.PathLike, dest: str | os.PathLike, plotlyjs_sr
     body, _ = HTMLExporter().from_notebook_node(nb)
     body = re.sub(r"<script[^>]*src=\"[^\"]*mathjax[^\"]*\"[^>]*>\s*</script>", "", body, flags=re.I)
     body = re.sub(r"(<head[^>]*>)", lambda m: m.group(1) + plotlyjs_tag(plotlyjs_src), body, count=1)
+    if css_href is not None:
+        body = shared_stylesheet(body, pathlib.Path(dest).parent / css_href, css_href)
     return atomic_write_text(dest, body)
+
+
+_HEAD_STYLE = re.compile(r"<style[^>]*>(.*?)</style>", re.S | re.I)
+
+
+def shared_stylesheet(page: str, css_path: str | os.PathLike, css_href: str) -> str:
+    """``page`` with the ``<style>`` blocks of its ``<head>`` written to ``css_path`` (their text, in
+    order) and replaced by one ``<link>`` to ``css_href``; the body's own styles stay."""
+    head_end = page.lower().find("</head>")
+    if head_end < 0:
+        return page
+    head, rest = page[:head_end], page[head_end:]
+    css = "\n".join(m.group(1) for m in _HEAD_STYLE.finditer(head))
+    if not css:
+        return page
+    atomic_write_text(css_path, css)
+    head = _HEAD_STYLE.sub("", head)
+    return head + f'<link rel="stylesheet" href="{css_href}">\n' + rest
