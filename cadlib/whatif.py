@@ -6,12 +6,14 @@
 Documents come from ``--lengths`` (``.txt``, ``.csv`` / ``.jsonl`` / ``.parquet`` with ``--column``,
 ``.npy``, or a directory written by ``datasets``' ``save_to_disk``) or a named distribution (``--dist``).
 The model is a named spec, its fields overridden by ``--layers``, ``--hidden``, ``--heads``,
-``--kv-heads``, ``--head-dim``, ``--ffn``, ``--vocab``. Prints a table of colocated, WLB-ideal and CAD
-with ping-pong (step, tokens/s, idle, speedups with the simulator's measured error band, bytes sent and
+``--kv-heads``, ``--head-dim``, ``--ffn``, ``--vocab``. Prints a table of colocated, WLB-ideal, CAD
+with ping-pong and the zigzag CP ring over the packed sequence
+(step, tokens/s, idle, speedups with the simulator's measured error band, bytes sent and
 activation memory per GPU), a verdict and where it flips (:mod:`cadlib.analysis.whatif.planner`); ``--json``
 and ``--html`` write the same. ``--gpu-table`` prices with a calibration of the user's own GPU
 (``python -m cadlib.calibrate``, :mod:`cadlib.analysis.whatif.gpu_table`). Then, per method, the
-configurations that fit in ``--gpu-mem-gib`` (:mod:`cadlib.analysis.whatif.fit`). Bad input stops it before
+configurations that fit in ``--gpu-mem-gib``, one GPU's memory in GiB, which the activation column
+and the ring's degrees are measured against too (:mod:`cadlib.analysis.whatif.fit`). Bad input stops it before
 any work with exit status 2 and one line naming the input and what is valid.
 """
 from __future__ import annotations
@@ -31,7 +33,7 @@ from .analysis.whatif.setup import Cluster, Documents, Training
 from .core.cost import DEFAULT_MODEL, H200_NVLINK_ALL_TO_ALL_GBPS, IB_GBPS_PER_GPU, MODELS, as_model
 from .core.defaults import DEFAULT_TOLERANCE
 from .core.measured import MeasuredCost
-from .core.paper import DISTCA_GPU_MEMORY_GB, DISTCA_GPUS_PER_NODE
+from .core.paper import DISTCA_GPUS_PER_NODE
 from .data.lengths import read_lengths
 from .data.workload import PRESETS, QUANTILE_TABLES
 
@@ -75,11 +77,10 @@ def parser() -> argparse.ArgumentParser:
                     help="in-node bandwidth per GPU, GB/s (default: the H200 NVLink all-to-all)")
     cl.add_argument("--inter-node-gbps", type=float, default=IB_GBPS_PER_GPU,
                     help="inter-node bandwidth per GPU, GB/s (default: DistCA's InfiniBand)")
-    cl.add_argument("--gpu-memory-gb", type=float, default=DISTCA_GPU_MEMORY_GB,
-                    help="GPU memory in GB that the activation column is measured against")
     cl.add_argument("--gpu-mem-gib", type=float, default=fit.DEFAULT_GPU_MEM_GIB,
-                    help="GPU memory in GiB the configuration search fits under (default "
-                    f"{fit.DEFAULT_GPU_MEM_GIB:g}, an H200 as DistCA counts it)")
+                    help="one GPU's memory in GiB (default %(default)g, an H200 as DistCA counts it): the "
+                    "activation column, the CP ring's degrees and the search of configurations that fit "
+                    "are measured against it")
     cl.add_argument("--kernels", help="a kernel latency table (scripts/bench/profile_kernels.py's JSON, e.g. "
                     "results/kernel_profile_h200.json; default: the simulator's H200 rates)")
     cl.add_argument("--gpu-table", help="a calibration of your GPU (python -m cadlib.calibrate --out FILE): "
@@ -121,7 +122,7 @@ def check(args) -> tuple:
                        "(and override its fields with --layers, --hidden, --heads, ...)")
     _positive(args, ("layers", "hidden", "heads", "kv_heads", "head_dim", "ffn", "vocab", "gpus", "nodes",
                      "gpus_per_node", "tp", "pp", "context", "tokens_per_group", "micro_batches", "steps"))
-    _positive(args, ("intra_node_gbps", "inter_node_gbps", "gpu_memory_gb", "gpu_mem_gib", "elongate"), float)
+    _positive(args, ("intra_node_gbps", "inter_node_gbps", "gpu_mem_gib", "elongate"), float)
     if args.tolerance < 0:
         raise BadInput(f"--tolerance {args.tolerance}: must be >= 0")
     over = {DIMS[k]: getattr(args, k) for k in DIMS if getattr(args, k) is not None}
@@ -161,7 +162,7 @@ def check(args) -> tuple:
                            "scripts/bench/profile_kernels.py's JSON") from None
     cluster = Cluster(gpus=gpus, gpus_per_node=args.gpus_per_node, tp=tp, pp=args.pp,
                              intra_node_gbps=args.intra_node_gbps, inter_node_gbps=args.inter_node_gbps,
-                             gpu_memory_gb=args.gpu_memory_gb, kernels=args.kernels)
+                             gpu_mem_gib=args.gpu_mem_gib, kernels=args.kernels)
     training = Training(context=args.context, tokens_per_group=args.tokens_per_group,
                                micro_batches=args.micro_batches, steps=args.steps, seed=args.seed,
                                elongate=args.elongate, tolerance=args.tolerance)

@@ -271,10 +271,10 @@ def test_clip_lets_long_lengths_through(files, capsys):
 def test_named_model_fields_can_be_overridden(capsys, tmp_path):
     dims = ["--layers", "4", "--hidden", "1024", "--heads", "8", "--kv-heads", "2", "--ffn", "4096",
             "--vocab", "32000"]
-    argv = ["--dist", "pretrain", *dims, "--gpu-memory-gb", "0.5", "--json", str(tmp_path / "m.json")]
+    argv = ["--dist", "pretrain", *dims, "--gpu-mem-gib", "0.5", "--json", str(tmp_path / "m.json")]
     rc, out, err = _run(argv + SMALL, capsys)
     assert rc == 0, err
-    assert "note: activations exceed the GPU's 0.5 GB under colocated, WLB-ideal, CAD (ping-pong)" in out
+    assert "note: activations exceed the GPU's 0.5 GiB under colocated, WLB-ideal, CAD (ping-pong)" in out
     m = json.loads((tmp_path / "m.json").read_text())["inputs"]["model"]
     got = [m[k] for k in ("n_layers", "hidden", "n_heads", "n_kv_heads", "head_dim", "ffn", "vocab")]
     assert got == [4, 1024, 8, 2, 128, 4096, 32000]
@@ -303,3 +303,20 @@ def test_without_the_committed_error_files_the_band_says_what_it_leaves_out(tmp_
 def test_uniform_and_lognormal_need_a_lengths_file(capsys):
     rc, out, err = _run(["--dist", "uniform", "--gpus", "8"], capsys)
     assert rc == 2 and "--dist uniform: not one of the named tables; choose one of: pretrain" in err
+
+
+def test_a_grid_falling_at_its_end_prices_past_it_at_the_clipped_slope():
+    """A calibration's two smoke points may fall (post 6.6 -> 4.9 ms): past the grid the what-if prices
+    the last value (the slope clipped at zero), a rising field along its slope, and never below zero."""
+    from cadlib.analysis.replay.times import LINEAR_GRID, interp
+
+    a, b = LINEAR_GRID[:2]
+    times = {f"linear|x|{a}": {"post_ms": 6.6, "pre_ms": 1.0},
+             f"linear|x|{b}": {"post_ms": 4.9, "pre_ms": 2.0}}
+    clipped = price_mod.clip_grid_ends(times)
+    key = lambda n: f"linear|x|{n}"                                          # noqa: E731
+    far = [b, 4 * b, 64 * b]
+    assert np.allclose(interp(clipped, key, far, "post_ms"), 4.9e-3)
+    assert np.allclose(interp(clipped, key, far, "pre_ms"), (2.0 + (np.array(far) - b) / (b - a)) * 1e-3)
+    assert np.all(interp(times, key, [64 * b], "post_ms") < 0)                # the replay's own line
+    assert np.allclose(interp(clipped, key, [a, (a + b) // 2], "post_ms"), [6.6e-3, 5.75e-3])

@@ -9,6 +9,7 @@ Colourblind-safe hues (Okabe-Ito); CAD is blue in every shade, the baselines are
 * ``colocated`` (and plain data parallelism ``dp``): grey; ``wlb`` / ``WLB-ideal``: vermilion;
   ``varlen`` (variable-length chunking): orange;
 * ``cad``: sky blue; ``cad-pingpong`` / ``CAD (ping-pong)``: blue; ``signal-only``: purple;
+* ``cp-ring`` / ``CP ring (zigzag)`` (the what-if's CP over the packed sequence): the ring's colour below;
 * ``paper``: green (a band: :data:`BAND_OPACITY`); ``simulator``: black, dashed (:data:`SIMULATOR_DASH`);
 * the CP mechanisms of notebook 4.3 (``allgather``, ``ring``, ``ulysses``, ``usp``, ``loongtrain``; ``cad``
   is CAD's colour).
@@ -25,6 +26,7 @@ COLOURS: dict[str, str] = {
     "cad": SKY, "CAD": SKY,
     "cad-pingpong": BLUE, "CAD (ping-pong)": BLUE,
     "signal-only": PURPLE,
+    "cp-ring": "#1B9E77", "CP ring (zigzag)": "#1B9E77",
     "paper": GREEN,
     "simulator": BLACK,
     # the CP mechanisms of cadlib.cp (4.3): CAD keeps its colour, the others hues no method uses

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import html
 
+from ...core.memory import GIB
+from ..figures.palette import COLOURS
 from ..figures.static import plotly_div_deferred, plotlyjs_packed_tag
-from .planner import LABELS, METHODS, pct
+from .planner import LABELS, ROWS, pct
+from .ring import KEY as RING
 
 MARK = {"pays": "", "unsure": "?", "loses": "!"}
 
@@ -52,9 +55,11 @@ def table_rows(res: dict) -> list[dict]:
         return f"{x:.2f}"
 
     rows = []
-    for key in METHODS:
+    for key in _rows(res):
         r = res["methods"][key]
-        name = LABELS[key] + (f" (CP {max(set(r['cp']), key=r['cp'].count)})" if key == "wlb" else "")
+        cp = max(set(r["cp"]), key=r["cp"].count) if key in ("wlb", RING) else None
+        name = LABELS[key] if cp is None else \
+            f"{LABELS[key]} (CP {cp})" if key == "wlb" else f"{LABELS[key][:-1]}, CP {cp})"
         rows.append({
             "method": name,
             "step s": f"{r['step_s']:.2f} ({_band(r['step_s_band'], times)})",
@@ -65,10 +70,29 @@ def table_rows(res: dict) -> list[dict]:
             "x WLB-ideal": "1" if key == "wlb" else
             f"{r['speedup_over_wlb']:.2f} ({_band(r['speedup_over_wlb_band'], times)})",
             "GB sent/GPU": f"{r['sent_bytes_mean'] / 1e9:.1f}",
-            "act. GB/GPU": f"{r['activation_bytes_max'] / 1e9:.0f} "
+            "act. GiB/GPU": f"{r['activation_bytes_max'] / GIB:.0f} "
                            f"({100 * r['activation_bytes_max'] / mem:.0f}%)",
         })
     return rows
+
+
+def _rows(res: dict) -> list[str]:
+    """The methods a what-if priced, in the table's order (the CP ring only when it was priced)."""
+    return [k for k in ROWS if k in res["methods"]]
+
+
+def ring_text(res: dict) -> str:
+    """The CP ring's degree, why, and CAD against it (no band: no replay of the ring measured the
+    composition's error), or nothing when the ring was not priced."""
+    rg = res.get("ring") or {}
+    if rg.get("chosen") is None:
+        return ""
+    steps = ", ".join(f"CP {c} {t:.3g} s" for c, t in rg["mean_step_s"].items())
+    cad = res["methods"]["cad-pingpong"].get(f"speedup_over_{RING}")
+    return (f"CP ring (zigzag over the packed sequence): CP {rg['chosen']}, the fastest of the degrees "
+            f"priced "
+            f"({steps}; {rg['why']}); CAD (ping-pong) is {cad:.2f}x its speed (no band: no replay of the "
+            f"ring measured the composition's error).\n")
 
 
 def _grid(rows: list[dict]) -> str:
@@ -114,7 +138,7 @@ def text(res: dict) -> str:
     notes = "".join(f"\nnote: {n}" for n in band["notes"])
     ms = res["timing"]["plan_ms"]
     return (f"{headline(res)}\n\n{_grid(table_rows(res))}\n\n{res['verdict']['line']}\n"
-            f"{band_text(res)}\n\n{sweep_text(res)}\n\n"
+            f"{band_text(res)}\n{ring_text(res)}\n{sweep_text(res)}\n\n"
             f"Durations: {res['pricing']['source']}. Bands: {band['source']}."
             f"{notes}\nCAD scheduler: {max(ms):.0f} ms per batch at most "
             f"({len(ms)} batch{'es' if len(ms) > 1 else ''}); "
@@ -134,27 +158,30 @@ def _err(vals, bands):
 def figures(res: dict) -> dict[str, dict]:
     """Plotly figure dicts: step times with their bands, the first step's attention per rank, the sweep,
     activation memory against the GPU's, and the document lengths when they came from a file."""
-    names = [LABELS[k] for k in METHODS]
-    ms = [res["methods"][k] for k in METHODS]
+    keys = _rows(res)
+    names = [LABELS[k] for k in keys]
+    ms = [res["methods"][k] for k in keys]
+    colours = [COLOURS[k] for k in keys]
     figs = {"steps": {"data": [
         {"type": "bar", "x": names, "y": [r["step_s"] for r in ms], "name": "estimate (band)",
+         "marker": {"color": colours},
          "error_y": _err([r["step_s"] for r in ms], [r["step_s_band"] for r in ms])}],
         "layout": {"title": {"text": f"Step time: {res['verdict']['line'].split(';')[0]}"},
                    "yaxis": {"title": {"text": "seconds per step"}}}}}
     figs["ranks"] = {"data": [
         {"type": "bar", "name": LABELS[k], "x": list(range(len(res["ranks"][k]["attention_s"]))),
-         "y": res["ranks"][k]["attention_s"]} for k in METHODS],
+         "y": res["ranks"][k]["attention_s"], "marker": {"color": COLOURS[k]}} for k in keys],
         "layout": {"title": {"text": "Core attention per rank, first micro-batch (the straggler is the "
                                      "tallest)"},
                    "barmode": "group", "xaxis": {"title": {"text": "DP rank (attention server)"}},
                    "yaxis": {"title": {"text": "seconds per step, forward + backward"}}}}
-    mem = res["memory"]["gpu_memory_bytes"] / 1e9
+    mem = res["memory"]["gpu_memory_bytes"] / GIB
     figs["memory"] = {"data": [
-        {"type": "bar", "x": names, "y": [r["activation_bytes_max"] / 1e9 for r in ms],
-         "name": "activations"},
+        {"type": "bar", "x": names, "y": [r["activation_bytes_max"] / GIB for r in ms],
+         "name": "activations", "marker": {"color": colours}},
         {"type": "scatter", "mode": "lines", "x": names, "y": [mem] * len(names), "name": "GPU memory"}],
         "layout": {"title": {"text": "Activation memory of the fullest GPU"},
-                   "yaxis": {"title": {"text": "GB"}}}}
+                   "yaxis": {"title": {"text": "GiB"}}}}
     if res["sweep"]:
         c, t, v = res["inputs"]["cluster"], res["inputs"]["training"], res["verdict"]
         pts = res["sweep"] + [{"dp": c["dp"], "context": t["context"], "saving": v["saving"]}]
@@ -200,6 +227,7 @@ def page(res: dict) -> str:
             "</style></head><body>" + plotlyjs_packed_tag() +
             f"<h1>Does CAD pay off here? {decision}</h1><h2>{html.escape(v['line'])}</h2>"
             f"<p>{html.escape(band_text(res))}</p><p>{esc(headline(res))}</p>{_html_table(table_rows(res))}"
+            f"<p>{html.escape(ring_text(res))}</p>"
             f"{figs}<pre>{html.escape(sweep_text(res))}</pre>"
             f"<p>Durations: {html.escape(res['pricing']['source'])}. Bands: "
             f"{html.escape(res['band']['source'])}.</p>{notes}</body></html>")

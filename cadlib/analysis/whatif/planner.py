@@ -37,6 +37,7 @@ from dataclasses import asdict, replace
 import numpy as np
 
 from ...core.cost import as_model
+from ...core.memory import GIB
 from ...core.measured import MeasuredCost
 from ...core.methods import METHODS as ALL_METHODS
 from ...data.packing import pack
@@ -44,16 +45,19 @@ from ...scheduling import scheduler
 from ..model.compose import Composed, compose, one_f_one_b
 from ..replay import phases as replay_phases
 from ..replay import settings as replay
+from . import ring
 from .band import known_errors, saving_band, step_band
 from .gpu_table import GpuTable
 from .price import Pricing, pricing
 from .setup import METHODS, Cluster, Documents, Training, setting
 
 BASELINES = tuple(m for m in METHODS if ALL_METHODS[m].baseline)
-LABELS = {m: ALL_METHODS[m].label for m in METHODS}
+ROWS = (*METHODS, ring.KEY)
+"""The what-if's rows: its methods and the CP ring over the packed sequence
+(:mod:`cadlib.analysis.whatif.ring`)."""
+LABELS = {**{m: ALL_METHODS[m].label for m in METHODS}, ring.KEY: ring.LABEL}
 SWEEP_DP = (0.25, 0.5, 1, 2)
 SWEEP_CONTEXT = (0.5, 1, 2)
-GB = 1e9
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -93,14 +97,17 @@ def _work_stats(w: replay.Work, s: replay.Setting, coloc_tokens: np.ndarray) -> 
 
 
 def _method_steps(s: replay.Setting, cluster: Cluster, training: Training, step: int, price: Pricing,
-                  links, progress=None) -> dict:
-    """Every method's step ``step`` (its ``micro_batches`` batches), with what the output reports."""
+                  links, progress=None, rings: tuple = ()) -> dict:
+    """Every method's step ``step`` (its ``micro_batches`` batches), with what the output reports; the
+    CP ring at each degree of ``rings`` (``(c, Link)``) as ``cp-ring/c``."""
     m, pp, L = training.micro_batches, cluster.pp, s.spec.n_layers
-    F = {k: np.zeros((pp, m)) for k in METHODS}
-    B = {k: np.zeros((pp, m)) for k in METHODS}
+    keys = (*METHODS, *(f"{ring.KEY}/{c}" for c, _ in rings))
+    F = {k: np.zeros((pp, m)) for k in keys}
+    B = {k: np.zeros((pp, m)) for k in keys}
     acc = {k: {"busy": 0.0, "attn_max": 0.0, "attn_mean": 0.0, "exposed": 0.0, "sent": 0.0, "act": 0.0,
-               "cp": [], "ranks": None} for k in METHODS}
+               "cp": [], "ranks": None} for k in keys}
     plan_ms = []
+    act_per_token = s.spec.activation_bytes_per_token()
     for i in range(m):
         b = step * m + i
         docs = replay.batch_lengths(s, b)
@@ -116,11 +123,20 @@ def _method_steps(s: replay.Setting, cluster: Cluster, training: Training, step:
             ph = price.phases(s, w, links, table)
             last = _stage(w.method, ph, L, True)
             first = _stage(w.method, ph, L, False) if pp > 1 else last
-            per[key] = (w, ph, first, last)
+            st = _work_stats(w, s, coloc)
+            tok = coloc if w.pingpong else w.tokens
+            per[key] = (ph, first, last, st, tok, w.pingpong)
+        for c, link in rings:
+            tok = ring.rank_tokens(docs, s.dp, c)
+            base = price.phases(s, replace(works["colocated"], tokens=tok), links, table)
+            ph, st = ring.priced(docs, c, base, s.spec, price.cost, link, price.scale_of(ring.KEY))
+            last = _stage("colocated", ph, L, True)
+            first = _stage("colocated", ph, L, False) if pp > 1 else last
+            per[f"{ring.KEY}/{c}"] = (ph, first, last, {**st, "act": tok * act_per_token}, tok, False)
         wl = [k for k in per if k.startswith("wlb/")]
-        best = min(wl, key=lambda k: per[k][3][2].step)
-        for key in METHODS:
-            w, ph, first, last = per[best if key == "wlb" else key]
+        best = min(wl, key=lambda k: per[k][2][2].step)
+        for key in keys:
+            ph, first, last, st, tok, pingpong = per[best if key == "wlb" else key]
             F[key][:-1, i], B[key][:-1, i] = first[0], first[1]
             F[key][-1, i], B[key][-1, i] = last[0], last[1]
             c, a = last[2], acc[key]
@@ -128,21 +144,20 @@ def _method_steps(s: replay.Setting, cluster: Cluster, training: Training, step:
             a["attn_max"] += c.breakdown["attention_max_s"]
             a["attn_mean"] += c.breakdown["attention_mean_s"]
             a["exposed"] += c.breakdown["exposed_comm_s"]
-            st = _work_stats(w, s, coloc)
             a["sent"] = a["sent"] + st["sent"] * L
             a["act"] = np.maximum(a["act"], st["act"] * L * min(pp, m))
             if key == "wlb":
                 a["cp"].append(int(best.split("/")[1]))
             if i == 0:
-                attn = (ph.attn + ph.attn_bwd).sum(0) if w.pingpong else ph.attn + ph.attn_bwd
-                a["ranks"] = {"tokens": coloc.tolist() if w.pingpong else w.tokens.tolist(),
-                              "attention_s": (attn * L).tolist(), "busy_s": c.busy.tolist()}
+                attn = (ph.attn + ph.attn_bwd).sum(0) if pingpong else ph.attn + ph.attn_bwd
+                a["ranks"] = {"tokens": np.asarray(tok).tolist(), "attention_s": (attn * L).tolist(),
+                              "busy_s": c.busy.tolist()}
         optimizer = ph.optimizer
         if progress:
             progress(1)
     allreduce = replay_phases.allreduce_seconds(s, links.dp) + optimizer
     out = {}
-    for key in METHODS:
+    for key in keys:
         a = acc[key]
         span = one_f_one_b(F[key], B[key])[0]
         stp = span + allreduce
@@ -165,32 +180,59 @@ def make_pricing(cluster: Cluster, times: dict | None = None, cost: MeasuredCost
     return pricing(times, cost, backend=cost.backend if cost is not None else "torch_flash")
 
 
+def ring_degrees(model, cluster: Cluster, training: Training) -> dict:
+    """The CP ring's degrees to price (:func:`cadlib.analysis.whatif.ring.degrees`): those whose sequence
+    holds the context and whose peak fits ``cluster.gpu_mem_gib``; none fitting memory, those holding
+    the context (``why`` says so); none of those either, the largest."""
+    info = ring.degrees(model, cluster.gpus_per_node, cluster.tp, cluster.pp, cluster.dp,
+                        training.tokens_per_group, training.context, training.micro_batches,
+                        cluster.gpu_mem_gib)
+    ctx = [d for d in info if d["context"]]
+    fits = [d for d in ctx if d["recompute"] is not None]
+    why = "fits the context and memory" if fits else \
+        f"none fits in {cluster.gpu_mem_gib:g} GiB: priced anyway" if ctx else "none holds the context"
+    return {"degrees": info, "priced": [d["cp"] for d in (fits or ctx or info[-1:])], "why": why}
+
+
 def simulate(model, cluster: Cluster, training: Training, docs: Documents, progress=None,
-             price: Pricing | None = None) -> dict:
+             price: Pricing | None = None, with_ring: bool = True) -> dict:
     """Every method's steps priced from the measured tables (no band): per method the mean over the
     sampled steps of the step, idle fraction, attention of the slowest and the mean rank, exposed
     communication, bytes sent and activation memory per GPU; the speedups (mean per-step ratios) and
-    each step's; rank detail of the first step; ``pricing``: where the durations came from."""
+    each step's; rank detail of the first step; ``pricing``: where the durations came from. With
+    ``with_ring``, the CP ring at each of :func:`ring_degrees`' degrees, its row the degree of least mean
+    step (``ring``: the degrees, their mean steps and the one chosen)."""
     price = price or make_pricing(cluster)
     s = price.prepare(setting(model, cluster, training, docs))
     links = cluster.links()
-    steps = [_method_steps(s, cluster, training, k, price, links, progress) for k in range(training.steps)]
+    rd = ring_degrees(model, cluster, training) if with_ring else {"priced": []}
+    where = {d["cp"]: d["link"] for d in rd.get("degrees", [])}
+    rings = tuple((c, ring.ring_link(c, where[c], cluster.intra_node_gbps, cluster.inter_node_gbps))
+                  for c in rd["priced"])
+    steps = [_method_steps(s, cluster, training, k, price, links, progress, rings)
+             for k in range(training.steps)]
+    means = {c: float(np.mean([st[f"{ring.KEY}/{c}"]["step_s"] for st in steps])) for c in rd["priced"]}
+    chosen = min(means, key=means.get) if means else None
+    if chosen is not None:
+        for st in steps:
+            st[ring.KEY] = {**st[f"{ring.KEY}/{chosen}"], "cp": [chosen]}
     res = {}
-    for key in METHODS:
+    for key in (ROWS if chosen is not None else METHODS):
         rows = [st[key] for st in steps]
         r = {f: float(np.mean([x[f] for x in rows])) for f in rows[0] if f not in ("cp", "ranks")}
         r["sent_bytes_max"] = float(max(x["sent_bytes_max"] for x in rows))
         r["activation_bytes_max"] = float(max(x["activation_bytes_max"] for x in rows))
-        for base in BASELINES:
+        for base in BASELINES + ((ring.KEY,) if key == "cad-pingpong" and chosen else ()):
             sp = [st[base]["step_s"] / st[key]["step_s"] for st in steps]
             r[f"speedup_over_{base}"] = float(np.mean(sp))
             r[f"speedups_over_{base}"] = sp
-        if key == "wlb":
+        if key in ("wlb", ring.KEY):
             r["cp"] = [c for x in rows for c in x["cp"]]
         r["ranks"] = rows[0]["ranks"]
         r["steps_s"] = [x["step_s"] for x in rows]
         res[key] = r
     return {"methods": res, "plan_ms": [p for st in steps for p in st["plan_ms"]],
+            "ring": {**rd, "mean_step_s": means, "chosen": chosen},
             "pricing": {"source": price.source, "fallback": price.fallback, "backend": price.backend,
                         "linear": s.linear, "scale": price.scale}}
 
@@ -329,7 +371,7 @@ def sweep(model, cluster: Cluster, training: Training, docs: Documents, known: d
         cl = replace(cluster, gpus=dp * cluster.tp * cluster.pp)
         tr = replace(training, context=ctx, steps=1,
                      tokens_per_group=max(1, training.tokens_per_group * ctx // training.context))
-        sim = simulate(model, cl, tr, docs, price=price)
+        sim = simulate(model, cl, tr, docs, price=price, with_ring=False)
         methods = _banded(sim, known, dp * tr.micro_batches * tr.tokens_per_group, spread)
         v = verdict(methods)
         out.append({"dp": dp, "gpus": cl.gpus, "context": ctx, "tokens_per_group": tr.tokens_per_group,
@@ -383,10 +425,10 @@ def plan(model, cluster: Cluster, training: Training, docs: Documents, *, with_s
                      "with the committed H200 table")
     if known["missing"]:
         notes.append(f"no {' and no '.join(known['missing'])}: those errors are left out of the band")
-    mem = cluster.gpu_memory_gb * GB
-    over = [k for k in METHODS if methods[k]["activation_bytes_max"] > mem]
+    mem = cluster.gpu_mem_gib * GIB
+    over = [k for k in methods if methods[k]["activation_bytes_max"] > mem]
     if over:
-        notes.append(f"activations exceed the GPU's {cluster.gpu_memory_gb:g} GB under "
+        notes.append(f"activations exceed the GPU's {cluster.gpu_mem_gib:g} GiB under "
                      f"{', '.join(LABELS[k] for k in over)} (no recompute: an upper bound)")
     spec = setting(model, cluster, training, docs).spec
     lengths = None if docs.lengths is None else np.asarray(docs.lengths)
@@ -399,7 +441,8 @@ def plan(model, cluster: Cluster, training: Training, docs: Documents, *, with_s
         "pricing": sim["pricing"],
         "band": {"errors": known, "source": BAND_SOURCE, "notes": notes},
         "ranks": {k: r["ranks"] for k, r in sim["methods"].items()},
-        "memory": {"gpu_memory_bytes": cluster.gpu_memory_gb * GB,
+        "ring": sim["ring"],
+        "memory": {"gpu_memory_bytes": cluster.gpu_mem_gib * GIB,
                    "activation_bytes_per_token_per_layer": spec.activation_bytes_per_token()},
         "timing": {"plan_ms": sim["plan_ms"], "wall_s": time.perf_counter() - t0},
     }

@@ -14,6 +14,11 @@ Only where each duration comes from differs, since nobody timed the user's batch
   ``t_call = scale x (overhead + sum_seg pairs(q, k) / R(q, k))``;
 * communication: the link model (:class:`cadlib.analysis.replay.phases.Links`).
 
+Past the end of a timed grid the replay's interpolation follows the last segment; a grid whose last
+segment falls (a calibration's noisy small shapes, e.g. ``python -m cadlib.calibrate --smoke``) would
+price negative durations there, so :func:`clip_grid_ends` prices past the end by the last segment's slope
+clipped at zero, ``t(n) = t(g_last) + max(0, slope) (n - g_last)``.
+
 A model or TP degree with no timed grid falls back to the cost model
 (:func:`cadlib.analysis.replay.phases.model_phases`, attention still from ``cost``), and
 :attr:`Pricing.source` says so. ``times`` and ``cost`` default to the committed H200 files; a
@@ -90,6 +95,31 @@ def has_grid(times: dict, s: Setting, backend: str, variant: str) -> bool:
     return not s.optimizer or optimizer_key(spec, backend) in times
 
 
+def clip_grid_ends(times: dict) -> dict:
+    """``times`` with, for every linear-layer and head grid that ends before ``LINEAR_GRID``'s last point,
+    one point added at the next grid point holding each field at ``t(g_last) + max(0, slope) (g_next -
+    g_last)`` (``slope`` of the last timed segment; marked ``"extrapolated"``): the replay's
+    interpolation then prices past the end along the clipped slope (module docstring). Grids reaching
+    the last point are kept (a falling last segment there stays, and prices negative only past
+    ``g_last + t(g_last) / |slope|``)."""
+    grids: dict[str, list[int]] = {}
+    for k in times:
+        head, _, n = k.rpartition("|")
+        if k.startswith(("linear", "head")) and n.isdigit() and int(n) in LINEAR_GRID:
+            grids.setdefault(head, []).append(int(n))
+    out = dict(times)
+    for head, ns in grids.items():
+        ns = sorted(ns)
+        if len(ns) < 2 or ns[-1] == LINEAR_GRID[-1]:
+            continue
+        (a, b), nxt = ns[-2:], LINEAR_GRID[LINEAR_GRID.index(ns[-1]) + 1]
+        ta, tb = times[f"{head}|{a}"], times[f"{head}|{b}"]
+        add = {f: tb[f] + max(0.0, (tb[f] - ta[f]) / (b - a)) * (nxt - b) for f in tb
+               if f.endswith("ms") and isinstance(tb[f], (int, float)) and isinstance(ta.get(f), (int, float))}
+        out[f"{head}|{nxt}"] = {**add, "extrapolated": True}
+    return out
+
+
 @dataclass
 class Pricing:
     """How one what-if prices its batches: ``times`` (the replay cache's format), ``cost`` (a kernel
@@ -164,7 +194,7 @@ def pricing(times: dict | None = None, cost: MeasuredCost | None = None, backend
     """A :class:`Pricing` from ``times`` and ``cost`` (default: the committed H200 files) and ``scale``
     (default: the committed errors file's for ``backend``, 1 without it or with a user's ``cost``)."""
     user_cost = cost is not None
-    times = load_times() if times is None else times
+    times = clip_grid_ends(load_times() if times is None else times)
     cost = load_cost(backend=backend) if cost is None else cost
     if scale is None:
         scale = 1.0 if user_cost else (committed_scale(backend) or 1.0)

@@ -21,15 +21,36 @@ A step's attention is one fused call over its segments, priced from the kernel t
 
 the backward passing K, V and their gradients dK, dV (twice the bytes). Bytes each rank sends per layer:
 ``(c - 1) 2 C kv_bytes`` forward and twice that backward.
+
+As a row of the what-if (:func:`priced`): ``G = TP x PP x CP x DP'`` GPUs with ``DP' = dp / c``; a batch's
+documents, in the order sampled, fill ``dp / c`` packed sequences of ``c x tokens_per_group`` tokens
+(:func:`packed`; a document crossing a boundary is cut in two, as colocated's sequential packing cuts
+it), so each rank holds ``T / c = tokens_per_group`` tokens. Its linear layers, TP collectives, LM head,
+optimizer and gradient all-reduce (over all ``dp`` replicas, DP x CP) are colocated's at those tokens,
+priced and composed by the same code (:mod:`cadlib.analysis.whatif.price`,
+:func:`cadlib.analysis.model.compose.compose`); its attention is the ring's, above, with the ring's
+transfers inside it (no other collective). The degree ``c`` (:func:`degrees`): every ``c`` dividing
+``dp`` whose packed sequence holds the context (``c x tokens_per_group >= context``) and whose peak fits
+the GPU (:func:`cadlib.analysis.whatif.fit.peak` at the least recompute that fits); the what-if prices
+each and keeps the one of least mean step. The ring's link: in-node when its ``c`` DP groups share a
+node, else the inter-node bandwidth per GPU.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from ...core.cost import as_model
 from ...core.measured import MeasuredCost, segment_pairs
+from ...core.memory import GIB, RECOMPUTE
+from ..model.compose import Link, Phases
+from ..replay.phases import NCCL_LATENCY_S
+from .fit import peak
+
+KEY = "cp-ring"
+"""The ring's name among the what-if's rows (:data:`cadlib.analysis.whatif.fit.METHODS`' too)."""
+LABEL = "CP ring (zigzag)"
 
 
 @dataclass(frozen=True)
@@ -136,3 +157,72 @@ def attention_seconds(lengths, c: int, cost: MeasuredCost, spec, gbps: float, la
                 out[ph][r] += max(a, comm)
                 out["compute"][r] += a
     return out
+
+
+def packed(docs, groups: int, c: int) -> list[np.ndarray]:
+    """The batch's documents, in order, cut into ``groups`` packed sequences of equal tokens (a document
+    crossing a boundary in two pieces), each padded with one document to a multiple of ``2c``."""
+    docs = np.asarray(docs, dtype=np.int64)
+    total = int(docs.sum())
+    if total % groups:
+        raise ValueError(f"the batch's {total} tokens must divide into groups={groups} sequences")
+    ends = np.cumsum(docs)
+    cuts = np.arange(1, groups) * (total // groups)
+    bounds = np.unique(np.concatenate([[0], ends, cuts]))
+    pieces = np.diff(bounds)
+    owner = np.searchsorted(cuts, bounds[:-1], side="right")
+    out = []
+    for g in range(groups):
+        seq = pieces[owner == g]
+        pad = -int(seq.sum()) % (2 * c)
+        out.append(np.concatenate([seq, [pad]]) if pad else seq)
+    return out
+
+
+def degrees(model, gpus_per_node: int, tp: int, pp: int, dp: int, tokens: int, context: int, n_micro: int,
+            gpu_mem_gib: float) -> list[dict]:
+    """Every ring degree ``c`` dividing ``dp``: ``{"cp", "context"`` (its sequence holds the context),
+    ``"recompute"`` (the least that fits, None when none), ``"peak_gib"``, ``"link"`` (``"in-node"``
+    when its ``c`` DP groups share a node)}``."""
+    spec = as_model(model)
+    out = []
+    for c in (d for d in range(1, dp + 1) if dp % d == 0):
+        row = {"cp": c, "context": c * tokens >= context, "recompute": None, "peak_gib": None,
+               "link": "in-node" if c * tp * pp <= gpus_per_node else "inter-node"}
+        for rc in RECOMPUTE:
+            e = peak(spec, KEY, tokens, tp=tp, pp=pp, cp=c, dp=dp // c, n_micro=n_micro, recompute=rc)
+            row.update(peak_gib=e["peak"] / GIB)
+            if e["peak"] <= gpu_mem_gib * GIB:
+                row["recompute"] = rc
+                break
+        out.append(row)
+    return out
+
+
+def priced(docs, c: int, coloc: Phases, spec, cost: MeasuredCost, link: Link,
+           scale: float = 1.0) -> tuple[Phases, dict]:
+    """One layer of the ring at degree ``c`` for a batch ``docs`` over ``dp`` ranks, as :class:`Phases`:
+    ``coloc``, colocated's phases priced at the ring's per-rank tokens (:func:`rank_tokens`; its linear
+    layers, TP collectives, head, optimizer and all-reduce), with attention the ring's (:func:`attention_seconds`
+    per packed sequence, the transfers inside) and no other collective; and per rank ``sent``, the bytes
+    it sends in a layer."""
+    dp = coloc.n_ranks
+    fwd, bwd, sent = (np.zeros(dp) for _ in range(3))
+    for g, seq in enumerate(packed(docs, dp // c, c)):
+        a = attention_seconds(seq, c, cost, spec, link.gbps, link.latency_s, scale)
+        r = slice(g * c, (g + 1) * c)
+        fwd[r], bwd[r] = a["fwd"], a["bwd"]
+        sent[r] = a["sent_bytes"]["fwd"] + a["sent_bytes"]["bwd"]
+    z = np.zeros(dp)
+    ph = replace(coloc, attn=fwd, attn_bwd=bwd, comm_in=z, comm_out=z, comm_in_bwd=z, comm_out_bwd=z)
+    return ph, {"sent": sent}
+
+
+def ring_link(c: int, where: str, intra_gbps: float, inter_gbps: float) -> Link:
+    """The ring's link for degree ``c``: in-node or inter-node (:func:`degrees`' ``link``)."""
+    return Link(intra_gbps if where == "in-node" or c == 1 else inter_gbps, NCCL_LATENCY_S, "ring")
+
+
+def rank_tokens(docs, dp: int, c: int) -> np.ndarray:
+    """Per rank the tokens it holds at degree ``c``: its packed sequence's (padding included) over ``c``."""
+    return np.repeat([int(q.sum()) // c for q in packed(docs, dp // c, c)], c).astype(np.int64)

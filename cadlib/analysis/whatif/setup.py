@@ -21,11 +21,12 @@ import numpy as np
 from ...core.cost import H200_NVLINK_ALL_TO_ALL_GBPS, IB_GBPS_PER_GPU, ModelSpec, as_model
 from ...core.defaults import DEFAULT_TOLERANCE
 from ...core.methods import names
-from ...core.paper import DISTCA_GPU_MEMORY_GB, DISTCA_GPUS_PER_NODE
+from ...core.paper import DISTCA_GPUS_PER_NODE
 from ...data.workload import sample_kwargs
 from ..model.compose import Link
 from ..replay import phases as replay_phases
 from ..replay import settings as replay
+from .fit import DEFAULT_GPU_MEM_GIB
 
 METHODS = names(headline=True)
 """What the what-if compares: colocated, WLB-ideal and CAD with ping-pong (:mod:`cadlib.core.methods`)."""
@@ -34,7 +35,8 @@ METHODS = names(headline=True)
 @dataclass(frozen=True)
 class Cluster:
     """``gpus`` GPUs, ``gpus_per_node`` to a node, DP groups of ``tp x pp`` (``tp`` defaults to a node, as
-    DistCA's); bandwidths per GPU in GB/s; ``gpu_memory_gb``; ``kernels``: a kernel latency table
+    DistCA's); bandwidths per GPU in GB/s; ``gpu_mem_gib``, one GPU's memory in GiB (the activation
+    column and the search of what fits measure against it); ``kernels``: a kernel latency table
     (``scripts/bench/profile_kernels.py``'s JSON) to price attention with, None for the simulator's H200 rates."""
 
     gpus: int
@@ -43,7 +45,7 @@ class Cluster:
     pp: int = 1
     intra_node_gbps: float = H200_NVLINK_ALL_TO_ALL_GBPS
     inter_node_gbps: float = IB_GBPS_PER_GPU
-    gpu_memory_gb: float = DISTCA_GPU_MEMORY_GB
+    gpu_mem_gib: float = DEFAULT_GPU_MEM_GIB
     kernels: str | None = None
 
     def __post_init__(self):
@@ -56,7 +58,7 @@ class Cluster:
         if self.gpus % (self.tp * self.pp):
             raise ValueError(f"Cluster.gpus ({self.gpus}) must be a multiple of tp x pp = "
                              f"{self.tp} x {self.pp}")
-        for f in ("intra_node_gbps", "inter_node_gbps", "gpu_memory_gb"):
+        for f in ("intra_node_gbps", "inter_node_gbps", "gpu_mem_gib"):
             if not getattr(self, f) > 0:
                 raise ValueError(f"Cluster.{f} must be > 0, got {getattr(self, f)!r}")
 
