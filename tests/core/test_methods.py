@@ -6,7 +6,7 @@ import torch
 from cadlib import train
 from cadlib.analysis.model import band
 from cadlib.analysis.replay import pipelined
-from cadlib.analysis.whatif import planner
+from cadlib.analysis.whatif import planner, verdict
 from cadlib.core.methods import METHODS, method, names
 from cadlib.core.precision import DTYPE_BYTES, DTYPES, RTOL, TRAIN_DTYPES
 from cadlib.runtime.kernels import TORCH_DTYPES
@@ -18,7 +18,7 @@ def test_subsets_are_derived_from_the_properties():
         ("colocated", "wlb", "cad", "cad-pingpong", "signal-only")
     assert planner.METHODS == ("colocated", "wlb", "cad-pingpong")
     assert planner.BASELINES == ("colocated", "wlb")
-    assert planner.LABELS["wlb"] == "WLB-ideal" and planner.LABELS["cad-pingpong"] == "CAD (ping-pong)"
+    assert verdict.LABELS["wlb"] == "WLB-ideal" and verdict.LABELS["cad-pingpong"] == "CAD (ping-pong)"
     assert pipelined.METHODS_4D == ("colocated", "wlb", "cad-pingpong", "signal-only")
     assert band.METHODS == ("colocated", "wlb", "cad", "cad-pingpong") and band.BASES == ("colocated", "wlb")
     assert names(pingpong=True) == ("cad-pingpong", "signal-only")

@@ -7,7 +7,7 @@ import html
 from ...core.memory import GIB
 from ..figures.palette import COLOURS
 from ..figures.static import plotly_div_deferred, plotlyjs_packed_tag
-from .planner import LABELS, ROWS, pct
+from .verdict import LABELS, ROWS, pct
 from .ring import KEY as RING
 
 MARK = {"pays": "", "unsure": "?", "loses": "!"}
