@@ -250,3 +250,26 @@ def test_gpu1_profile_puts_every_one_gpu_notebook_on_one_gpu():
     assert all(p.get("nproc", 1) <= 1 for p in by.values())            # nothing asks for a second GPU
     budget = sum(p.get("timeout_s", 0) for p in by.values())
     assert budget <= 20 * 60 and not notes
+
+
+def test_every_recorded_number_is_labelled_with_the_machine_that_produced_it(tmp_path, monkeypatch):
+    """A row carries the device that ran its cell; a committed measurement keeps the GPU its kind names;
+    the report's metric table shows the column."""
+    from cadlib.analysis.report import writer
+    from cadlib.infra.results import device_name
+    monkeypatch.setenv("CADLIB_REPORT_DIR", str(tmp_path))
+    monkeypatch.setenv("CADLIB_NOTEBOOK", "x/y.ipynb")
+    here = device_name()
+    assert metrics.record("sim", 1.5).loc[0, "device"] == here
+    assert metrics.record("live", 2.0, kind="measured").loc[0, "device"] == here
+    metrics.record("committed", 3.0, kind="measured on 2x NVIDIA H200 (committed results/bench_e2e.json)")
+    rows = metrics.load_metrics(tmp_path)
+    assert all(r["device"] == here for r in rows)
+    frame = metrics.metrics_frame(rows).set_index("metric")
+    assert frame.loc["committed", "device"] == "2x NVIDIA H200" and frame.loc["sim", "device"] == here
+    assert metrics.produced_on({"kind": "simulated"}) == "—"          # a row from before rows had it
+    assert metrics.produced_on({"kind": "measured on 1x NVIDIA H200, FA4"}) == "1x NVIDIA H200"
+    md, _ = writer.write_report(tmp_path, [], {"device": here}, "cpu", rows, [])
+    text = md.read_text()
+    assert "| metric | paper | ours | unit | kind | device |" in text and f"| {here} |" in text
+    assert "| 2x NVIDIA H200 |" in text
