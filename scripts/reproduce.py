@@ -181,9 +181,9 @@ RULES: dict[str, dict] = {
     "live_budget_s": {"min": 10},                       # 4.2's live kernel x mask subset
     "gpu_masks": {"choices": "cadlib.data.masks:ALL_TYPES", "split": ","},
     "gpu_seqlens": {"min": 256, "nonempty": True},
-    "gpu_backends": {"choices": ["sdpa_math", "sdpa_efficient", "sdpa_flash", "sdpa_cudnn", "torch_flash", "fa4",
-                                 "flash_attn", "flex"], "split": ","},     # scripts/bench/bench_kernels.py's GPU ones
-    "gpu_table": {"check": "cadlib.analysis.whatif.gpu_table:load", "also": ["auto"]},   # 4.5: a calibration file
+    "gpu_backends": {"choices": ["sdpa_math", "sdpa_efficient", "sdpa_flash", "sdpa_cudnn", "torch_flash",
+                                 "fa4", "flash_attn", "flex"], "split": ","},   # bench_kernels.py's GPU ones
+    "gpu_table": {"check": "cadlib.analysis.whatif.gpu_table:load", "also": ["auto"]},   # 4.5: a calibration
 }
 RULE_KEYS = {"min", "max", "nonempty", "choices", "also", "check", "split"}
 

@@ -14,5 +14,6 @@ def test_no_calibration_on_a_cpu_or_for_an_uncalibrated_gpu(tmp_path):
     assert calibration_file(device="CPU: AMD EPYC (2 cores)") is None
     assert calibration_file(device="1x NVIDIA A100-SXM4-80GB") is None
     (tmp_path / "calibration_a100_sxm4_80gb.json").write_text("{}")
-    assert calibration_file(tmp_path, "1x NVIDIA A100-SXM4-80GB") == tmp_path / "calibration_a100_sxm4_80gb.json"
+    found = calibration_file(tmp_path, "1x NVIDIA A100-SXM4-80GB")
+    assert found == tmp_path / "calibration_a100_sxm4_80gb.json"
     assert calibration_file(tmp_path) is None                         # this machine: a CPU, or no file here

@@ -168,7 +168,8 @@ LIVE_CELL = ("mask", "seqlen", "direction", "backend")
 """What one cell of the kernel x mask table varies (the GQA 64:8 rows)."""
 
 
-def live_beside_committed(committed: pd.DataFrame | None, committed_device: str, live: pd.DataFrame | None = None,
+def live_beside_committed(committed: pd.DataFrame | None, committed_device: str,
+                          live: pd.DataFrame | None = None,
                           live_device: str = "", masks=None, seqlens=None, backends=None) -> pd.DataFrame:
     """A subset of the kernel x mask table, the committed TF/s beside a live run's (when given): one row
     per (mask, seqlen, direction, backend) of ``masks`` x ``seqlens`` x ``backends`` (default the live
@@ -190,7 +191,8 @@ def live_beside_committed(committed: pd.DataFrame | None, committed_device: str,
     out = pd.DataFrame(index=index.drop_duplicates())
     for name, rows in parts.values():
         rows = rows[~rows.index.duplicated(keep="last")].reindex(out.index)
-        out[name] = [f"{t:.3g}" if s == "ok" else ("" if s != s else str(s)) for t, s in zip(rows.tflops, rows.status)]
+        out[name] = [f"{t:.3g}" if s == "ok" else ("" if s != s else str(s))     # s != s: no such cell
+                     for t, s in zip(rows.tflops, rows.status)]
         out[f"_{name}"] = rows.tflops.where(rows.status == "ok")
     if len(parts) == 2:
         (live_name, _), (committed_name, _) = parts["live"], parts["committed"]
