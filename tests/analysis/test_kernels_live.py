@@ -41,3 +41,10 @@ def test_without_a_live_run_the_committed_subset_is_shown():
     t = kernels.live_beside_committed(committed, "1x NVIDIA H200", masks=["causal"], seqlens=[8192, 32768])
     assert list(t.columns) == ["committed (1x NVIDIA H200)"] and len(t) == 2
     assert kernels.live_beside_committed(None, "").empty
+
+
+def test_a_live_run_where_no_kernel_ran_shows_its_symbols():
+    committed = rows(("causal", 8192, "fwd", "fa4", "ok", 400.0))
+    live = pd.DataFrame([{"mask": "causal", "seqlen": 8192, "direction": "fwd", "backend": "fa4", "status": "X"}])
+    t = kernels.live_beside_committed(committed, "1x NVIDIA H200", live, "CPU")
+    assert tuple(t.loc[("causal", 8192, "fwd", "fa4")]) == ("400", "X", "")

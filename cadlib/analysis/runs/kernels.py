@@ -180,7 +180,7 @@ def live_beside_committed(committed: pd.DataFrame | None, committed_device: str,
         if rows is None or not len(rows):
             continue
         rows = with_heads(rows, "64:8")
-        rows = rows[rows.heads == "64:8"]
+        rows = rows[rows.heads == "64:8"].assign(tflops=rows.get("tflops", float("nan")))   # none timed: none
         for col, keep in (("mask", masks), ("seqlen", seqlens), ("backend", backends)):
             if keep is not None:
                 rows = rows[rows[col].isin(list(keep))]
