@@ -92,13 +92,18 @@ PROFILES: dict[str, dict[str, dict]] = {
     # one GPU (issue 36), FA4 or torch's flash kernel, designed for < 20 minutes in all (each budget is the
     # notebook's timeout_s where it has one): 2.2 the servers' composability on the GPU (llama3-8b heads,
     # bf16, 8K tokens, ~2 min); 4.1 one training step per method at DP=1, colocated and CAD with ping-pong
-    # (same loss), 64K tokens, with its timeline (~3 min, cut at 600 s); 4.4 one setting replayed live
-    # (~5 min). The other notebooks run their CPU defaults (4.2's live table, 3.1 and 4.3 included).
+    # (same loss), 64K tokens, with its timeline (~3 min, cut at 600 s); 4.2 a subset of the kernel x mask
+    # table live beside the committed one (4 masks x 8K, 32K x 5 kernels, no new cell after 120 s, cut at
+    # 240 s); 4.4 one setting replayed live (~5 min); 4.5 prices with this GPU's committed calibration
+    # (results/calibration_<gpu>.json) when there is one. 3.1 and 4.3 need two GPUs: they say so in one
+    # line and show the committed results; the other notebooks run their CPU defaults.
     "gpu1": {
         "02_cad/02_attention_servers": {"nproc": 1, "timeout_s": 300, **_SERVERS},
         "04_benchmarks/01_end_to_end": {"nproc": 1, "tokens_per_rank": 65536, "timeout_s": 600, **_E2E,
                                         "steps": 1, "methods": "colocated,cad-pingpong"},
+        "04_benchmarks/02_kernels_masks": {"live_kernels": True, "live_budget_s": 120},
         "04_benchmarks/04_at_scale": {"live_replay": True, "live_batches": 1},
+        "04_benchmarks/05_whatif": {"gpu_table": "auto"},
     },
     "h200x2": {
         "02_cad/02_attention_servers": {"nproc": 2, **_SERVERS},
@@ -173,6 +178,12 @@ RULES: dict[str, dict] = {
     "ring_window": {"min": 1},
     "balance_world": {"choices": [8, 16]},              # the cases results/cp_balance.json holds
     "balance_tokens": {"choices": [8192, 32768]},
+    "live_budget_s": {"min": 10},                       # 4.2's live kernel x mask subset
+    "gpu_masks": {"choices": "cadlib.data.masks:ALL_TYPES", "split": ","},
+    "gpu_seqlens": {"min": 256, "nonempty": True},
+    "gpu_backends": {"choices": ["sdpa_math", "sdpa_efficient", "sdpa_flash", "sdpa_cudnn", "torch_flash",
+                                 "fa4", "flash_attn", "flex"], "split": ","},   # bench_kernels.py's GPU ones
+    "gpu_table": {"check": "cadlib.analysis.whatif.gpu_table:load", "also": ["auto"]},   # 4.5: a calibration
 }
 RULE_KEYS = {"min", "max", "nonempty", "choices", "also", "check", "split"}
 

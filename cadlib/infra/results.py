@@ -6,11 +6,14 @@ full configuration (docs/design.md): use :func:`save_result` so that is never fo
 from __future__ import annotations
 
 import datetime as _dt
+import importlib
 import importlib.metadata
+import importlib.util
 import json
 import os
 import pathlib
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -145,3 +148,26 @@ def find_results(pattern: str, results_dir: str | os.PathLike | None = None) -> 
     """Result files matching a glob ``pattern`` under ``results_dir`` (default: this repository's
     ``results/``), sorted by name."""
     return sorted(pathlib.Path(results_dir or RESULTS_DIR).glob(pattern))
+
+
+def calibration_file(results_dir: str | os.PathLike | None = None,
+                     device: str | None = None) -> pathlib.Path | None:
+    """The committed calibration of this machine's GPU (``python -m cadlib.calibrate``), or None.
+
+    ``<results_dir>/calibration_<gpu>.json``, where ``<gpu>`` is the GPU's name in lower case, words
+    joined by ``_``, or one word of it (``1x NVIDIA H200`` -> ``calibration_h200.json``). ``device``:
+    the name to look up (default :func:`device_name`, with torch loaded when it is installed); a CPU
+    has none."""
+    if device is None:
+        if importlib.util.find_spec("torch") is not None:
+            importlib.import_module("torch")          # device_name() reads CUDA through a loaded torch
+        device = device_name()
+    if device.startswith("CPU"):
+        return None
+    words = [w for w in re.split(r"[^a-z0-9]+", device.lower())
+             if w and w != "nvidia" and not re.fullmatch(r"\d+x", w)]
+    base = pathlib.Path(results_dir or RESULTS_DIR)
+    for name in dict.fromkeys(["_".join(words), *words]):
+        if name and (base / f"calibration_{name}.json").is_file():
+            return base / f"calibration_{name}.json"
+    return None

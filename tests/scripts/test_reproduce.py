@@ -247,6 +247,53 @@ def test_gpu1_profile_puts_every_one_gpu_notebook_on_one_gpu():
     assert e2e["nproc"] == 1 and e2e["methods"].split(",") == ["colocated", "cad-pingpong"]
     assert e2e["steps"] == 1 and e2e["model"] == "llama3-8b" and e2e["timeout_s"] <= 600
     assert by["04_benchmarks/04_at_scale.ipynb"] == {"live_replay": True, "live_batches": 1}
+    kernels = by["04_benchmarks/02_kernels_masks.ipynb"]
+    assert kernels["live_kernels"] is True and 10 <= kernels["live_budget_s"] <= 180
+    assert by["04_benchmarks/05_whatif.ipynb"] == {"gpu_table": "auto"}
+    for two_gpus in ("03_pingpong/01_overlap.ipynb", "04_benchmarks/03_context_parallel.ipynb"):
+        assert by[two_gpus] == {}                 # they say in one line that they need 2 GPUs
     assert all(p.get("nproc", 1) <= 1 for p in by.values())            # nothing asks for a second GPU
-    budget = sum(p.get("timeout_s", 0) for p in by.values())
+    # the stated limits: each notebook's timeout_s, and 4.2's live run (its budget, then 120 s to end)
+    budget = sum(p.get("timeout_s", 0) for p in by.values()) + kernels["live_budget_s"] + 120
     assert budget <= 20 * 60 and not notes
+
+
+@pytest.mark.parametrize("override, message", [
+    ("gpu_masks='causal,diagonal'", "'diagonal' is not one of: full, causal"),
+    ("gpu_backends='fa4,cutlass'", "'cutlass' is not one of: sdpa_math"),
+    ("gpu_seqlens=[8192, 100]", "must be >= 256"),
+    ("live_budget_s=5", "must be >= 10"),
+    ("gpu_table='/nonexistent/calibration.json'", "/nonexistent/calibration.json: no such file"),
+])
+def test_the_one_gpu_parameters_are_checked_up_front(tmp_path, capsys, override, message):
+    assert reproduce.main(["--out", str(tmp_path / "runs"), "--profile", "gpu1", "-p", override]) == 2
+    assert message in capsys.readouterr().err and not (tmp_path / "runs").exists()
+
+
+def test_gpu_table_accepts_the_committed_calibration_and_auto():
+    nbs = reproduce.find_notebooks(["05_whatif"])
+    for value in ("auto", str(reproduce.ROOT / "results" / "calibration_h200.json")):
+        assert reproduce.plan_parameters(nbs, {}, {"gpu_table": value})[0][nbs[0]] == {"gpu_table": value}
+
+
+def test_every_recorded_number_is_labelled_with_the_machine_that_produced_it(tmp_path, monkeypatch):
+    """A row carries the device that ran its cell; a committed measurement keeps the GPU its kind names;
+    the report's metric table shows the column."""
+    from cadlib.analysis.report import writer
+    from cadlib.infra.results import device_name
+    monkeypatch.setenv("CADLIB_REPORT_DIR", str(tmp_path))
+    monkeypatch.setenv("CADLIB_NOTEBOOK", "x/y.ipynb")
+    here = device_name()
+    assert metrics.record("sim", 1.5).loc[0, "device"] == here
+    assert metrics.record("live", 2.0, kind="measured").loc[0, "device"] == here
+    metrics.record("committed", 3.0, kind="measured on 2x NVIDIA H200 (committed results/bench_e2e.json)")
+    rows = metrics.load_metrics(tmp_path)
+    assert all(r["device"] == here for r in rows)
+    frame = metrics.metrics_frame(rows).set_index("metric")
+    assert frame.loc["committed", "device"] == "2x NVIDIA H200" and frame.loc["sim", "device"] == here
+    assert metrics.produced_on({"kind": "simulated"}) == "—"          # a row from before rows had it
+    assert metrics.produced_on({"kind": "measured on 1x NVIDIA H200, FA4"}) == "1x NVIDIA H200"
+    md, _ = writer.write_report(tmp_path, [], {"device": here}, "cpu", rows, [])
+    text = md.read_text()
+    assert "| metric | paper | ours | unit | kind | device |" in text and f"| {here} |" in text
+    assert "| 2x NVIDIA H200 |" in text

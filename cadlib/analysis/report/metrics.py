@@ -14,6 +14,7 @@ import math
 import numbers
 import os
 import pathlib
+import re
 from typing import Iterable
 
 import pandas as pd
@@ -24,7 +25,8 @@ METRICS_FILE = "metrics.jsonl"
 KINDS = ("measured", "replayed", "simulated", "computed")
 """How ours was obtained: ``measured`` on a device, ``simulated`` from the cost model, or ``computed``
 exactly (e.g. a FLOP count). A kind may say more after the word, e.g. ``"measured on 2x H200"``."""
-METRIC_COLUMNS = ["metric", "paper", "ours", "unit", "kind", "source", "how", "note", "notebook"]
+METRIC_COLUMNS = ["metric", "paper", "ours", "unit", "kind", "device", "source", "how", "note", "notebook"]
+"""The report's table of metrics; ``device`` is the machine that produced the number (:func:`produced_on`)."""
 
 def _scalar(value, name: str):
     """A JSON-ready scalar: numbers (numpy too) as float/int, strings and bools as they are."""
@@ -73,7 +75,8 @@ def record(metric_id: str, ours, *, paper=None, unit: str = "", kind: str = "sim
     how ours stands against the paper (``cadlib.analysis.report.claims.record`` fills it from the claims registry);
     ``source``: where the paper's figure comes from, when ``paper`` does not say; ``primary`` and
     ``control`` (kept only when true): this row is the setting closest to the paper's, or a control run
-    (see :func:`cadlib.analysis.report.claims.claims_table`).
+    (see :func:`cadlib.analysis.report.claims.claims_table`). Every row carries ``device``, the machine
+    that ran the cell (:func:`cadlib.infra.results.device_name`: ``1x NVIDIA H200``, or ``CPU: ...``).
     """
     if not isinstance(metric_id, str) or not metric_id.strip():
         raise ValueError(f"metric_id must be a non-empty string, got {metric_id!r}")
@@ -87,7 +90,8 @@ def record(metric_id: str, ours, *, paper=None, unit: str = "", kind: str = "sim
         row["paper_source"] = source
     row["unit"] = unit or row.pop("paper_unit", "").strip()
     row.pop("paper_unit", None)
-    row.update(kind="measured on " + device_name() if kind == "measured" else kind, how=how, note=note,
+    device = device_name()
+    row.update(kind="measured on " + device if kind == "measured" else kind, device=device, how=how, note=note,
                notebook=os.environ.get("CADLIB_NOTEBOOK", ""), **({"verdict": verdict} if verdict else {}),
                **({"primary": True} if primary else {}), **({"control": True} if control else {}),
                time=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
@@ -134,10 +138,21 @@ def _source(r: dict) -> str:
     return paper or ("—" if r.get("paper") is None else "")
 
 
+def produced_on(r: dict) -> str:
+    """The machine that produced a recorded number: the device a ``measured on <device>`` kind names (a
+    committed measurement read on another machine keeps its GPU), else the one that ran the cell
+    (``device``; ``—`` for rows recorded before rows carried it)."""
+    kind = str(r.get("kind", ""))
+    if kind.startswith("measured on "):
+        return re.split(r",\s| \((?!\d+ cores\))", kind.removeprefix("measured on "))[0].strip()
+    return r.get("device") or "—"
+
+
 def metrics_frame(rows: Iterable[dict]):
     """Rows from :func:`record` / :func:`load_metrics` as a display table (values formatted)."""
     table = [{"metric": r["metric"], "paper": _fmt(r.get("paper")), "ours": _fmt(r.get("ours")),
-              "unit": r.get("unit", ""), "kind": r.get("kind", ""), "source": _source(r),
+              "unit": r.get("unit", ""), "kind": r.get("kind", ""), "device": produced_on(r),
+              "source": _source(r),
               "how": r.get("how", ""),
               "note": "; ".join(s for s in (r.get("verdict", ""), r.get("note", "")) if s),
               "notebook": r.get("notebook", "")}

@@ -162,3 +162,40 @@ def mha_beside_gqa(gqa: pd.DataFrame, mha: pd.DataFrame, seqlen: int | None = No
             .pivot_table(index="mask", columns=["direction", "backend", "heads"], values="cell", aggfunc="first")
             .sort_index(axis=1, level=0, ascending=False))
 
+
+
+LIVE_CELL = ("mask", "seqlen", "direction", "backend")
+"""What one cell of the kernel x mask table varies (the GQA 64:8 rows)."""
+
+
+def live_beside_committed(committed: pd.DataFrame | None, committed_device: str,
+                          live: pd.DataFrame | None = None,
+                          live_device: str = "", masks=None, seqlens=None, backends=None) -> pd.DataFrame:
+    """A subset of the kernel x mask table, the committed TF/s beside a live run's (when given): one row
+    per (mask, seqlen, direction, backend) of ``masks`` x ``seqlens`` x ``backends`` (default the live
+    run's cells), columns ``committed (<device>)``, ``live (<device>)`` (TF/s or the status symbol,
+    :func:`cell_text`) and ``live / committed`` where both are measured."""
+    parts = {}
+    for label, rows, dev in (("committed", committed, committed_device), ("live", live, live_device)):
+        if rows is None or not len(rows):
+            continue
+        rows = with_heads(rows, "64:8")
+        rows = rows[rows.heads == "64:8"].assign(tflops=rows.get("tflops", float("nan")))   # none timed: none
+        for col, keep in (("mask", masks), ("seqlen", seqlens), ("backend", backends)):
+            if keep is not None:
+                rows = rows[rows[col].isin(list(keep))]
+        parts[label] = (f"{label} ({dev or 'unknown device'})", rows.set_index(list(LIVE_CELL)))
+    if not parts:
+        return pd.DataFrame(columns=list(LIVE_CELL)).set_index(list(LIVE_CELL))
+    index = parts["live"][1].index if "live" in parts else parts["committed"][1].index
+    out = pd.DataFrame(index=index.drop_duplicates())
+    for name, rows in parts.values():
+        rows = rows[~rows.index.duplicated(keep="last")].reindex(out.index)
+        out[name] = [f"{t:.3g}" if s == "ok" else ("" if s != s else str(s))     # s != s: no such cell
+                     for t, s in zip(rows.tflops, rows.status)]
+        out[f"_{name}"] = rows.tflops.where(rows.status == "ok")
+    if len(parts) == 2:
+        (live_name, _), (committed_name, _) = parts["live"], parts["committed"]
+        ratio = out[f"_{live_name}"] / out[f"_{committed_name}"]
+        out["live / committed"] = [f"{r:.2f}" if r == r else "" for r in ratio]
+    return out[[c for c in out.columns if not c.startswith("_")]].sort_index()
