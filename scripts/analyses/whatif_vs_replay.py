@@ -57,6 +57,9 @@ def main(argv=None) -> int:
                   "calls": {}, "backend": backend, "mode": mode}
         else:
             sc = {**price.kernel_scales(settings, times, cost, backend, rates, a.scale_batches), "mode": mode}
+            sc["per_method"] = sc["scale"]              # the earlier rule, kept for the record
+            sc["scale"] = {"all": sc["scale"]["all"],
+                           "call_model": price.call_model(settings, times, cost, backend, rates, a.scale_batches)}
         print(f"{fam} ({backend}): scales {sc['scale']} ({mode}) over {sc['calls']} calls", flush=True)
         rows = []
         for f in files:

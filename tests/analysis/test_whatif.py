@@ -320,3 +320,24 @@ def test_a_grid_falling_at_its_end_prices_past_it_at_the_clipped_slope():
     assert np.allclose(interp(clipped, key, far, "pre_ms"), (2.0 + (np.array(far) - b) / (b - a)) * 1e-3)
     assert np.all(interp(times, key, [64 * b], "post_ms") < 0)                # the replay's own line
     assert np.allclose(interp(clipped, key, [a, (a + b) // 2], "post_ms"), [6.6e-3, 5.75e-3])
+
+
+def test_call_model_recovers_a_known_per_call_error_and_prices_with_it():
+    """Server calls whose times are ``a x table + b + c x gathered rows / 1000`` (the form the fit assumes):
+    :func:`price.call_model` recovers ``a, b, c`` per direction and :func:`price.modelled_calls` gives
+    the times back."""
+    cost = price_mod.load_cost()
+    cl = whatif.Cluster(gpus=64, gpus_per_node=8, tp=8)
+    tr = whatif.Training(context=131072, steps=1)
+    s = whatif.setting("llama3-8b", cl, tr, whatif.Documents(dist="prolong"))
+    works = replay_phases.batch_work(s, 0)
+    truth = {"fwd": [1.1, 0.5, 0.02], "bwd": [0.95, 2.0, 0.05]}
+    times = price_mod.modelled_calls(works.values(), s.spec, price_mod.BACKEND, cost, truth)
+    for t in times.values():
+        t.pop("modelled")                                   # as if timed
+    fit = price_mod.call_model([s], times, cost, price_mod.BACKEND, None, batches=1)
+    assert fit["calls"] == len(times) > 3
+    for f in ("fwd", "bwd"):
+        assert fit[f] == pytest.approx(truth[f], rel=1e-6, abs=1e-9)
+    again = price_mod.modelled_calls(works.values(), s.spec, price_mod.BACKEND, cost, fit)
+    assert all(again[k]["fwd_ms"] == pytest.approx(times[k]["fwd_ms"]) for k in times)

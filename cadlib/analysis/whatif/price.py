@@ -9,9 +9,11 @@ Only where each duration comes from differs, since nobody timed the user's batch
   degree (``times``, the replay cache's ``{"times": {key: ms}}``; :func:`cadlib.analysis.replay.times.interp`
   between the grid points ``LINEAR_GRID``), in the ``linear`` variant asked for when it was timed;
 * core attention: each server's one fused call on its merged segments from a kernel latency table
-  (``cost``, :class:`cadlib.core.measured.MeasuredCost`), times ``scale``, measured over predicted on
-  the calls the replay timed (:func:`cadlib.analysis.replay.results.kernel_model_check`), i.e.
-  ``t_call = scale x (overhead + sum_seg pairs(q, k) / R(q, k))``;
+  (``cost``, :class:`cadlib.core.measured.MeasuredCost`), corrected per call by :func:`call_model`,
+  fitted on the calls the replay timed: ``t_call = a x table + b + c x gathered rows / 1000`` per
+  direction (the table times the kernel alone; a served call also pays its stage's launch and the
+  copies of its shards' buffers). A user's own table (``--gpu-table``) is used as it is, and a plain
+  ``scale`` (one number, or one per method with ``"all"``) is still accepted;
 * communication: the link model (:class:`cadlib.analysis.replay.phases.Links`).
 
 Past the end of a timed grid the replay's interpolation follows the last segment; a grid whose last
@@ -31,13 +33,21 @@ import os
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
+import numpy as np
+
 from ...core.measured import MeasuredCost
 from ...infra.results import RESULTS_DIR, load_result
 from ..model.compose import Composed, compose
 from ..replay import phases as rp
 from ..replay.settings import Setting, Work
-from ..replay.times import (LINEAR_GRID, attention_jobs, head_key, linear_key, model_attention_times,
-                            optimizer_key)
+from ..replay.times import (
+    LINEAR_GRID,
+    attention_jobs,
+    head_key,
+    linear_key,
+    model_attention_times,
+    optimizer_key,
+)
 
 TIMES_FILE = RESULTS_DIR / "replay" / "times_h200.json"
 """The replay's timing cache (every linear-layer, head and optimizer grid the replay timed on one H200)."""
@@ -154,6 +164,10 @@ class Pricing:
     def _scales(self) -> str:
         if not isinstance(self.scale, dict):
             return f"{self.scale:.3f}"
+        cm = self.scale.get("call_model")
+        if cm:
+            return ("(fitted per call: forward {:.3f} x table + {:.2f} ms + {:.4f} ms per 1K gathered rows, "
+                    "backward {:.3f} x table + {:.2f} ms + {:.4f} ms)".format(*cm["fwd"], *cm["bwd"]))
         return "(" + ", ".join(f"{k} {v:.3f}" for k, v in self.scale.items()) + ")"
 
     def scale_of(self, method: str) -> float:
@@ -168,8 +182,10 @@ class Pricing:
         kernel table at its method's scale (never looked up among the timed calls: a user's batches
         are not there)."""
         att = {}
+        cm = self.scale.get("call_model") if isinstance(self.scale, dict) else None
         for k, w in works.items():
-            att.update(model_attention_times([w], s.spec, self.backend, self.cost, self.scale_of(k)))
+            att.update(modelled_calls([w], s.spec, self.backend, self.cost, cm) if cm else
+                       model_attention_times([w], s.spec, self.backend, self.cost, self.scale_of(k)))
         return {**self.times, **att}
 
     def phases(self, s: Setting, w: Work, links: rp.Links, table: dict | None = None) -> rp.Phases:
@@ -198,7 +214,7 @@ def pricing(times: dict | None = None, cost: MeasuredCost | None = None, backend
     cost = load_cost(backend=backend) if cost is None else cost
     if scale is None:
         scale = 1.0 if user_cost else (committed_scale(backend) or 1.0)
-    vals = scale.values() if isinstance(scale, dict) else (scale,)
+    vals = [v for k, v in scale.items() if k != "call_model"] if isinstance(scale, dict) else (scale,)
     if not all(isinstance(v, (int, float)) and v > 0 for v in vals) or (isinstance(scale, dict)
                                                                          and "all" not in scale):
         raise ValueError(f"scale must be a number > 0 or a dict of them per method with 'all', got {scale!r}")
@@ -234,3 +250,49 @@ def kernel_scales(settings_, times: dict, cost: MeasuredCost, backend: str, rate
         raise ValueError(f"no timed {backend} call among these settings to scale the kernel table to")
     return {"scale": {f: m[0] / m[1] for f, m in meas.items()}, "calls": {f: m[2] for f, m in meas.items()},
             "backend": backend, "batches": batches}
+
+
+def _call_rows(d, spec, cost: MeasuredCost, direction: str) -> list[float]:
+    """A server call's regressors in :func:`call_model`: the table's time (ms), 1, gathered K rows."""
+    sh = d.shared()
+    q, kv = sh.cu_q[1:] - sh.cu_q[:-1], sh.cu_k[1:] - sh.cu_k[:-1]
+    return [cost.fused_seconds(q, kv, direction, spec) * 1e3, 1.0, sum(d.gathered_rows()) / 1e3]
+
+
+def call_model(settings_, times: dict, cost: MeasuredCost, backend: str, rates: dict,
+               batches: int = 2) -> dict:
+    """The kernel table's error per server call, fitted by least squares over the timed calls of the
+    first ``batches`` batches of ``settings_``, per direction: ``t = a x table + b + c x rows / 1000``,
+    with ``rows`` the rows the call copies out of its buffers (:meth:`Dispatch.gathered_rows`). The
+    table prices the kernel alone; a served call also launches its stage and gathers its shards'
+    buffers, which one scale per method only stood in for (on the committed FA2 timings it underpriced
+    5-20 ms calls by 17% and 300 ms ones by 1%). Returns ``{"fwd": [a, b, c], "bwd": [...],
+    "calls": n}``."""
+    xs: dict = {"fwd": [], "bwd": []}
+    ys: dict = {"fwd": [], "bwd": []}
+    for s in settings_:
+        for b in range(min(batches, s.batches)):
+            for k, d in attention_jobs(rp.batch_work(s, b, rates).values(), s.spec, backend).items():
+                t = times.get(k)
+                if t is None or t.get("modelled"):
+                    continue
+                for f in ("fwd", "bwd"):
+                    xs[f].append(_call_rows(d, s.spec, cost, f))
+                    ys[f].append(t[f"{f}_ms"])
+    if not ys["fwd"]:
+        raise ValueError(f"no timed {backend} call among these settings to fit the kernel table to")
+    out = {f: [float(c) for c in np.linalg.lstsq(np.asarray(xs[f]), np.asarray(ys[f]), rcond=None)[0]]
+           for f in ("fwd", "bwd")}
+    return {**out, "calls": len(ys["fwd"])}
+
+
+def modelled_calls(works, spec, backend: str, cost: MeasuredCost, model: dict) -> dict:
+    """Every server call of ``works`` priced by :func:`call_model`'s ``model`` (never below 0)."""
+    out = {}
+    for k, d in attention_jobs(works, spec, backend).items():
+        t = {}
+        for f in ("fwd", "bwd"):
+            x = _call_rows(d, spec, cost, f)
+            t[f"{f}_ms"] = max(0.0, float(np.dot(model[f], x)))
+        out[k] = {**t, "modelled": True}
+    return out
