@@ -131,9 +131,9 @@ def test_cp_findings_and_the_claims_table(tmp_path, monkeypatch):
         assert got.loc[cid, "note"].startswith("not reproduced: not at this scale: needs several GPUs, only one is lent")
     assert "20-80% over 30 draws" in got.loc["longca.ring_fluctuates_docs", "note"]
     table = {r["claim"]: r for r in claims.claims_table(metrics.load_metrics(tmp_path / "run"), "cpu", tmp_path)}
-    assert table["longca.heads_first"]["verdict"] == "holds" and table["longca.heads_first"]["value"] == 1.0
+    assert table["longca.heads_first"]["verdict"] == "reproduced" and table["longca.heads_first"]["direction"] == "holds" and table["longca.heads_first"]["value"] == 1.0
     ring = table["longca.ring_fluctuates_docs"]
-    assert ring["ours"] == claims.NOT_MEASURED and ring["verdict"] == "not reproduced"
+    assert ring["ours"] == claims.NOT_MEASURED and ring["verdict"] == "not at this scale"
     assert ring["why"].startswith("not at this scale") and "max/mean area spans" in ring["why"]
     bare = {r["claim"]: r for r in claims.claims_table([], "cpu", tmp_path)}     # nothing recorded: the gap
     assert bare["longca.hybrid_cp_best"]["why"] == paper.CLAIMS["longca.hybrid_cp_best"].gap

@@ -263,7 +263,8 @@ def call_model(settings_, times: dict, cost: MeasuredCost, backend: str, rates: 
                batches: int = 2) -> dict:
     """The kernel table's error per server call, fitted by least squares over the timed calls of the
     first ``batches`` batches of ``settings_``, per direction: ``t = a x table + b + c x rows / 1000``,
-    with ``rows`` the rows the call copies out of its buffers (:meth:`Dispatch.gathered_rows`). The
+    with ``rows`` the rows the call copies out of its buffers
+    (:meth:`cadlib.dispatch.meta.Dispatch.gathered_rows`). The
     table prices the kernel alone; a served call also launches its stage and gathers its shards'
     buffers, which one scale per method only stood in for (on the committed FA2 timings it underpriced
     5-20 ms calls by 17% and 300 ms ones by 1%). Returns ``{"fwd": [a, b, c], "bwd": [...],
