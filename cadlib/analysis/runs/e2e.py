@@ -156,7 +156,8 @@ def setting_label(config: dict) -> str:
     ``DEFAULT_TOLERANCE``, ``... whole docs`` when ping-pong's nano-batches kept documents whole,
     not ``DEFAULT_NANO_SPLIT``, ``... 4 CTAs`` or ``... NCCL's CTAs`` when CAD's all-to-alls ran on
     other NCCL thread blocks than the link's ``DEFAULT_COMM_CTAS``, ``... sent-last`` or ``... no
-    sent-last`` against ``DEFAULT_SENT_LAST``): what a committed result file measured."""
+    sent-last`` against ``DEFAULT_SENT_LAST``, ``... fused`` with the fused linear blocks): what a
+    committed result file measured."""
     link = f" {config['link']}" if config.get("link") else ""
     tol = config.get("tolerance", DEFAULT_TOLERANCE)
     eps = f" eps {tol:g}" if tol != DEFAULT_TOLERANCE else ""
@@ -167,6 +168,8 @@ def setting_label(config: dict) -> str:
         eps += f" {ctas} CTAs" if ctas else " NCCL's CTAs"
     if bool(config.get("sent_last", False)) != DEFAULT_SENT_LAST:
         eps += " sent-last" if config.get("sent_last") else " no sent-last"
+    if config.get("linear_blocks") == "fused":
+        eps += " fused"
     return f"{config['dist']} {config['tokens_per_rank'] // 1024}K{link} x{config.get('nproc', '?')}{eps}"
 
 
