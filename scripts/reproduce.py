@@ -476,6 +476,8 @@ def _relink(page: str, notebook: str, folder: pathlib.Path) -> str:
     src = (ROOT / "notebooks" / notebook).parent
 
     def fix(m):
+        if m.group(1) == NOTEBOOK_CSS:              # the shared stylesheet, published beside the page
+            return m.group(0)
         target = (src / m.group(1)).resolve()
         if not target.is_relative_to(ROOT):
             return m.group(0)

@@ -60,3 +60,12 @@ def test_fix_rewrites_stale_numbers_in_markdown_and_notebooks(tmp_path):
     assert answers.main([str(md), str(nb)]) == 0
     with pytest.raises(ValueError, match="unknown key 'nope'"):
         answers.refresh_markers("<!-- nope -->1%")
+
+
+@pytest.mark.parametrize("name, page", list(_pages()), ids=[name for name, _ in _pages()])
+def test_no_marker_opens_a_line(name, page):
+    """A line that opens with ``<!--`` starts an HTML block in CommonMark (GitHub, JupyterLab, nbconvert):
+    the rest of that paragraph would render as raw text (``**bold**`` with its asterisks). A marker
+    follows other text on its line."""
+    bad = [ln for ln in page.splitlines() if ln.lstrip().startswith("<!--") and answers.MARKER.match(ln.lstrip())]
+    assert not bad, f"{name}: markers opening a line:\n" + "\n".join(bad)

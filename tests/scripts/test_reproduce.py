@@ -198,8 +198,10 @@ def test_run_writes_report_with_summary_metrics_figures_and_failures(repo):
 def test_published_pages_link_each_other_and_the_repository():
     folder = reproduce.ROOT / "results" / "reports" / "notebooks"
     page = ('<a href="02_pipeline.ipynb">next</a> <a href="../04_benchmarks/01_end_to_end.ipynb#top">4.1</a> '
-            '<a href="../../results/reports/report.html#claims">report</a> <a href="https://x.org/a.ipynb">web</a>')
+            '<a href="../../results/reports/report.html#claims">report</a> <a href="https://x.org/a.ipynb">web</a>'
+            '<link rel="stylesheet" href="notebook.css">')
     got = reproduce._relink(page, "03_pingpong/01_overlap.ipynb", folder)
+    assert 'href="notebook.css"' in got                   # the shared stylesheet lies beside the page
     assert 'href="03_pingpong__02_pipeline.html"' in got and 'href="04_benchmarks__01_end_to_end.html#top"' in got
     assert 'href="../report.html#claims"' in got and 'href="https://x.org/a.ipynb"' in got
     assert reproduce.published_name("01_imbalance/01_stragglers.ipynb") == "01_imbalance__01_stragglers.html"
