@@ -40,6 +40,11 @@ def _span(lo: float, hi: float, fmt: str, unit: str) -> str:
     return f"{a}{unit}" if a == b else f"{a}-{b}{unit}"
 
 
+def _speedup_range(g, evidence: str) -> Number:
+    """A range of speedups (``1.02-1.23x``) over the settings of ``g``."""
+    return Number((float(g.min()), float(g.max())), _span(g.min(), g.max(), ".2f", "x"), evidence)
+
+
 REPLAY = "replayed on 1x H200 from the paper's 64-256-GPU settings"
 REPLAY_PAPER = REPLAY + " under the paper's protocol (FA2, Llama-8B)"
 E2E = "measured on 2x H200"
@@ -61,23 +66,20 @@ def numbers(results_dir=None) -> dict[str, Number]:
         g = sp[sp.dist == d].speedup_over_wlb
         out[f"distca.speedup_3d_{d}@replay"] = Number(float(g.mean()), f"{g.mean():.2f}x",
                                                       f"{REPLAY_PAPER}, mean")
-        out[f"distca.speedup_3d_{d}@replay_range"] = Number((float(g.min()), float(g.max())),
-                                                            _span(g.min(), g.max(), ".2f", "x"), REPLAY_PAPER)
+        out[f"distca.speedup_3d_{d}@replay_range"] = _speedup_range(g, REPLAY_PAPER)
     old = scale.speedups(results_dir=replay_dir)
     for d in ("pretrain", "prolong"):
         g = old[old.dist == d].speedup_over_wlb
-        out[f"distca.speedup_3d_{d}@replay_ours_range"] = Number(
-            (float(g.min()), float(g.max())), _span(g.min(), g.max(), ".2f", "x"),
-            f"{REPLAY}, under our earlier protocol (FA4; docs/fidelity.md's variants)")
+        out[f"distca.speedup_3d_{d}@replay_ours_range"] = _speedup_range(
+            g, f"{REPLAY}, under our earlier protocol (FA4; docs/fidelity.md's variants)")
     for tag, kernel in (("_paper", "FA2, the paper's kernel"), ("_paper_fa4", "FA4")):
         pr = fidelity.paper_speedups(tag, replay_dir)
         key = "protocol" if tag == "_paper" else "protocol_fa4"
         for d in ("pretrain", "prolong"):
             g = pr[pr.dist == d]
             if tag != scale.PROTOCOL_TAG:       # the protocol's own range is @replay_range above
-                out[f"distca.speedup_3d_{d}@{key}_range"] = Number(
-                    (float(g.speedup_over_wlb.min()), float(g.speedup_over_wlb.max())),
-                    _span(g.speedup_over_wlb.min(), g.speedup_over_wlb.max(), ".2f", "x"),
+                out[f"distca.speedup_3d_{d}@{key}_range"] = _speedup_range(
+                    g.speedup_over_wlb,
                     f"{REPLAY} under the paper's protocol ({kernel}, {int(g.batches.min())} batches)")
             out[f"distca.speedup_3d_{d}@{key}_inside"] = Number(
                 float(g.inside.sum()), str(int(g.inside.sum())),
@@ -86,16 +88,13 @@ def numbers(results_dir=None) -> dict[str, Number]:
     p4 = scale.speedups_4d_paper(results_dir=replay_dir)
     for d in ("pretrain", "prolong"):
         g = p4[p4.dist == d].speedup_over_wlb
-        out[f"distca.speedup_4d_8b_{d}@replay_range"] = Number(
-            (float(g.min()), float(g.max())), _span(g.min(), g.max(), ".2f", "x"),
-            f"{REPLAY_PAPER} (4D, each method at its best configuration that fits in memory)")
+        out[f"distca.speedup_4d_8b_{d}@replay_range"] = _speedup_range(
+            g, f"{REPLAY_PAPER} (4D, each method at its best configuration that fits in memory)")
     for view in ("any", "budget"):
         s4 = scale.speedups_4d(view, replay_dir)
         for d in ("pretrain", "prolong"):
             g = s4[s4.dist == d].speedup_over_wlb
-            out[f"distca.speedup_4d_8b_{d}@replay_{view}"] = Number(
-                (float(g.min()), float(g.max())), _span(g.min(), g.max(), ".2f", "x"),
-                f"{REPLAY} (4D, {view})")
+            out[f"distca.speedup_4d_8b_{d}@replay_{view}"] = _speedup_range(g, f"{REPLAY} (4D, {view})")
     ab = scale.pingpong_ablation(results_dir=replay_dir)
     exposed = float((1 / ab.signal_only_over_pingpong.mean() - 1) * 100)
     out["distca.comm_hidden@replay"] = Number(exposed, f"{exposed:.1f}%", REPLAY)
