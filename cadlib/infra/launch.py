@@ -277,7 +277,7 @@ def results_frame(run_dir: Path, nproc: int):
 
 def _torch():
     """torch, loaded when a run starts, not when this module is imported: a machine without torch can
-    import cadlib (the what-if, the analysis) and is told here that launching needs it."""
+    use cadlib's what-if and analysis, and is told here that launching needs it."""
     try:
         return importlib.import_module("torch")
     except ImportError as e:

@@ -51,6 +51,7 @@ import torch
 from cadlib.analysis.replay import phases as replay_phases
 from cadlib.analysis.replay import protocol
 from cadlib.analysis.replay import pipelined as replay4d
+from cadlib.analysis.replay import settings4d
 from cadlib.analysis.replay import results as replay_results
 from cadlib.analysis.replay import settings as replay
 from cadlib.analysis.replay import sweep4d
@@ -154,7 +155,7 @@ def time_4d(a, cache, save, device, dtype) -> int:
     sample = load_result(a.shapes)["results"]
     times, t0 = cache["times"], time.perf_counter()
     gen = torch.Generator(device=device).manual_seed(0)
-    spec = replay4d.paper_4d_settings(1)[0].spec
+    spec = settings4d.paper_4d_settings(1)[0].spec
     backend = kernels.resolve_backend(a.backend, device, dtype, spec.head_dim)
     jobs = [(replay_times.key_for_backend(k, backend), sh) for k, sh in sample["shapes"].items()]
     again = set(replay_times.compile_suspects(times)) if a.retime else set()
@@ -352,7 +353,7 @@ def cmd_shapes4d(a) -> int:
                                      load_result("comm_overlap_probe_2xh200_inter-node-like.json"))
     backend = a.backend or "fa4"
     cost = MeasuredCost.load(RESULTS_DIR / "kernel_profile_h200.json", backend)
-    todo = [s for s in replay4d.paper_4d_settings(1) if named(s, a.only)]
+    todo = [s for s in settings4d.paper_4d_settings(1) if named(s, a.only)]
     batches = (a.batches or 3) if a.all else 1
     rng, out, counts = np.random.default_rng(0), {}, {}
     jobs = [(s, cache["times"], rates, backend, cost, batches) for s in todo]
@@ -387,12 +388,12 @@ def cmd_compose_4d(a, times, meta, rates, backend) -> int:
     cost = MeasuredCost.load(RESULTS_DIR / "kernel_profile_h200.json", backend)
     shapes_path = Path(a.shapes)
     shapes = load_result(shapes_path)["results"]["shapes"] if shapes_path.exists() else {}
-    spec = replay4d.paper_4d_settings(1)[0].spec
+    spec = settings4d.paper_4d_settings(1)[0].spec
     check = replay_times.segment_model_check(times, shapes, cost, spec, backend)
     if check is None:
         check = replay_results.kernel_model_check(replay.paper_3d_settings()[:3], times, cost, backend, rates)
     print(f"kernel table against the timed calls: {check}", flush=True)
-    todo = [replace(s, linear=a.linear) for s in replay4d.paper_4d_settings(a.batches or 3)
+    todo = [replace(s, linear=a.linear) for s in settings4d.paper_4d_settings(a.batches or 3)
             if named(s, a.only)]
     jobs = [(s, times, rates, backend, cost, check["scale"]) for s in todo]
     out_dir, summary = Path(a.out), []

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from cadlib.analysis.replay import phases as replay_phases, protocol as P, sweep4d as S, times as replay_times
-from cadlib.analysis.replay.pipelined import Setting4D
+from cadlib.analysis.replay.settings4d import Setting4D
 from cadlib.core import memory
 from cadlib.core.measured import MeasuredCost
 from cadlib.core.paper import DISTCA_TABLE4_8B

@@ -5,14 +5,14 @@ import json
 import numpy as np
 import pytest
 
-from cadlib.analysis.replay import phases as replay_phases, pipelined as replay4d, times as replay_times
+from cadlib.analysis.replay import phases as replay_phases, pipelined as replay4d, settings4d, times as replay_times
 from cadlib.core.measured import MeasuredCost
 from cadlib.core.paper import DISTCA_TABLE4_8B
 from cadlib.infra.results import RESULTS_DIR, load_result
 
 
 def test_paper_settings_are_table_4():
-    ss = replay4d.paper_4d_settings()
+    ss = settings4d.paper_4d_settings()
     assert len(ss) == 18 and {s.gpus for s in ss} == {64, 128, 256}
     assert {(s.max_doc_len, s.batch) for s in ss} == {(c, b) for c, bs, _ in DISTCA_TABLE4_8B for b in bs}
     for s in ss:
@@ -22,14 +22,14 @@ def test_paper_settings_are_table_4():
 
 
 def test_microbatches_hold_whole_documents_for_every_method():
-    s = replay4d.Setting4D("t", "distca-pretrain", 32, 4, 131072, elongate=1.0, batches=1)
+    s = settings4d.Setting4D("t", "distca-pretrain", 32, 4, 131072, elongate=1.0, batches=1)
     pp, dp, n_micro = s.configs()[1]
-    groups = replay4d.step_groups(s, 0, dp, n_micro)
+    groups = settings4d.step_groups(s, 0, dp, n_micro)
     docs = sorted(n for g in groups for n in g)
     assert all(sum(g) == dp * s.micro_tokens for g in groups)
-    base = replay4d.micro_layouts(s, groups, dp)
+    base = settings4d.micro_layouts(s, groups, dp)
     for c in (1, 2):
-        wlb = replay4d.wlb_micro_layouts(s, groups, dp, c)
+        wlb = settings4d.wlb_micro_layouts(s, groups, dp, c)
         assert sorted(n for lay in wlb for n in lay.doc_lens) == docs      # the same documents, whole
     assert sorted(n for lay in base for n in lay.doc_lens) == docs
 
@@ -38,7 +38,7 @@ def test_a_small_setting_composes_every_configuration():
     times = json.loads((RESULTS_DIR / "replay" / "times_h200.json").read_text())["times"]
     rates = replay_phases.link_rates(load_result("comm_overlap_probe_2xh200_nvlink.json"))
     cost = MeasuredCost.load(RESULTS_DIR / "kernel_profile_h200.json", "fa4")
-    s = replay4d.Setting4D("t", "distca-pretrain", 32, 4, 131072, batches=1, pps=(1, 2))
+    s = settings4d.Setting4D("t", "distca-pretrain", 32, 4, 131072, batches=1, pps=(1, 2))
     price = replay_times.SegmentPrice(s.spec, "fa4", cost, 1.04, record=True)
     res = replay4d.replay_setting_4d(s, times, rates, "fa4", price)
     rows = res["per_config"]
@@ -62,7 +62,7 @@ def test_a_small_setting_composes_every_configuration():
 
 def test_segment_model_check_scales_the_table_to_the_timed_sample():
     cost = MeasuredCost.load(RESULTS_DIR / "kernel_profile_h200.json", "fa4")
-    spec = replay4d.paper_4d_settings(1)[0].spec
+    spec = settings4d.paper_4d_settings(1)[0].spec
     shapes = {replay_times.segments_key(q, kv, spec, "fa4"): {"q": q, "kv": kv}
               for q, kv in (([512, 2048], [4096, 2048]), ([16384], [65536]), ([128] * 40, [128] * 40))}
     assert replay_times.segment_model_check({}, shapes, cost, spec, "fa4") is None      # nothing timed
@@ -85,7 +85,7 @@ def test_lockstep_ticks_move_the_bytes_of_stateless_servers():
     from cadlib.core.plan import Plan
     lay = layout_from_lists([[(0, 0, 8)], [(1, 0, 2)]], [8, 2])
     plan = Plan.from_arrays(lay, [0, 0, 1], [0, 5, 0], [5, 8, 2], [0, 0, 1], [0, 1, 1], n_servers=2)
-    spec = replay4d.Setting4D("t", "distca-pretrain", 16, 2, 131072).spec   # Q 1024 B, K+V 512, LSE 16
+    spec = settings4d.Setting4D("t", "distca-pretrain", 16, 2, 131072).spec   # Q 1024 B, K+V 512, LSE 16
     pre, post = replay4d._cad_bytes([plan], spec, backward=False)
     assert [x.tolist() for x in pre[0]] == [[3 * 1024 + 8 * 512, 0], [0, 3 * 1024 + 8 * 512]]
     assert [x.tolist() for x in post[0]] == [[0, 3 * 1040], [3 * 1040, 0]]        # O and its LSE back
@@ -93,4 +93,4 @@ def test_lockstep_ticks_move_the_bytes_of_stateless_servers():
     assert [x.tolist() for x in pre[0]] == [[3 * 3088 + 8 * 512, 0], [0, 3 * 3088 + 8 * 512]]
     assert [x.tolist() for x in post[0]] == [[0, 3 * 1024 + 8 * 512], [3 * 1024 + 8 * 512, 0]]
     with pytest.raises(ValueError, match="Setting4D.backward must be 'resend'"):
-        replay4d.Setting4D("t", "distca-pretrain", 16, 2, 131072, backward="stateful")
+        settings4d.Setting4D("t", "distca-pretrain", 16, 2, 131072, backward="stateful")

@@ -6,7 +6,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from cadlib.analysis.replay import phases as replay_phases, results as replay_results, settings as replay
+from cadlib.analysis.replay import phases as replay_phases, results as replay_results, settings as replay, settings4d
 from cadlib.data.packing import per_doc_gather_tokens, replica_gather_tokens, wlb_distca_layout
 
 ALL_CP = (1, 2, 4, 8, 16, 32)
@@ -108,13 +108,12 @@ def test_a_replayed_setting_reports_its_one_degree_per_batch_and_in_the_summary(
 
 
 def test_4d_wlb_as_distcas_4d_driver_packs_a_whole_step():
-    from cadlib.analysis.replay import pipelined as replay4d
-    s = replay4d.Setting4D("t", "distca-pretrain", 64, 16, 131072, batches=1, wlb_packer="distca-4d")
+    s = settings4d.Setting4D("t", "distca-pretrain", 64, 16, 131072, batches=1, wlb_packer="distca-4d")
     pp, dp, n_micro = next(c for c in s.configs() if c[0] == 2)            # 4 nodes a stage, 4 micro-batches
-    groups = replay4d.step_groups(s, 0, dp, n_micro)
+    groups = settings4d.step_groups(s, 0, dp, n_micro)
     docs = sorted(n for g in groups for n in g)
     for packer in ("distca", "distca-4d"):
-        lays = replay4d.wlb_micro_layouts(replace(s, wlb_packer=packer), groups, dp, 2)
+        lays = settings4d.wlb_micro_layouts(replace(s, wlb_packer=packer), groups, dp, 2)
         assert len(lays) == n_micro and all(lay.n_ranks == dp for lay in lays)
         got = sorted(n for lay in lays for n in lay.doc_lens)
         assert len(got) >= len(docs) and all(n in got for n in docs)   # every document whole (and dummies)
@@ -123,7 +122,7 @@ def test_4d_wlb_as_distcas_4d_driver_packs_a_whole_step():
     flat = [n for g in groups for n in g]
     buckets, lens = wlb_distca_buckets(flat, n_micro * dp // 2, sum(flat) // (n_micro * dp // 2) // n_micro,
                                        s.model)
-    lays = replay4d.wlb_micro_layouts(s, groups, dp, 2)
+    lays = settings4d.wlb_micro_layouts(s, groups, dp, 2)
     for m, lay in enumerate(lays):
         want = sorted(lens[d] for b in buckets[m * dp // 2:(m + 1) * dp // 2] for d in b)
         assert sorted(lay.doc_lens) == want

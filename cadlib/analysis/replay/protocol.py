@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 
 from ...core.paper import (DISTCA_4D_BUFFER_GIB, DISTCA_MIN_TOLERANCE, DISTCA_TABLE3_8B, DISTCA_TABLE4_8B,
                            DISTCA_TP, DISTCA_ZCONFIG)
-from .pipelined import Setting4D
+from .settings4d import Setting4D
 from .settings import Setting
 
 PAPER_BATCHES_3D = 15

@@ -11,7 +11,7 @@ nodes:
   and pong the rest, each laid over the stage's nodes (``nano_split="distca"``); DistCA's lock-step
   ticks over all GPUs (:func:`cadlib.analysis.replay.pipelined.pipeline_lockstep`);
 * WLB-ideal: all of the step's documents, whole, over ``n_micro x nodes / (pp cp)`` buckets by WLB-LLM's
-  packer (:func:`cadlib.analysis.replay.pipelined.wlb_micro_layouts`), per-document CP of degree ``cp``,
+  packer (:func:`cadlib.analysis.replay.settings4d.wlb_micro_layouts`), per-document CP of degree ``cp``,
   1F1B (per DP replica with ``schedule="replica"``).
 
 Each configuration carries whether it fits a GPU's memory (:func:`cadlib.core.memory.configs`, DistCA's
@@ -36,7 +36,8 @@ from ...core.paper import DISTCA_ZCONFIG
 from ...data.sequences import step_sequences
 from ...scheduling.recipes import method_layout
 from .phases import Links
-from .pipelined import Setting4D, pipeline_1f1b, pipeline_lockstep, wlb_micro_layouts
+from .pipelined import pipeline_1f1b, pipeline_lockstep
+from .settings4d import Setting4D, wlb_micro_layouts
 
 SWEEP_METHODS = ("wlb", "cad-pingpong")
 """What Figure 10 compares: WLB-ideal and DistCA (CAD with ping-pong)."""
