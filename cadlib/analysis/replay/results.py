@@ -227,19 +227,30 @@ def summary_line(s: Setting, res: dict) -> str:
     return f"{s.name}: " + ", ".join(parts)
 
 
+def timed_calls(settings_, times: dict, backend: str, rates: dict, batches: int = 2, per_work: bool = False):
+    """The server calls of the first ``batches`` batches of each setting that ``times`` holds as timed (not
+    ``"modelled"``), as ``(setting, work key, dispatch, timing)``: each distinct call of a batch once, or
+    with ``per_work`` once per work that makes it (its method's, ``work key``; else None)."""
+    for s in settings_:
+        for b in range(min(batches, s.batches)):
+            works = batch_work(s, b, rates)
+            groups = [(key, [w]) for key, w in works.items()] if per_work else [(None, works.values())]
+            for key, ws in groups:
+                for k, d in attention_jobs(ws, s.spec, backend).items():
+                    t = times.get(k)
+                    if t is not None and not t.get("modelled"):
+                        yield s, key, d, t
+
+
 def kernel_model_check(settings_, times: dict, cost, backend: str, rates: dict, batches: int = 2) -> dict:
     """How well the kernel table predicts the calls the replay timed, over the timed calls of the first
     ``batches`` batches of each setting: measured / predicted (forward + backward), time-weighted (the
     ``scale`` :func:`cadlib.analysis.replay.times.model_attention_times` applies), its median, 10th and 90th percentiles, the calls."""
     meas, pred = [], []
-    for s in settings_:
-        for b in range(min(batches, s.batches)):
-            for k, d in attention_jobs(batch_work(s, b, rates).values(), s.spec, backend).items():
-                if k in times and not times[k].get("modelled"):
-                    sh = d.shared()
-                    meas.append(times[k]["fwd_ms"] + times[k]["bwd_ms"])
-                    q, k_ = np.diff(sh.cu_q), np.diff(sh.cu_k)
-                    pred.append(cost.fused_seconds(q, k_, "fwd_bwd", s.spec) * 1e3)
+    for s, _, d, t in timed_calls(settings_, times, backend, rates, batches):
+        sh = d.shared()
+        meas.append(t["fwd_ms"] + t["bwd_ms"])
+        pred.append(cost.fused_seconds(np.diff(sh.cu_q), np.diff(sh.cu_k), "fwd_bwd", s.spec) * 1e3)
     m, p = np.array(meas), np.array(pred)
     if not m.size:
         raise ValueError(f"no timed {backend} call among these settings to check the kernel table against")

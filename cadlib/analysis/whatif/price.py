@@ -39,6 +39,7 @@ from ...core.measured import MeasuredCost
 from ...infra.results import RESULTS_DIR, load_result
 from ..model.compose import Composed, compose
 from ..replay import phases as rp
+from ..replay.results import timed_calls
 from ..replay.settings import Setting, Work
 from ..replay.times import (
     LINEAR_GRID,
@@ -228,24 +229,17 @@ def kernel_scales(settings_, times: dict, cost: MeasuredCost, backend: str, rate
     (colocated's whole documents, WLB's per-document CP pieces and CAD's shards cut their segments
     differently, and the table misses each by its own factor); ``calls`` per method."""
     meas: dict = {}
-    for s in settings_:
-        for b in range(min(batches, s.batches)):
-            for key, w in rp.batch_work(s, b, rates).items():
-                fam = key.split("/")[0]
-                if fam == "signal-only":
-                    continue
-                for k, d in attention_jobs([w], s.spec, backend).items():
-                    t = times.get(k)
-                    if t is None or t.get("modelled"):
-                        continue
-                    sh = d.shared()
-                    q, kv = sh.cu_q[1:] - sh.cu_q[:-1], sh.cu_k[1:] - sh.cu_k[:-1]
-                    p = cost.fused_seconds(q, kv, "fwd_bwd", s.spec) * 1e3
-                    for f in (fam, "all"):
-                        m = meas.setdefault(f, [0.0, 0.0, 0])
-                        m[0] += t["fwd_ms"] + t["bwd_ms"]
-                        m[1] += p
-                        m[2] += 1
+    for s, key, d, t in timed_calls(settings_, times, backend, rates, batches, per_work=True):
+        fam = key.split("/")[0]
+        if fam == "signal-only":
+            continue
+        sh = d.shared()
+        p = cost.fused_seconds(sh.cu_q[1:] - sh.cu_q[:-1], sh.cu_k[1:] - sh.cu_k[:-1], "fwd_bwd", s.spec) * 1e3
+        for f in (fam, "all"):
+            m = meas.setdefault(f, [0.0, 0.0, 0])
+            m[0] += t["fwd_ms"] + t["bwd_ms"]
+            m[1] += p
+            m[2] += 1
     if "all" not in meas:
         raise ValueError(f"no timed {backend} call among these settings to scale the kernel table to")
     return {"scale": {f: m[0] / m[1] for f, m in meas.items()}, "calls": {f: m[2] for f, m in meas.items()},
@@ -271,15 +265,10 @@ def call_model(settings_, times: dict, cost: MeasuredCost, backend: str, rates: 
     "calls": n}``."""
     xs: dict = {"fwd": [], "bwd": []}
     ys: dict = {"fwd": [], "bwd": []}
-    for s in settings_:
-        for b in range(min(batches, s.batches)):
-            for k, d in attention_jobs(rp.batch_work(s, b, rates).values(), s.spec, backend).items():
-                t = times.get(k)
-                if t is None or t.get("modelled"):
-                    continue
-                for f in ("fwd", "bwd"):
-                    xs[f].append(_call_rows(d, s.spec, cost, f))
-                    ys[f].append(t[f"{f}_ms"])
+    for s, _, d, t in timed_calls(settings_, times, backend, rates, batches):
+        for f in ("fwd", "bwd"):
+            xs[f].append(_call_rows(d, s.spec, cost, f))
+            ys[f].append(t[f"{f}_ms"])
     if not ys["fwd"]:
         raise ValueError(f"no timed {backend} call among these settings to fit the kernel table to")
     out = {f: [float(c) for c in np.linalg.lstsq(np.asarray(xs[f]), np.asarray(ys[f]), rcond=None)[0]]
