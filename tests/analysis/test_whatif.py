@@ -341,3 +341,8 @@ def test_call_model_recovers_a_known_per_call_error_and_prices_with_it():
         assert fit[f] == pytest.approx(truth[f], rel=1e-6, abs=1e-9)
     again = price_mod.modelled_calls(works.values(), s.spec, price_mod.BACKEND, cost, fit)
     assert all(again[k]["fwd_ms"] == pytest.approx(times[k]["fwd_ms"]) for k in times)
+    negative = price_mod.modelled_calls(works.values(), s.spec, price_mod.BACKEND, cost,
+                                        {"fwd": [0.0, -1.0, 0.0], "bwd": [1.0, 0.0, 0.0]})
+    assert all(t["fwd_ms"] == 0.0 and t["bwd_ms"] > 0 for t in negative.values())      # never below 0
+    with pytest.raises(ValueError, match="no timed torch_flash call"):
+        price_mod.call_model([s], {}, cost, price_mod.BACKEND, None, batches=1)
