@@ -114,12 +114,12 @@ def settings(suites: list[str], batches: int | None, only: str = "",
 
 
 # ----------------------------------------------------------------------------------------- timing
-def time_attention(d, spec, device, dtype, backend, gen, iters: int) -> dict:
+def time_attention(d, spec, device, dtype, backend, gen, iters: int, warmup: int = WARMUP) -> dict:
     """The serve stage of dispatch ``d``, forward then backward, on random buffers of its sizes; the
-    median of ``iters`` timed runs after ``WARMUP`` untimed ones."""
+    median of ``iters`` timed runs after ``warmup`` untimed ones."""
     call = ServeCall(to_device(d, device), spec, device, dtype, backend, gen)
-    fw, bw = time_phases([call.forward, call.backward], device, iters=iters, after=call.zero_grad)
-    return {"fwd_ms": float(np.median(fw)), "bwd_ms": float(np.median(bw)), "iters": iters, "warmup": WARMUP}
+    fw, bw = time_phases([call.forward, call.backward], device, iters=iters, warmup=warmup, after=call.zero_grad)
+    return {"fwd_ms": float(np.median(fw)), "bwd_ms": float(np.median(bw)), "iters": iters, "warmup": warmup}
 
 
 def _plan_batch(task):
@@ -257,7 +257,7 @@ def cmd_time(a) -> int:
                 if over():
                     skipped += 1
                     continue
-                times[k] = time_attention(d, s.spec, device, dtype, backends[name], gen, a.iters)
+                times[k] = time_attention(d, s.spec, device, dtype, backends[name], gen, a.iters, a.warmup)
                 again.discard(k)
                 done += 1
             print(f"[{time.perf_counter() - t_start:6.0f} s] {name} batch {b}: {len(jobs)} new calls "
@@ -500,6 +500,10 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", type=int, default=None, help="batches per paper setting (default 5)")
     ap.add_argument("--budget-s", type=float, default=math.inf)
     ap.add_argument("--iters", type=int, default=1, help="timed runs per attention call (median)")
+    ap.add_argument("--warmup", type=int, default=WARMUP,
+                    help="untimed runs before each attention call's timed ones (0 halves the time of a "
+                         "kernel that compiles nothing per shape, as torch_flash; a first-run outlier is "
+                         "caught by --retime's screen, which trusts only warmed-up entries)")
     ap.add_argument("--backend", default=None)
     ap.add_argument("--model-missing", action="store_true",
                     help="compose: server calls nobody timed from the kernel table, scaled to the timed ones")
@@ -528,6 +532,8 @@ def main(argv=None) -> int:
     if a.smoke:
         a.suite, a.device = "smoke", "cpu"
         a.backend = a.backend or "sdpa_ref"
+    if a.warmup < 0:
+        raise SystemExit(f"--warmup must be >= 0, got {a.warmup}")
     if a.iters < 1 or (a.batches is not None and a.batches < 1) or a.sample < 1:
         ap.error("--iters, --batches and --sample must be >= 1")
     if a.command == "shapes4d":

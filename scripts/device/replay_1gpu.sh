@@ -21,7 +21,8 @@
 #   replay2   scripts/bench/bench_server_replay.py on the committed pretrain 64K and prolong 128K batches
 #   kernels   the FA4 column of the kernel x mask table, merged into a copy of results/bench_kernels.json
 #   time      scripts/bench/bench_replay.py time (REPLAY_SUITE, REPLAY_BUDGET seconds) into $OUT/replay_times.json,
-#             continuing the committed cache
+#             continuing the committed cache (REPLAY_ARGS: more of its options, e.g. "--backend torch_flash
+#             --warmup 0 --batches 15")
 # Writes under $OUT; set CADLIB_COMMIT to the commit sent. Run from the repository root.
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -57,7 +58,7 @@ for st in $STAGES; do
     time)
       [ -f "$OUT/replay_times.json" ] || cp results/replay/times_h200.json "$OUT/replay_times.json" 2>/dev/null || true
       timeout $(( ${REPLAY_BUDGET:-400} + 60 )) python3 scripts/bench/bench_replay.py time --suite "${REPLAY_SUITE:-validation,3d}" \
-        --cache "$OUT/replay_times.json" --budget-s "${REPLAY_BUDGET:-400}" 2>&1 | tail -25 | tee -a "$LOG" ;;
+        --cache "$OUT/replay_times.json" --budget-s "${REPLAY_BUDGET:-400}" ${REPLAY_ARGS:-} 2>&1 | tail -25 | tee -a "$LOG" ;;
     e2e1x)
       timeout ${E2E_TIMEOUT:-480} python3 scripts/bench/bench_e2e.py --nproc 1 --dists uniform,pretrain --tokens 65536,131072 \
         --methods colocated,cad-pingpong --steps 4 --warmup 1 --quiet --out /tmp/e2e1x 2>&1 | tail -6 | tee -a "$LOG"
