@@ -48,6 +48,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from cadlib.analysis.replay import calls as replay_calls
 from cadlib.analysis.replay import phases as replay_phases
 from cadlib.analysis.replay import protocol
 from cadlib.analysis.replay import pipelined as replay4d
@@ -298,13 +299,20 @@ def cmd_compose(a) -> int:
         # the scale: measured / predicted over the timed calls of the settings composed here (the first
         # two batches of each), else of the earlier replay's first three settings
         todo = settings(a.suite.split(","), a.batches, a.only, a.linear)
+        fit_on = todo
         try:
-            model_check = replay_results.kernel_model_check(todo, cache["times"], cost, backend, rates)
+            model_check = replay_calls.kernel_model_check(fit_on, cache["times"], cost, backend, rates)
         except ValueError:
-            model_check = replay_results.kernel_model_check(replay.paper_3d_settings()[:3], cache["times"],
-                                                            cost, backend, rates)
+            fit_on = replay.paper_3d_settings()[:3]
+            model_check = replay_calls.kernel_model_check(fit_on, cache["times"], cost, backend, rates)
         print(f"kernel table against the timed calls: {model_check}")
-        sample = replay_results.sample_check(todo, cache["times"], cost, backend, rates, model_check["scale"])
+        if a.untimed == "call-model":       # per call and method, fitted on the same timed calls
+            model_check["call_model"] = replay_calls.call_model(fit_on, cache["times"], cost, backend, rates)
+            model_check["untimed"] = "call-model"
+        else:
+            model_check["untimed"] = "scale"
+        untimed = model_check.get("call_model") or model_check["scale"]
+        sample = replay_results.sample_check(todo, cache["times"], cost, backend, rates, untimed)
         if sample:
             errs = [r["step_err"] for r in sample]
             sp = [r["speedup_modelled"] - r["speedup_timed"] for r in sample if "speedup_timed" in r]
@@ -315,9 +323,8 @@ def cmd_compose(a) -> int:
     for s in settings(a.suite.split(","), a.batches, a.only, a.linear):
         if model_check is not None:
             for b in range(s.batches):
-                works = replay_phases.batch_work(s, b, rates).values()
-                times.update(replay_times.model_attention_times(works, s.spec, backend, cost,
-                                                                model_check["scale"], times))
+                works = replay_phases.batch_work(s, b, rates)
+                times.update(replay_calls.price_untimed(works, s.spec, backend, cost, untimed, times))
         res = replay_results.replay_setting(s, times, rates, backend)
         if res is None:
             print(f"{s.name}: shapes missing from the cache; run `time` first")
@@ -391,7 +398,7 @@ def cmd_compose_4d(a, times, meta, rates, backend) -> int:
     spec = settings4d.paper_4d_settings(1)[0].spec
     check = replay_times.segment_model_check(times, shapes, cost, spec, backend)
     if check is None:
-        check = replay_results.kernel_model_check(replay.paper_3d_settings()[:3], times, cost, backend, rates)
+        check = replay_calls.kernel_model_check(replay.paper_3d_settings()[:3], times, cost, backend, rates)
     print(f"kernel table against the timed calls: {check}", flush=True)
     todo = [replace(s, linear=a.linear) for s in settings4d.paper_4d_settings(a.batches or 3)
             if named(s, a.only)]
@@ -446,7 +453,7 @@ def cmd_compose_paper4d(a, cache, times, meta, rates, backend) -> int:
     cost = MeasuredCost.load(RESULTS_DIR / "kernel_profile_h200.json", backend)
     t0 = time.time()
     base3d = [replace(x, batches=1) for d in protocol.PAPER_DISTS for x in protocol.paper_3d(d, 1)]
-    check = replay_results.kernel_model_check(base3d, cache["times"], cost, backend, rates, batches=1)
+    check = replay_calls.kernel_model_check(base3d, cache["times"], cost, backend, rates, batches=1)
     kernel = "FA2" if backend == "torch_flash" else backend
     check["note"] = (f"modelled from kernel table, scale from the 3D protocol's {check['calls']:,} timed "
                      f"{kernel} calls (batch 0 of every paper3d setting)")
@@ -505,6 +512,10 @@ def main(argv=None) -> int:
                          "kernel that compiles nothing per shape, as torch_flash; a first-run outlier is "
                          "caught by --retime's screen, which trusts only warmed-up entries)")
     ap.add_argument("--backend", default=None)
+    ap.add_argument("--untimed", default="call-model", choices=("call-model", "scale"),
+                    help="with --model-missing, how an untimed 3D call is priced from the kernel table: "
+                         "per call and method, fitted on the timed calls (cadlib.analysis.replay.calls), or "
+                         "one scale over them")
     ap.add_argument("--model-missing", action="store_true",
                     help="compose: server calls nobody timed from the kernel table, scaled to the timed ones")
     ap.add_argument("--derive-from", default=None,

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from cadlib import whatif as cli
-from cadlib.analysis.replay import phases as replay_phases
+from cadlib.analysis.replay import calls as replay_calls, phases as replay_phases
 from cadlib.analysis.whatif import page as whatif_page, planner as whatif, price as price_mod
 from cadlib.data.lengths import write_lengths
 from cadlib.data.workload import sample_docs
@@ -324,7 +324,7 @@ def test_a_grid_falling_at_its_end_prices_past_it_at_the_clipped_slope():
 
 def test_call_model_recovers_a_known_per_call_error_and_prices_with_it():
     """Server calls whose times are ``a x table + b + c x gathered rows / 1000`` (the form the fit assumes):
-    :func:`price.call_model` recovers ``a, b, c`` per direction and :func:`price.modelled_calls` gives
+    :func:`cadlib.analysis.replay.calls.call_model` recovers ``a, b, c`` per direction and :func:`~cadlib.analysis.replay.calls.modelled_calls` gives
     the times back."""
     cost = price_mod.load_cost()
     cl = whatif.Cluster(gpus=64, gpus_per_node=8, tp=8)
@@ -332,17 +332,17 @@ def test_call_model_recovers_a_known_per_call_error_and_prices_with_it():
     s = whatif.setting("llama3-8b", cl, tr, whatif.Documents(dist="prolong"))
     works = replay_phases.batch_work(s, 0)
     truth = {"fwd": [1.1, 0.5, 0.02], "bwd": [0.95, 2.0, 0.05]}
-    times = price_mod.modelled_calls(works.values(), s.spec, price_mod.BACKEND, cost, truth)
+    times = replay_calls.modelled_calls(works.values(), s.spec, price_mod.BACKEND, cost, truth)
     for t in times.values():
         t.pop("modelled")                                   # as if timed
-    fit = price_mod.call_model([s], times, cost, price_mod.BACKEND, None, batches=1)
+    fit = replay_calls.call_model([s], times, cost, price_mod.BACKEND, None, batches=1)
     assert fit["calls"] == len(times) > 3
     for f in ("fwd", "bwd"):
         assert fit[f] == pytest.approx(truth[f], rel=1e-6, abs=1e-9)
-    again = price_mod.modelled_calls(works.values(), s.spec, price_mod.BACKEND, cost, fit)
+    again = replay_calls.modelled_calls(works.values(), s.spec, price_mod.BACKEND, cost, fit)
     assert all(again[k]["fwd_ms"] == pytest.approx(times[k]["fwd_ms"]) for k in times)
-    negative = price_mod.modelled_calls(works.values(), s.spec, price_mod.BACKEND, cost,
+    negative = replay_calls.modelled_calls(works.values(), s.spec, price_mod.BACKEND, cost,
                                         {"fwd": [0.0, -1.0, 0.0], "bwd": [1.0, 0.0, 0.0]})
     assert all(t["fwd_ms"] == 0.0 and t["bwd_ms"] > 0 for t in negative.values())      # never below 0
     with pytest.raises(ValueError, match="no timed torch_flash call"):
-        price_mod.call_model([s], {}, cost, price_mod.BACKEND, None, batches=1)
+        replay_calls.call_model([s], {}, cost, price_mod.BACKEND, None, batches=1)

@@ -1,7 +1,8 @@
 """A replay setting's results: every batch composed from the timed shapes (:func:`replay_setting`), the
 summary per method (speedups over colocated and WLB-ideal, the simulator's, the batch count), the check
-against the committed end-to-end run a setting replays, and how well the kernel table predicts the timed
-calls (:func:`kernel_model_check`). ``scripts/bench/bench_replay.py compose`` writes these under
+against the committed end-to-end run a setting replays, and how much pricing the timed calls from the
+kernel table instead would move them (:func:`sample_check`; the pricing itself is
+:mod:`cadlib.analysis.replay.calls`'). ``scripts/bench/bench_replay.py compose`` writes these under
 ``results/replay/``.
 
 A replayed run may have been measured on another GPU than the one that timed the shapes: two H200s of
@@ -18,9 +19,9 @@ from ...infra.results import find_results, load_result
 from ...scheduling.buffer import RECORD_KEYS
 from .phases import (NCCL_LATENCY_S, TP_COLLECTIVES, Links, batch_work, choose_wlb, compose_work,
                      model_compose, phases)
+from .calls import price_untimed
 from .settings import Setting, Work
-from .times import (LINEAR_GRID, attention_jobs, grid_points, head_key, linear_key, model_attention_times,
-                    optimizer_key, scaled)
+from .times import (LINEAR_GRID, attention_jobs, grid_points, head_key, linear_key, optimizer_key, scaled)
 
 
 def missing_times(s: Setting, works: dict[str, Work], times: dict, backend: str) -> list[str]:
@@ -91,12 +92,13 @@ def replay_setting(s: Setting, times: dict, rates: dict, backend: str) -> dict |
             return None
         got, sim = compose_work(s, works, times, links, backend), model_compose(s, works, links)
         dev_steps = compose_work(s, works, on_run_gpu, links, backend) if dev else {}
-        composed.append((works, got, sim, dev_steps))
+        timed = not any(times[k].get("modelled") for k in attention_jobs(works.values(), s.spec, backend))
+        composed.append((works, got, sim, dev_steps, timed))
     cp = choose_wlb(s, [c[1] for c in composed])            # "setting": one degree, its least mean step
     sim_cp = choose_wlb(s, [c[2] for c in composed])        # the simulator's own choice, by its means
     if dev:
         choose_wlb(s, [c[3] for c in composed], cp)
-    for b, (works, got, sim, dev_steps) in enumerate(composed):
+    for b, (works, got, sim, dev_steps, timed) in enumerate(composed):
         for key, c in got.items():
             w = works.get(key) or works[f"wlb/{c.breakdown['cp']}"]
             ph = phases(s, w, times, links, backend, signal_only=key == "signal-only")
@@ -105,7 +107,7 @@ def replay_setting(s: Setting, times: dict, rates: dict, backend: str) -> dict |
                    "attention_max_s": c.breakdown["attention_max_s"],
                    "attention_mean_s": c.breakdown["attention_mean_s"],
                    "exposed_comm_s": c.breakdown["exposed_comm_s"], "sim_step_s": sim[key].step,
-                   "sim_idle_fraction": sim[key].idle_fraction}
+                   "sim_idle_fraction": sim[key].idle_fraction, "calls_timed": timed}
             if "cp" in c.breakdown:
                 row["cp"] = c.breakdown["cp"]
             if key == "wlb" and sim_cp is not None:
@@ -156,19 +158,22 @@ def summarise(s: Setting, rows: list[dict]) -> list[dict]:
     ratios (``..._mean_of_ratios``) and as the ratio of mean steps (``..._ratio_of_means``), with
     ``speedup_over_<base>`` the one of ``s.wlb_choice`` (:data:`SPEEDUP_DEFINITIONS`) and its standard
     error over the batches (``..._sem``; the mean step's is ``step_s_sem``), the per-batch
-    ratios and the simulator's; the replay's error against a measured run; the batch count; for WLB
+    ratios and the simulator's; the replay's error against a measured run; the batch count and how many
+    had every attention call timed (``batches_timed``; the speedups over those alone, ``..._timed``); for WLB
     the CP degree of each batch and, under ``"setting"``, the degree chosen (the replay's and the
     simulator's) and every composed degree's mean step."""
     by = {(r["method"], r["batch"]): r for r in rows}
     methods = sorted({r["method"] for r in rows if "/" not in r["method"]}, key=list(METHODS).index)
     batches = sorted({r["batch"] for r in rows})
+    timed = [b for b in batches if all(r.get("calls_timed", True) for r in rows if r["batch"] == b)]
     out = []
     for m in methods:
         rec = {"setting": s.name, "dist": s.dist, "max_doc_len": s.max_doc_len, "dp": s.dp, "tp": s.tp,
                "tokens_per_group": s.tokens, "method": m, "batches": len(batches),
                "ranks": s.dp, "step_s_mean": float(np.mean([by[(m, b)]["step_s"] for b in batches])),
                "step_s_sem": _sem([by[(m, b)]["step_s"] for b in batches]),
-               "idle_fraction_mean": float(np.mean([by[(m, b)]["idle_fraction"] for b in batches]))}
+               "idle_fraction_mean": float(np.mean([by[(m, b)]["idle_fraction"] for b in batches])),
+               "batches_timed": len(timed)}
         definition = SPEEDUP_DEFINITIONS[s.wlb_choice]
         for base in ("colocated", "wlb"):
             if (base, batches[0]) in by:
@@ -184,6 +189,11 @@ def summarise(s: Setting, rows: list[dict]) -> list[dict]:
                                                            else ratio_sem(steps[0], steps[1]))
                     for name, v in got.items():
                         rec[f"{pre}speedup_over_{base}_{name}"] = v
+                if timed and len(timed) < len(batches):     # the batches whose every call was timed
+                    t = np.array([[by[(k, b)]["step_s"] for b in timed] for k in (base, m)])
+                    rec[f"speedup_over_{base}_timed"] = (float(t[0].mean() / t[1].mean())
+                                                         if definition == "ratio_of_means"
+                                                         else float(np.mean(t[0] / t[1])))
         rec["speedup_definition"] = definition
         sim_err = [by[(m, b)]["sim_step_s"] / by[(m, b)]["step_s"] - 1 for b in batches]
         rec["sim_vs_replay_step_err_mean"] = float(np.mean(sim_err))
@@ -227,40 +237,9 @@ def summary_line(s: Setting, res: dict) -> str:
     return f"{s.name}: " + ", ".join(parts)
 
 
-def timed_calls(settings_, times: dict, backend: str, rates: dict, batches: int = 2, per_work: bool = False):
-    """The server calls of the first ``batches`` batches of each setting that ``times`` holds as timed (not
-    ``"modelled"``), as ``(setting, work key, dispatch, timing)``: each distinct call of a batch once, or
-    with ``per_work`` once per work that makes it (its method's, ``work key``; else None)."""
-    for s in settings_:
-        for b in range(min(batches, s.batches)):
-            works = batch_work(s, b, rates)
-            groups = [(key, [w]) for key, w in works.items()] if per_work else [(None, works.values())]
-            for key, ws in groups:
-                for k, d in attention_jobs(ws, s.spec, backend).items():
-                    t = times.get(k)
-                    if t is not None and not t.get("modelled"):
-                        yield s, key, d, t
-
-
-def kernel_model_check(settings_, times: dict, cost, backend: str, rates: dict, batches: int = 2) -> dict:
-    """How well the kernel table predicts the calls the replay timed, over the timed calls of the first
-    ``batches`` batches of each setting: measured / predicted (forward + backward), time-weighted (the
-    ``scale`` :func:`cadlib.analysis.replay.times.model_attention_times` applies), its median, 10th and 90th percentiles, the calls."""
-    meas, pred = [], []
-    for s, _, d, t in timed_calls(settings_, times, backend, rates, batches):
-        sh = d.shared()
-        meas.append(t["fwd_ms"] + t["bwd_ms"])
-        pred.append(cost.fused_seconds(np.diff(sh.cu_q), np.diff(sh.cu_k), "fwd_bwd", s.spec) * 1e3)
-    m, p = np.array(meas), np.array(pred)
-    if not m.size:
-        raise ValueError(f"no timed {backend} call among these settings to check the kernel table against")
-    r = m / p
-    return {"calls": int(m.size), "scale": float(m.sum() / p.sum()), "median": float(np.median(r)),
-            "p10": float(np.percentile(r, 10)), "p90": float(np.percentile(r, 90)), "backend": backend}
-
-
-def sample_check(settings_, times: dict, cost, backend: str, rates: dict, scale: float) -> list[dict]:
-    """How much pricing the untimed server calls from the kernel table (scaled by ``scale``) moves a step:
+def sample_check(settings_, times: dict, cost, backend: str, rates: dict, model) -> list[dict]:
+    """How much pricing the untimed server calls from the kernel table (by ``model``, a call model or one
+    scale: :func:`cadlib.analysis.replay.calls.price_untimed`) moves a step:
     every batch of each setting whose calls were all timed, composed twice, from the timings and with
     every call from the table; per setting and method the mean steps both ways and their relative
     difference, and CAD with ping-pong's speedup over WLB-ideal both ways (WLB-ideal: its degree of least
@@ -274,8 +253,7 @@ def sample_check(settings_, times: dict, cost, backend: str, rates: dict, scale:
             keys = attention_jobs(works.values(), s.spec, backend)
             if any(k not in times or times[k].get("modelled") for k in keys):
                 continue
-            modelled = model_attention_times(works.values(), s.spec, backend, cost, scale)
-            table = {**times, **modelled}
+            table = {**times, **price_untimed(works, s.spec, backend, cost, model)}
             for name, tt in (("timed", times), ("modelled", table)):
                 for m, c in compose_work(s, works, tt, links, backend).items():
                     steps[name].setdefault(m, []).append(c.step)

@@ -33,17 +33,15 @@ import os
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
-import numpy as np
 
 from ...core.measured import MeasuredCost
 from ...infra.results import RESULTS_DIR, load_result
 from ..model.compose import Composed, compose
 from ..replay import phases as rp
-from ..replay.results import timed_calls
+from ..replay.calls import price_untimed, timed_calls
 from ..replay.settings import Setting, Work
 from ..replay.times import (
     LINEAR_GRID,
-    attention_jobs,
     head_key,
     linear_key,
     model_attention_times,
@@ -182,11 +180,13 @@ class Pricing:
         """The durations of ``works``' calls: the timed grid with every server call priced from the
         kernel table at its method's scale (never looked up among the timed calls: a user's batches
         are not there)."""
-        att = {}
         cm = self.scale.get("call_model") if isinstance(self.scale, dict) else None
-        for k, w in works.items():
-            att.update(modelled_calls([w], s.spec, self.backend, self.cost, cm) if cm else
-                       model_attention_times([w], s.spec, self.backend, self.cost, self.scale_of(k)))
+        if cm:
+            att = price_untimed(works, s.spec, self.backend, self.cost, cm)
+        else:
+            att = {}
+            for k, w in works.items():
+                att.update(model_attention_times([w], s.spec, self.backend, self.cost, self.scale_of(k)))
         return {**self.times, **att}
 
     def phases(self, s: Setting, w: Work, links: rp.Links, table: dict | None = None) -> rp.Phases:
@@ -244,45 +244,3 @@ def kernel_scales(settings_, times: dict, cost: MeasuredCost, backend: str, rate
         raise ValueError(f"no timed {backend} call among these settings to scale the kernel table to")
     return {"scale": {f: m[0] / m[1] for f, m in meas.items()}, "calls": {f: m[2] for f, m in meas.items()},
             "backend": backend, "batches": batches}
-
-
-def _call_rows(d, spec, cost: MeasuredCost, direction: str) -> list[float]:
-    """A server call's regressors in :func:`call_model`: the table's time (ms), 1, gathered K rows."""
-    sh = d.shared()
-    q, kv = sh.cu_q[1:] - sh.cu_q[:-1], sh.cu_k[1:] - sh.cu_k[:-1]
-    return [cost.fused_seconds(q, kv, direction, spec) * 1e3, 1.0, sum(d.gathered_rows()) / 1e3]
-
-
-def call_model(settings_, times: dict, cost: MeasuredCost, backend: str, rates: dict,
-               batches: int = 2) -> dict:
-    """The kernel table's error per server call, fitted by least squares over the timed calls of the
-    first ``batches`` batches of ``settings_``, per direction: ``t = a x table + b + c x rows / 1000``,
-    with ``rows`` the rows the call copies out of its buffers
-    (:meth:`cadlib.dispatch.meta.Dispatch.gathered_rows`). The
-    table prices the kernel alone; a served call also launches its stage and gathers its shards'
-    buffers, which one scale per method only stood in for (on the committed FA2 timings it underpriced
-    5-20 ms calls by 17% and 300 ms ones by 1%). Returns ``{"fwd": [a, b, c], "bwd": [...],
-    "calls": n}``."""
-    xs: dict = {"fwd": [], "bwd": []}
-    ys: dict = {"fwd": [], "bwd": []}
-    for s, _, d, t in timed_calls(settings_, times, backend, rates, batches):
-        for f in ("fwd", "bwd"):
-            xs[f].append(_call_rows(d, s.spec, cost, f))
-            ys[f].append(t[f"{f}_ms"])
-    if not ys["fwd"]:
-        raise ValueError(f"no timed {backend} call among these settings to fit the kernel table to")
-    out = {f: [float(c) for c in np.linalg.lstsq(np.asarray(xs[f]), np.asarray(ys[f]), rcond=None)[0]]
-           for f in ("fwd", "bwd")}
-    return {**out, "calls": len(ys["fwd"])}
-
-
-def modelled_calls(works, spec, backend: str, cost: MeasuredCost, model: dict) -> dict:
-    """Every server call of ``works`` priced by :func:`call_model`'s ``model`` (never below 0)."""
-    out = {}
-    for k, d in attention_jobs(works, spec, backend).items():
-        t = {}
-        for f in ("fwd", "bwd"):
-            x = _call_rows(d, spec, cost, f)
-            t[f"{f}_ms"] = max(0.0, float(np.dot(model[f], x)))
-        out[k] = {**t, "modelled": True}
-    return out
