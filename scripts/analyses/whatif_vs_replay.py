@@ -3,13 +3,15 @@
 Writes ``results/replay/whatif_vs_replay.json``.
 
 For each committed family of 3D replays (``replay_3d_*_3d.json``: FA4; ``*_3d_fa2.json``: FA2,
-the kernel timed call by call; ``*_paper*.json``: the paper's protocol, where committed), the kernel table's
-scales are fitted on the timed server calls of the first two batches of its settings
-(:func:`cadlib.analysis.whatif.price.kernel_scales`; under the paper's protocol, the one scale the replay
-priced its untimed batches with, :data:`cadlib.analysis.whatif.errors.PROTOCOLS`), then every setting is priced as the what-if prices
-(:mod:`cadlib.analysis.whatif.price`) and compared with the replay (:func:`cadlib.analysis.whatif.errors.compare`):
-step errors per method, speedup and saving errors of CAD with ping-pong over each baseline. The
-replay's own error against the measured runs is recorded beside them. Host only, no torch (minutes).
+the kernel timed call by call; ``*_paper*.json``: the paper's protocol), the kernel table's correction is
+the call model fitted on the timed server calls of the first two batches of its settings
+(:func:`cadlib.analysis.replay.calls.call_model`), or under the paper's protocol the one the replay
+priced its untimed calls with (:data:`cadlib.analysis.whatif.errors.PROTOCOLS`); then every setting is
+priced as the what-if prices (:mod:`cadlib.analysis.whatif.price`) and compared with the replay
+(:func:`cadlib.analysis.whatif.errors.compare`): step errors per method, speedup and saving errors of CAD
+with ping-pong over each baseline, and under the paper's protocol the same over the batches it timed call
+by call. The replay's own error against the measured runs is recorded beside them. Host only, no torch
+(minutes).
 
     python scripts/analyses/whatif_vs_replay.py
     python scripts/analyses/whatif_vs_replay.py --only 128k --out /tmp/w.json
@@ -22,6 +24,7 @@ import os
 import sys
 import time
 
+from cadlib.analysis.replay import calls
 from cadlib.analysis.replay import phases as rp
 from cadlib.analysis.whatif import errors, price
 from cadlib.infra.results import RESULTS_DIR, load_result, save_result
@@ -51,19 +54,19 @@ def main(argv=None) -> int:
         cost = price.load_cost(backend=backend)
         settings = [errors.setting_of(load_result(f)["config"]) for f in files]
         if mode == "replay":
-            per_file = {os.path.basename(f): errors.replay_scale(load_result(f)["config"]) or 1.0
+            per_file = {os.path.basename(f): errors.replay_pricing(load_result(f)["config"]) or {"all": 1.0}
                         for f in files}
-            sc = {"scale": {"all": sum(per_file.values()) / len(per_file)}, "per_file": per_file,
-                  "calls": {}, "backend": backend, "mode": mode}
+            sc = {"scale": {"all": sum(v["all"] for v in per_file.values()) / len(per_file)},
+                  "per_file": per_file, "calls": {}, "backend": backend, "mode": mode}
         else:
             sc = {**price.kernel_scales(settings, times, cost, backend, rates, a.scale_batches), "mode": mode}
             sc["per_method"] = sc["scale"]              # the earlier rule, kept for the record
             sc["scale"] = {"all": sc["scale"]["all"],
-                           "call_model": price.call_model(settings, times, cost, backend, rates, a.scale_batches)}
+                           "call_model": calls.call_model(settings, times, cost, backend, rates, a.scale_batches)}
         print(f"{fam} ({backend}): scales {sc['scale']} ({mode}) over {sc['calls']} calls", flush=True)
         rows = []
         for f in files:
-            scale = {"all": sc["per_file"][os.path.basename(f)]} if mode == "replay" else sc["scale"]
+            scale = sc["per_file"][os.path.basename(f)] if mode == "replay" else sc["scale"]
             r = errors.compare(f, price.pricing(times, cost, backend, scale, linear=""), rates)
             rows += r
             cad = next((x for x in r if x["method"] == errors.CAD), {})

@@ -6,7 +6,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from cadlib.analysis.replay import phases as replay_phases, results as replay_results, settings as replay, settings4d
+from cadlib.analysis.replay import calls as replay_calls, phases as replay_phases, results as replay_results
+from cadlib.analysis.replay import settings as replay, settings4d, times as replay_times
 from cadlib.data.packing import per_doc_gather_tokens, replica_gather_tokens, wlb_distca_layout
 
 ALL_CP = (1, 2, 4, 8, 16, 32)
@@ -105,6 +106,39 @@ def test_a_replayed_setting_reports_its_one_degree_per_batch_and_in_the_summary(
     sp = summ["cad-pingpong"]
     assert sp["speedup_over_wlb"] == sp["speedup_over_wlb_ratio_of_means"] == pytest.approx(
         np.mean([r["step_s"] for r in wl]) / summ["cad-pingpong"]["step_s_mean"])
+    assert all(r["calls_timed"] for r in rows) and sp["batches_timed"] == 2
+    assert "speedup_over_wlb_timed" not in sp
+
+    # one call of batch 1 priced from the table: batch 1 is no longer timed; the speedup over batch 0 alone
+    k = next(iter(replay_times.attention_jobs(replay_phases.batch_work(s, 1).values(), s.spec, "fa4")))
+    times[k] = {**times[k], "modelled": True}
+    res = replay_results.replay_setting(s, times, {"nvlink": 300.0, "ib": 50.0}, "fa4")
+    assert {r["batch"] for r in res["per_batch"] if not r["calls_timed"]} == {1}
+    sp = {r["method"]: r for r in res["summary"]}["cad-pingpong"]
+    step = {r["method"]: r["step_s"] for r in res["per_batch"] if r["batch"] == 0}
+    assert sp["batches_timed"] == 1
+    assert sp["speedup_over_wlb_timed"] == pytest.approx(step["wlb"] / step["cad-pingpong"])
+
+
+def test_unwarmed_outliers_are_the_unwarmed_calls_far_over_the_table():
+    from cadlib.core.measured import MeasuredCost
+    from cadlib.infra.results import RESULTS_DIR
+    s = _tiny(batches=2, methods=("colocated", "wlb", "cad-pingpong"))
+    cost = MeasuredCost.load(RESULTS_DIR / "kernel_profile_h200.json", "fa4")
+    rates = {"nvlink": 300.0, "ib": 50.0}
+    times = {}
+    for b in range(s.batches):
+        works = replay_phases.batch_work(s, b).values()
+        times.update(replay_times.model_attention_times(works, s.spec, "fa4", cost))
+    for t in times.values():                        # as if timed without a warm-up, at the table's time
+        del t["modelled"]
+        t["warmup"] = 0
+    keys = sorted(times)
+    assert replay_calls.unwarmed_outliers([s], times, cost, "fa4", rates) == []
+    for k, warm in ((keys[0], 0), (keys[1], 1)):     # three times the table's, without and with a warm-up
+        times[k] = {**times[k], "bwd_ms": 3 * (times[k]["fwd_ms"] + times[k]["bwd_ms"]), "warmup": warm}
+    assert replay_calls.unwarmed_outliers([s], times, cost, "fa4", rates) == [keys[0]]     # warmed: trusted
+    assert replay_calls.unwarmed_outliers([s], times, cost, "fa4", rates, limit=10.0) == []
 
 
 def test_4d_wlb_as_distcas_4d_driver_packs_a_whole_step():

@@ -11,7 +11,10 @@ kernel table instead of the timed calls) and composes them the same way; per set
     saving_err = (1 - 1 / speedup_whatif) - (1 - 1 / speedup_replay)
 
 with the speedup the file's own definition (mean of per-batch ratios, or ratio of means under the
-paper's protocol). ``scripts/analyses/whatif_vs_replay.py`` writes them to
+paper's protocol). Where a replay timed every call of some batches only (the paper's protocol: the
+others priced from the kernel table), the same errors over those batches alone carry ``_timed``: they
+compare the what-if with measured kernels, not with another pricing.
+``scripts/analyses/whatif_vs_replay.py`` writes them to
 ``results/replay/whatif_vs_replay.json`` with the kernel table's scales.
 
 **Replay error.** The committed validation replays (``results/replay/replay_e2e_*_validation.json``) hold
@@ -37,21 +40,28 @@ VALIDATION_GLOB = "replay/replay_e2e_2x_*_validation.json"
 PROTOCOLS = {"3d": ("replay/replay_3d_*_3d.json", "fa4", "fit"),
              "3d_fa2": ("replay/replay_3d_*_3d_fa2.json", "torch_flash", "fit"),
              "paper": ("replay/replay_3d_*_paper.json", None, "replay"),
-             "paper_fa4": ("replay/replay_3d_*_paper_fa4.json", None, "replay"),
-             "paper_fit": ("replay/replay_3d_*_paper.json", None, "fit")}
+             "paper_fa4": ("replay/replay_3d_*_paper_fa4.json", None, "replay")}
 """The committed 3D replay families: file pattern, attention backend (None: the file's own) and where
-the kernel table's scale comes from: ``fit``, per method on the family's timed calls
-(:func:`cadlib.analysis.whatif.price.kernel_scales`); ``replay``, the one scale the replay itself priced
-its untimed calls with (``config.kernel_model.scale``; the paper protocol times batch 0 only and prices
-the other 14 batches from the table at that scale, the FA4 files all of them). ``paper_fit`` prices the
-paper's settings with per-method scales fitted on their timed batch 0, as a user's what-if prices: it
-shows how far the replay's one scale moves its own speedups."""
+the kernel table's correction comes from: ``fit``, the call model fitted on the family's timed calls
+(:func:`cadlib.analysis.replay.calls.call_model`); ``replay``, the pricing the replay itself gave its
+untimed calls (:func:`replay_pricing`: under the paper's protocol the call model fitted on the timed
+calls of its first two batches, for FA4 one scale). Under the paper's protocol the comparison that
+measures the what-if is over the batches the replay timed call by call (``..._timed``): over the others
+both price the same way."""
 
 
-def replay_scale(config: dict) -> float | None:
-    """The kernel table's scale a replay priced its untimed calls with (None when it timed them all)."""
+def replay_pricing(config: dict) -> dict | None:
+    """The kernel table's correction a replay priced its untimed calls with, as a what-if scale
+    (``{"all": scale}``, with ``"call_model"`` where the replay used one); None when it timed them all."""
     km = config.get("kernel_model") or {}
-    return float(km["scale"]) if km.get("scale") else None
+    if not km.get("scale"):
+        return None
+    out = {"all": float(km["scale"])}
+    if km.get("untimed") == "call-model" and km.get("call_model"):
+        out["call_model"] = km["call_model"]
+    return out
+
+
 CAD = "cad-pingpong"
 
 
@@ -79,6 +89,10 @@ def compare(path: str | os.PathLike, price: Pricing, rates: dict) -> list[dict]:
     rp.choose_wlb(s, batches)
     steps = {m: [c[m].step for c in batches] for m in batches[0] if "/" not in m}
     ref = {r["method"]: r for r in res["results"]["summary"]}
+    rows = res["results"]["per_batch"]
+    timed = sorted({r["batch"] for r in rows} - {r["batch"] for r in rows if not r.get("calls_timed", True)})
+    timed = timed if 0 < len(timed) < s.batches else []
+    by = {(r["method"], r["batch"]): r["step_s"] for r in rows}
     out = []
     for m, r in ref.items():
         if m not in steps or m == "signal-only":
@@ -93,6 +107,14 @@ def compare(path: str | os.PathLike, price: Pricing, rates: dict) -> list[dict]:
                     rec[f"speedup_over_{base}_replay"], rec[f"speedup_over_{base}_whatif"] = want, got
                     rec[f"speedup_over_{base}_err"] = got - want
                     rec[f"saving_over_{base}_err"] = (1 - 1 / got) - (1 - 1 / want)
+                    if timed:
+                        t_got = _speedups(s, {k: [steps[k][b] for b in timed] for k in (base, CAD)}, base)
+                        t_want = _speedups(s, {k: [by[(k, b)] for b in timed] for k in (base, CAD)}, base)
+                        rec[f"speedup_over_{base}_timed_err"] = t_got - t_want
+        if timed:
+            rec["timed_batches"] = len(timed)
+            rec["step_err_timed"] = float(np.mean([steps[m][b] for b in timed])
+                                          / np.mean([by[(m, b)] for b in timed]) - 1)
         out.append(rec)
     return out
 
@@ -106,6 +128,13 @@ def summary(rows: list[dict]) -> dict:
         for q in ("speedup", "saving"):
             v = [abs(r[f"{q}_over_{base}_err"]) for r in rows if f"{q}_over_{base}_err" in r]
             out[f"max_{q}_err_over_{base}"] = max(v, default=None)
+    if any("timed_batches" in r for r in rows):         # over the batches whose every call was timed
+        out["timed_batches"] = sorted({r["timed_batches"] for r in rows if "timed_batches" in r})
+        out["max_step_err_timed"] = max(abs(r["step_err_timed"]) for r in rows if "step_err_timed" in r)
+        for base in ("colocated", "wlb"):
+            key = f"speedup_over_{base}_timed_err"
+            v = [abs(r[key]) for r in rows if key in r]
+            out[f"max_speedup_err_over_{base}_timed"] = max(v, default=None)
     for q in ("speedup", "saving"):
         v = [out[f"max_{q}_err_over_{b}"] for b in ("colocated", "wlb")
              if out[f"max_{q}_err_over_{b}"] is not None]
