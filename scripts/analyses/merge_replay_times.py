@@ -1,0 +1,85 @@
+"""Merge a device session's replay timings into the committed cache.
+
+``bench_replay.py time`` on the GPU machine continues a copy of ``results/replay/times_h200.json``; this
+takes what that copy adds: every new call, except those timed without a warm-up whose time is a first-run
+outlier (:func:`cadlib.analysis.replay.calls.unwarmed_outliers`: over 1.6x the kernel table; the
+replay then prices them from the table as it prices untimed calls). Calls the copy timed again keep the
+committed (warmed-up) timing; where the copy retimed them without a warm-up, the ratio of the two is the
+warm-up check written to ``--check-out``. The session's environment is appended to the cache's
+``meta_runs``. Host only (a minute).
+
+    python scripts/analyses/merge_replay_times.py /work/.device/3/replay_times.json 
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+
+from cadlib.analysis.replay import calls, protocol
+from cadlib.analysis.replay import phases as rp
+from cadlib.core.measured import MeasuredCost
+from cadlib.infra.results import RESULTS_DIR, atomic_write_json, load_result, save_result
+
+
+def warmup_check(old: dict, new: dict) -> dict | None:
+    """Calls timed warmed-up in ``old`` and again without a warm-up in ``new``: unwarmed / warmed, per
+    pass."""
+    both = [k for k, e in new.items() if k in old and e != old[k] and e.get("warmup") == 0
+            and old[k].get("warmup", 1) >= 1 and not old[k].get("modelled")]
+    if not both:
+        return None
+    f = np.array([new[k]["fwd_ms"] / old[k]["fwd_ms"] for k in both])
+    b = np.array([new[k]["bwd_ms"] / old[k]["bwd_ms"] for k in both])
+    t = np.array([(new[k]["fwd_ms"] + new[k]["bwd_ms"]) / (old[k]["fwd_ms"] + old[k]["bwd_ms"])
+                  for k in both])
+    q = lambda x: {"median": float(np.median(x)), "p10": float(np.percentile(x, 10)),  # noqa: E731
+                   "p90": float(np.percentile(x, 90)), "max": float(x.max())}
+    return {"calls": len(both), "fwd": q(f), "bwd": q(b), "fwd_bwd": q(t)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("new", help="the cache the device session wrote")
+    p.add_argument("--cache", default=str(RESULTS_DIR / "replay" / "times_h200.json"))
+    p.add_argument("--datasets", default="pretrain,prolong",
+                   help="the paper-protocol 3D settings whose calls are screened: comma-separated datasets")
+    p.add_argument("--backend", default="torch_flash")
+    p.add_argument("--limit", type=float, default=calls.UNWARMED_LIMIT)
+    p.add_argument("--check-out", default=str(RESULTS_DIR / "replay" / "warmup_check.json"))
+    a = p.parse_args(argv)
+    if a.limit <= 1:
+        p.error(f"--limit must be > 1 (a multiple of the kernel table's time), got {a.limit}")
+    datasets = [d for d in a.datasets.split(",") if d]
+    if not datasets or set(datasets) - set(protocol.PAPER_DISTS):
+        p.error(f"--datasets must name some of {', '.join(protocol.PAPER_DISTS)}, got {a.datasets!r}")
+    cache_path = Path(a.cache)
+    cache, new = json.loads(cache_path.read_text()), json.loads(Path(a.new).read_text())
+    old_t, new_t = cache["times"], new["times"]
+    added = {k: e for k, e in new_t.items() if k not in old_t}
+    rates = rp.link_rates(load_result("comm_overlap_probe_2xh200_nvlink.json"),
+                          load_result("comm_overlap_probe_2xh200_inter-node-like.json"))
+    cost = MeasuredCost.load(RESULTS_DIR / "kernel_profile_h200.json", a.backend)
+    todo = [s for d in datasets for s in protocol.paper_3d(d)]
+    outliers = calls.unwarmed_outliers(todo, added, cost, a.backend, rates, a.limit)
+    for k in outliers:
+        added.pop(k)
+    check = warmup_check(old_t, new_t)
+    old_t.update(added)
+    cache.setdefault("meta_runs", []).append({
+        **new.get("meta", {}), "settings": f"paper3d {a.datasets}", "backend": a.backend, "added": len(added),
+        "dropped_outliers": outliers, "warmup": sorted({e.get("warmup", 1) for e in added.values()})})
+    atomic_write_json(cache_path, cache)
+    print(f"{len(added)} calls added to {cache_path}; {len(outliers)} first-run outliers dropped (over "
+          f"{a.limit}x the table)")
+    if check:
+        save_result(Path(a.check_out), {"new": Path(a.new).name, "meta": new.get("meta", {})}, check)
+        print(f"warm-up check on {check['calls']} calls timed both ways: unwarmed / warmed forward "
+              f"{check['fwd']['median']:.3f}, backward {check['bwd']['median']:.3f} (medians)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
