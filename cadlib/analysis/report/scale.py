@@ -34,8 +34,9 @@ HOW_PAPER = ("Table 3's Llama-8B settings (64-256 GPUs, TP=8, MaxDocLen 128K-512
              "as DistCA's code runs it: its samplers, sequences of MaxDocLen tokens, ping and pong from "
              "separate sequences, WLB-ideal one CP degree per setting (the better of the two largest), "
              "DistCA's planner and tolerance rule, resend backward, 15 sampled steps; FA2 server calls timed "
-             "on 1x H200 (batch 0 of every setting call by call, the rest from the kernel table scaled to "
-             "those), the fused linear layers timed on the TP=8 shard, the network at 50 GB/s per GPU "
+             "on 1x H200 (every call of 5-7 of the 15 steps of each setting, 8,300 calls; the others from "
+             "the kernel table corrected per call by a model fitted on those), the fused linear layers timed "
+             "on the TP=8 shard, the network at 50 GB/s per GPU "
              "(scripts/bench/bench_replay.py compose --suite paper3d)")
 HOW_4D_PAPER = ("Table 4's Llama-8B settings (64-256 GPUs, TP=8, MaxDocLen 128K-512K, Table 4's batch of "
                 "MaxDocLen sequences) under the paper's protocol: DistCA's samplers and sequences, its "
