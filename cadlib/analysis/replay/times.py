@@ -177,7 +177,8 @@ def model_attention_times(works, spec: ModelSpec, backend: str, cost, scale: flo
                           times: dict | None = None) -> dict:
     """Times for the server calls of ``works`` that ``times`` lacks, from a kernel latency table
     (:class:`cadlib.core.measured.MeasuredCost`, on the merged segments) times ``scale`` (measured over
-    predicted on the calls the replay timed, :func:`cadlib.analysis.replay.results.kernel_model_check`); each marked ``"modelled"``."""
+    predicted on the calls the replay timed, :func:`cadlib.analysis.replay.calls.kernel_model_check`);
+    each marked ``"modelled"``."""
     out = {}
     for k, d in attention_jobs(works, spec, backend).items():
         if times is not None and k in times:

@@ -9,7 +9,7 @@ Only where each duration comes from differs, since nobody timed the user's batch
   degree (``times``, the replay cache's ``{"times": {key: ms}}``; :func:`cadlib.analysis.replay.times.interp`
   between the grid points ``LINEAR_GRID``), in the ``linear`` variant asked for when it was timed;
 * core attention: each server's one fused call on its merged segments from a kernel latency table
-  (``cost``, :class:`cadlib.core.measured.MeasuredCost`), corrected per call by :func:`call_model`,
+  (``cost``, :class:`cadlib.core.measured.MeasuredCost`), corrected per call by :func:`cadlib.analysis.replay.calls.call_model`,
   fitted on the calls the replay timed: ``t_call = a x table + b + c x gathered rows / 1000`` per
   direction (the table times the kernel alone; a served call also pays its stage's launch and the
   copies of its shards' buffers). A user's own table (``--gpu-table``) is used as it is, and a plain
