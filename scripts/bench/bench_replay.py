@@ -544,7 +544,7 @@ def main(argv=None) -> int:
         a.suite, a.device = "smoke", "cpu"
         a.backend = a.backend or "sdpa_ref"
     if a.warmup < 0:
-        raise SystemExit(f"--warmup must be >= 0, got {a.warmup}")
+        ap.error(f"--warmup must be >= 0, got {a.warmup}")
     if a.iters < 1 or (a.batches is not None and a.batches < 1) or a.sample < 1:
         ap.error("--iters, --batches and --sample must be >= 1")
     if a.command == "shapes4d":

@@ -66,6 +66,10 @@ def test_time_and_compose_on_the_cpu(tmp_path):
     spec.loader.exec_module(bench)                # in this process: no second interpreter to start
     cache, out = tmp_path / "t.json", tmp_path / "out"
     assert bench.main(["time", "--smoke", "--cache", str(cache), "--workers", "1"]) == 0
+    attn = [e for k, e in json.loads(cache.read_text())["times"].items() if k.startswith("attn|")]
+    assert attn and all(e["warmup"] == 1 and e["iters"] == 1 for e in attn)     # one untimed run first
+    with pytest.raises(SystemExit):
+        bench.main(["time", "--smoke", "--cache", str(cache), "--warmup", "-1"])
     assert bench.main(["compose", "--smoke", "--cache", str(cache), "--out", str(out)]) == 0
     summary = json.loads((out / "replay_summary.json").read_text())["results"]
     methods = {r["method"] for r in summary}
@@ -216,3 +220,19 @@ def test_cad_protocol_choices_reach_the_work():
     assert 0 < w.meta["buffer_need_gib"] <= 1.0
     with pytest.raises(ValueError, match="Setting.buffer_gib must be a finite number > 0"):
         replace(s, buffer_gib=0)
+
+
+def test_the_warmup_check_compares_unwarmed_with_warmed_timings_of_the_same_calls():
+    spec = importlib.util.spec_from_file_location("merge_replay_times",
+                                                  ROOT / "scripts" / "analyses" / "merge_replay_times.py")
+    merge = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(merge)
+    old = {"a": {"fwd_ms": 10.0, "bwd_ms": 20.0, "warmup": 1}, "b": {"fwd_ms": 4.0, "bwd_ms": 8.0, "warmup": 1},
+           "m": {"fwd_ms": 1.0, "bwd_ms": 2.0, "modelled": True}}
+    new = {"a": {"fwd_ms": 11.0, "bwd_ms": 20.0, "warmup": 0}, "b": {"fwd_ms": 4.0, "bwd_ms": 10.0, "warmup": 0},
+           "m": {"fwd_ms": 5.0, "bwd_ms": 5.0, "warmup": 0}, "c": {"fwd_ms": 1.0, "bwd_ms": 1.0, "warmup": 0}}
+    got = merge.warmup_check(old, new)
+    assert got["calls"] == 2                                # neither the modelled call nor the new one
+    assert got["fwd"]["median"] == pytest.approx(1.05) and got["bwd"]["max"] == pytest.approx(1.25)
+    assert got["fwd_bwd"]["median"] == pytest.approx((31 / 30 + 14 / 12) / 2)
+    assert merge.warmup_check(old, {"a": old["a"]}) is None
