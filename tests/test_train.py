@@ -62,7 +62,7 @@ def test_comm_group_rejects_bad_ctas():
 
 
 def test_train_rejects_bad_flags(capsys):
-    from cadlib import train
+    from cadlib import train_args
     for argv, fragment in ((["--methods", "cad,ringx"], "unknown method 'ringx'"),
                            (["--tokens-per-rank", "0"], "--tokens-per-rank must be >= 1"),
                            (["--model", "gpt5"], "unknown model 'gpt5'"),
@@ -72,19 +72,19 @@ def test_train_rejects_bad_flags(capsys):
                            (["--comm-ctas", "0"], "--comm-ctas must be >= 1"),
                            (["--timeline-batches", "worst"], "--timeline-batches must be")):
         with pytest.raises(SystemExit):
-            train.parse_args(argv)
+            train_args.parse_args(argv)
         assert fragment in capsys.readouterr().err
 
 
 def test_timeline_batches_auto_picks_the_two_worst_stragglers():
-    from cadlib import train
-    args = train.parse_args(["--tokens-per-rank", "4096", "--steps", "6", "--timeline-batches", "auto"])
+    from cadlib import train, train_args
+    args = train_args.parse_args(["--tokens-per-rank", "4096", "--steps", "6", "--timeline-batches", "auto"])
     picked = train.timeline_batches(args, 2)
     imb = {b: scheduler.colocated(pack(recipes.batch_docs(args.recipe, b, 2), 2, 4096, method="sequential",
                                              model=args.model)).imbalance() for b in range(6)}
     assert len(picked) == 2 and min(imb[b] for b in picked) >= max(imb[b] for b in set(imb) - picked)
-    assert train.timeline_batches(train.parse_args(["--timeline-batches", "3,1"]), 2) == {1, 3}
-    assert train.timeline_batches(train.parse_args([]), 2) == set()
+    assert train.timeline_batches(train_args.parse_args(["--timeline-batches", "3,1"]), 2) == {1, 3}
+    assert train.timeline_batches(train_args.parse_args([]), 2) == set()
 
 
 @pytest.mark.multiproc
@@ -154,7 +154,8 @@ def test_signal_only_receives_real_values_not_zeros():
 def test_recompute_flag_and_the_auto_choice():
     """``--recompute auto`` (the default) asks the memory model; ``--mlp-recompute`` still means mlp; on
     the CPU there is no device memory to fit, so auto keeps everything."""
-    from cadlib.train import layer_settings, parse_args
+    from cadlib.train import layer_settings
+    from cadlib.train_args import parse_args
     args = parse_args(["--model", "tiny"])
     assert args.recompute == "auto"
     layer_settings(args, torch.device("cpu"), 2)

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import ranks
 
-from cadlib import train
+from cadlib import train_args
 from cadlib.core.layout import Layout, stack_layouts
 from cadlib.core.pipeline import lockstep
 from cadlib.infra.launch import TorchrunError
@@ -23,7 +23,7 @@ def test_stack_layouts_renumbers_documents_and_keeps_empty_stages():
 
 
 def test_tick_plans_schedule_every_stage_and_let_dummies_serve():
-    args = train.parse_args(["--pp", "2", "--microbatches", "3", "--tokens-per-rank", "256", "--max-doc-len",
+    args = train_args.parse_args(["--pp", "2", "--microbatches", "3", "--tokens-per-rank", "256", "--max-doc-len",
                              "400", "--min-shard", "16", "--tolerance", "0.0"])
     lays = micro_layouts(args, "cad", 0, 3, 2)
     ticks = lockstep(2, 3)
@@ -104,7 +104,7 @@ def test_pipeline_matches_the_model_without_pp(pp, dp, methods, tmp_path):
     import torch
     argv = FLAGS + ["--pp", str(pp), "--microbatches", "3", "--nano-split", "docs"]
     df = ranks.run("cadlib.train", pp * dp, argv + ["--methods", ",".join(methods), "--dump-grads", str(tmp_path)])
-    args = train.parse_args(argv)
+    args = train_args.parse_args(argv)
     # the batches include a microbatch holding one document longer than all its others together
     lays = [lay for b in range(3) for lay in micro_layouts(args, "cad", b, 3, dp)]
     assert any(2 * max(lay.doc_lens) > sum(lay.doc_lens) for lay in lays)

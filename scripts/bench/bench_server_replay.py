@@ -26,7 +26,7 @@ import sys
 
 import torch
 
-from cadlib import train
+from cadlib import train_args
 from cadlib.bench.inputs import ServeCall
 from cadlib.bench.timer import time_fn
 from cadlib.core import defaults
@@ -149,7 +149,7 @@ def main(argv=None) -> int:
              str(a.seed)] + (["--max-doc-len", "700"] if a.smoke else [])
     if a.dist == "uniform":
         targv += ["--doc-len", str(a.uniform_len)]
-    args = train.parse_args(targv)
+    args = train_args.parse_args(targv)
     args.world, args.batches, args.replay_methods, args.iters, args.warmup = (a.world, a.batches, methods,
                                                                               a.iters, a.warmup)
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -3,7 +3,7 @@ names from cadlib.core.precision match the runtime's torch dtypes."""
 import pytest
 import torch
 
-from cadlib import train
+from cadlib import train_args
 from cadlib.analysis.model import band
 from cadlib.analysis.replay import pipelined
 from cadlib.analysis.whatif import planner, verdict
@@ -14,7 +14,7 @@ from cadlib.runtime.kernels import TORCH_DTYPES
 
 def test_subsets_are_derived_from_the_properties():
     assert tuple(METHODS) == ("colocated", "wlb", "varlen", "cad", "cad-pingpong", "signal-only")
-    assert train.METHODS == names(trainable=True) == \
+    assert train_args.METHODS == names(trainable=True) == \
         ("colocated", "wlb", "cad", "cad-pingpong", "signal-only")
     assert planner.METHODS == ("colocated", "wlb", "cad-pingpong")
     assert planner.BASELINES == ("colocated", "wlb")

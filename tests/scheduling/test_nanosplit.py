@@ -12,7 +12,7 @@ import pytest
 import ranks
 import torch
 
-from cadlib import train
+from cadlib import train_args
 from cadlib.core.cost import ModelSpec
 from cadlib.core.layout import Layout, global_rows
 from cadlib.data.packing import pack
@@ -150,7 +150,7 @@ SEEDS = {2: 1, 4: 37}          # batches 0-2 hold all three cases below (checked
 def test_pingpong_with_cut_documents_matches_colocated(world, tmp_path):
     argv = ["--tokens-per-rank", "256", "--max-doc-len", "400", "--min-shard", "16", "--steps", "3",
             "--warmup", "0", "--seed", str(SEEDS[world])]
-    args = train.parse_args(argv)
+    args = train_args.parse_args(argv)
     spans = short = empty_b = False
     for i in range(3):
         docs = recipes.batch_docs(args.recipe, i, world)

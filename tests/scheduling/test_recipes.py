@@ -2,14 +2,14 @@
 batches and plans; bad fields named."""
 import pytest
 
-from cadlib import train
+from cadlib import train_args
 from cadlib.analysis.replay.settings import Setting
 from cadlib.data.packing import pack
 from cadlib.scheduling.recipes import Recipe, batch_docs, cad_plan, nano_plans
 
 
 def test_train_flags_and_their_recipe_give_the_same_batches_and_plans():
-    args = train.parse_args(["--tokens-per-rank", "512", "--max-doc-len", "600", "--min-shard", "32",
+    args = train_args.parse_args(["--tokens-per-rank", "512", "--max-doc-len", "600", "--min-shard", "32",
                              "--nano-split", "docs", "--seed", "3"])
     r = args.recipe
     assert (r.dist, r.tokens_per_rank, r.seed, r.max_doc_len, r.min_shard, r.nano_split) == \
@@ -48,7 +48,7 @@ def test_bad_fields_are_named(field, value, fragment):
 
 
 def test_the_planner_places_cads_tasks_with_distcas_planner_or_ours():
-    args = train.parse_args(["--tokens-per-rank", "512", "--max-doc-len", "600", "--min-shard", "32",
+    args = train_args.parse_args(["--tokens-per-rank", "512", "--max-doc-len", "600", "--min-shard", "32",
                              "--nano-split", "docs", "--planner", "distca"])
     r = args.recipe
     assert r.planner == "distca" and Recipe(dist="pretrain", tokens_per_rank=512).planner == "ours"
