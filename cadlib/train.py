@@ -41,7 +41,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from .core.methods import METHODS as ALL_METHODS, names
+from .core.methods import METHODS as ALL_METHODS
 from .core.recompute import least_recompute
 from .core.spans import overlap
 from .cp.allgather import layout_attention
@@ -59,7 +59,7 @@ from .runtime.streams import Streams, Timeline, spanned
 from .scheduling import scheduler
 from .scheduling.recipes import (batch_docs, cad_plan, method_layout,
                                  nano_plans)
-from .train_args import METHODS, parse_args
+from .train_args import parse_args
 from .train_pp import PipelineRunner, check_config
 
 """What ``--methods`` takes (:mod:`cadlib.core.methods`)."""
