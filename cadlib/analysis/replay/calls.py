@@ -1,6 +1,6 @@
 """How the replay prices a server call nobody timed, and how well it does: the calls a cache holds as
 timed (:func:`timed_calls`), the kernel latency table's error on them, as one scale
-(:func:`kernel_model_check`) or per call and method (:func:`call_model`), the calls priced that way
+(:func:`kernel_model_check`) or per call (:func:`call_model`), the calls priced that way
 (:func:`modelled_calls`; with one scale, :func:`cadlib.analysis.replay.times.model_attention_times`),
 and the screen for calls timed without a warm-up whose time is a first-run outlier
 (:func:`unwarmed_outliers`).
@@ -21,6 +21,12 @@ import numpy as np
 from ...core.measured import MeasuredCost
 from .phases import batch_work
 from .times import attention_jobs, model_attention_times
+
+
+def table_ms(d, spec, cost: MeasuredCost, direction: str = "fwd_bwd") -> float:
+    """The kernel table's time (ms) of dispatch ``d``'s merged call, in ``direction``."""
+    sh = d.shared()
+    return cost.fused_seconds(np.diff(sh.cu_q), np.diff(sh.cu_k), direction, spec) * 1e3
 
 
 def timed_calls(settings_, times: dict, backend: str, rates: dict, batches: int = 2, per_work: bool = False):
@@ -45,9 +51,8 @@ def kernel_model_check(settings_, times: dict, cost, backend: str, rates: dict, 
     90th percentiles, the calls."""
     meas, pred = [], []
     for s, _, d, t in timed_calls(settings_, times, backend, rates, batches):
-        sh = d.shared()
         meas.append(t["fwd_ms"] + t["bwd_ms"])
-        pred.append(cost.fused_seconds(np.diff(sh.cu_q), np.diff(sh.cu_k), "fwd_bwd", s.spec) * 1e3)
+        pred.append(table_ms(d, s.spec, cost))
     m, p = np.array(meas), np.array(pred)
     if not m.size:
         raise ValueError(f"no timed {backend} call among these settings to check the kernel table against")
@@ -75,18 +80,14 @@ def unwarmed_outliers(settings_, times: dict, cost, backend: str, rates: dict,
                 t = times.get(k)
                 if t is None or t.get("modelled") or t.get("warmup", 1) != 0 or k in out:
                     continue
-                sh = d.shared()
-                pred = cost.fused_seconds(np.diff(sh.cu_q), np.diff(sh.cu_k), "fwd_bwd", s.spec) * 1e3
-                if t["fwd_ms"] + t["bwd_ms"] > limit * pred:
+                if t["fwd_ms"] + t["bwd_ms"] > limit * table_ms(d, s.spec, cost):
                     out.add(k)
     return sorted(out)
 
 
 def _call_rows(d, spec, cost: MeasuredCost, direction: str) -> list[float]:
     """A server call's regressors in :func:`call_model`: the table's time (ms), 1, gathered K rows."""
-    sh = d.shared()
-    q, kv = sh.cu_q[1:] - sh.cu_q[:-1], sh.cu_k[1:] - sh.cu_k[:-1]
-    return [cost.fused_seconds(q, kv, direction, spec) * 1e3, 1.0, sum(d.gathered_rows()) / 1e3]
+    return [table_ms(d, spec, cost, direction), 1.0, sum(d.gathered_rows()) / 1e3]
 
 
 def _lstsq(xs, ys) -> list[float]:
@@ -130,12 +131,7 @@ def price_untimed(works: dict, spec, backend: str, cost: MeasuredCost, model,
     """The server calls of ``works`` (by method) that ``times`` lacks or holds as modelled, priced from
     the kernel table: by :func:`call_model`'s ``model`` (a dict) or scaled by one number (``model`` a float,
     :func:`cadlib.analysis.replay.times.model_attention_times`). Each marked ``"modelled"``."""
-    out = {}
-    for k, w in works.items():
-        if isinstance(model, dict):
-            got = modelled_calls([w], spec, backend, cost, model)
-        else:
-            got = model_attention_times([w], spec, backend, cost, float(model))
-        out.update({key: t for key, t in got.items()
-                    if times is None or key not in times or times[key].get("modelled")})
-    return out
+    ws = works.values()
+    got = (modelled_calls(ws, spec, backend, cost, model) if isinstance(model, dict)
+           else model_attention_times(ws, spec, backend, cost, float(model)))
+    return {k: t for k, t in got.items() if times is None or k not in times or times[k].get("modelled")}

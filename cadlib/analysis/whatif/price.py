@@ -9,7 +9,8 @@ Only where each duration comes from differs, since nobody timed the user's batch
   degree (``times``, the replay cache's ``{"times": {key: ms}}``; :func:`cadlib.analysis.replay.times.interp`
   between the grid points ``LINEAR_GRID``), in the ``linear`` variant asked for when it was timed;
 * core attention: each server's one fused call on its merged segments from a kernel latency table
-  (``cost``, :class:`cadlib.core.measured.MeasuredCost`), corrected per call by :func:`cadlib.analysis.replay.calls.call_model`,
+  (``cost``, :class:`cadlib.core.measured.MeasuredCost`), corrected per call by
+  :func:`cadlib.analysis.replay.calls.call_model`,
   fitted on the calls the replay timed: ``t_call = a x table + b + c x gathered rows / 1000`` per
   direction (the table times the kernel alone; a served call also pays its stage's launch and the
   copies of its shards' buffers). A user's own table (``--gpu-table``) is used as it is, and a plain
@@ -38,7 +39,7 @@ from ...core.measured import MeasuredCost
 from ...infra.results import RESULTS_DIR, load_result
 from ..model.compose import Composed, compose
 from ..replay import phases as rp
-from ..replay.calls import price_untimed, timed_calls
+from ..replay.calls import price_untimed, table_ms, timed_calls
 from ..replay.settings import Setting, Work
 from ..replay.times import (
     LINEAR_GRID,
@@ -233,8 +234,7 @@ def kernel_scales(settings_, times: dict, cost: MeasuredCost, backend: str, rate
         fam = key.split("/")[0]
         if fam == "signal-only":
             continue
-        sh = d.shared()
-        p = cost.fused_seconds(sh.cu_q[1:] - sh.cu_q[:-1], sh.cu_k[1:] - sh.cu_k[:-1], "fwd_bwd", s.spec) * 1e3
+        p = table_ms(d, s.spec, cost)
         for f in (fam, "all"):
             m = meas.setdefault(f, [0.0, 0.0, 0])
             m[0] += t["fwd_ms"] + t["bwd_ms"]
