@@ -1,4 +1,4 @@
-"""One answer per claim in the prose: every number the README and the notebooks' markdown quote behind a
+"""One answer per claim in the prose: every number the README, docs/fidelity.md and the notebooks' markdown quote behind a
 marker ``<!-- key -->`` must be what ``cadlib.analysis.report.answers`` computes from the committed
 results for that key, so no page quotes a stale or second figure."""
 import json
@@ -13,6 +13,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 def _pages():
     yield "README.md", (ROOT / "README.md").read_text()
+    yield "docs/fidelity.md", (ROOT / "docs" / "fidelity.md").read_text()
     for p in sorted((ROOT / "notebooks").rglob("*.ipynb")):
         if ".ipynb_checkpoints" in p.parts:
             continue
