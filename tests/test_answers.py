@@ -1,6 +1,6 @@
-"""One answer per claim in the prose: every number the README, docs/fidelity.md and the notebooks' markdown quote behind a
-marker ``<!-- key -->`` must be what ``cadlib.analysis.report.answers`` computes from the committed
-results for that key, so no page quotes a stale or second figure."""
+"""One answer per claim in the prose: every number the README, docs/fidelity.md and the notebooks'
+markdown quote behind a marker ``<!-- key -->`` must be what ``cadlib.analysis.report.answers`` computes
+from the committed results for that key, so no page quotes a stale or second figure."""
 import json
 import pathlib
 
