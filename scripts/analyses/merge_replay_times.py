@@ -55,6 +55,9 @@ def main(argv=None) -> int:
     datasets = [d for d in a.datasets.split(",") if d]
     if not datasets or set(datasets) - set(protocol.PAPER_DISTS):
         p.error(f"--datasets must name some of {', '.join(protocol.PAPER_DISTS)}, got {a.datasets!r}")
+    for name, path in (("the new cache", a.new), ("--cache", a.cache)):
+        if not Path(path).is_file():
+            p.error(f"{name} {path!r} is not a file: give the cache a `bench_replay.py time` run wrote")
     cache_path = Path(a.cache)
     cache, new = json.loads(cache_path.read_text()), json.loads(Path(a.new).read_text())
     old_t, new_t = cache["times"], new["times"]

@@ -222,7 +222,7 @@ def test_cad_protocol_choices_reach_the_work():
         replace(s, buffer_gib=0)
 
 
-def test_the_warmup_check_compares_unwarmed_with_warmed_timings_of_the_same_calls():
+def test_the_warmup_check_compares_unwarmed_with_warmed_timings_of_the_same_calls(capsys):
     spec = importlib.util.spec_from_file_location("merge_replay_times",
                                                   ROOT / "scripts" / "analyses" / "merge_replay_times.py")
     merge = importlib.util.module_from_spec(spec)
@@ -236,3 +236,9 @@ def test_the_warmup_check_compares_unwarmed_with_warmed_timings_of_the_same_call
     assert got["fwd"]["median"] == pytest.approx(1.05) and got["bwd"]["max"] == pytest.approx(1.25)
     assert got["fwd_bwd"]["median"] == pytest.approx((31 / 30 + 14 / 12) / 2)
     assert merge.warmup_check(old, {"a": old["a"]}) is None
+    for argv, fragment in ((["--limit", "1"], "--limit must be > 1"),
+                           (["--datasets", "pretrain,c4"], "--datasets must name some of"),
+                           ([], "the new cache 'no-such-cache.json' is not a file")):
+        with pytest.raises(SystemExit):                 # before any file is read
+            merge.main(["no-such-cache.json", *argv])
+        assert fragment in capsys.readouterr().err
