@@ -8,7 +8,7 @@ committed (warmed-up) timing; where the copy retimed them without a warm-up, the
 warm-up check written to ``--check-out``. The session's environment is appended to the cache's
 ``meta_runs``. Host only (a minute).
 
-    python scripts/analyses/merge_replay_times.py /work/.device/3/replay_times.json 
+    python scripts/analyses/merge_replay_times.py replay_times.json      # the cache the device call returned
 """
 from __future__ import annotations
 

@@ -227,9 +227,11 @@ def test_the_warmup_check_compares_unwarmed_with_warmed_timings_of_the_same_call
                                                   ROOT / "scripts" / "analyses" / "merge_replay_times.py")
     merge = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(merge)
-    old = {"a": {"fwd_ms": 10.0, "bwd_ms": 20.0, "warmup": 1}, "b": {"fwd_ms": 4.0, "bwd_ms": 8.0, "warmup": 1},
+    old = {"a": {"fwd_ms": 10.0, "bwd_ms": 20.0, "warmup": 1},
+           "b": {"fwd_ms": 4.0, "bwd_ms": 8.0, "warmup": 1},
            "m": {"fwd_ms": 1.0, "bwd_ms": 2.0, "modelled": True}}
-    new = {"a": {"fwd_ms": 11.0, "bwd_ms": 20.0, "warmup": 0}, "b": {"fwd_ms": 4.0, "bwd_ms": 10.0, "warmup": 0},
+    new = {"a": {"fwd_ms": 11.0, "bwd_ms": 20.0, "warmup": 0},
+           "b": {"fwd_ms": 4.0, "bwd_ms": 10.0, "warmup": 0},
            "m": {"fwd_ms": 5.0, "bwd_ms": 5.0, "warmup": 0}, "c": {"fwd_ms": 1.0, "bwd_ms": 1.0, "warmup": 0}}
     got = merge.warmup_check(old, new)
     assert got["calls"] == 2                                # neither the modelled call nor the new one
