@@ -60,7 +60,7 @@ from cadlib.analysis.replay import times as replay_times
 from cadlib.analysis.runs.e2e import load_committed
 from cadlib.bench.inputs import ServeCall, rand
 from cadlib.bench.layers import Head, blocks_of, sp_of, time_head, time_linear, time_optimizer
-from cadlib.bench.timer import WARMUP, time_phases
+from cadlib.bench.timer import RESERVE_GIB, WARMUP, reserve_pool, time_phases
 from cadlib.core.measured import MeasuredCost
 from cadlib.infra.results import RESULTS_DIR, atomic_write_json, environment_info, load_result, save_result
 from cadlib.runtime import kernels
@@ -183,6 +183,7 @@ def cmd_time(a) -> int:
     cache = json.loads(cache_path.read_text()) if cache_path.exists() else {}
     times = cache.setdefault("times", {})
     t_start = time.perf_counter()
+    reserve_pool(device, a.reserve_gib)
     if a.suite == "4d":
         def save4d():
             cache["meta"] = environment_info()
@@ -236,6 +237,7 @@ def cmd_time(a) -> int:
             times[key] = time_optimizer(spec, device, dtype, 3)
         if device.type == "cuda":
             torch.cuda.empty_cache()
+            reserve_pool(device, a.reserve_gib)
 
     if a.linear_only:                       # every grid point of each distinct shard, no attention
         seen = set()
@@ -511,6 +513,9 @@ def main(argv=None) -> int:
                     help="untimed runs before each attention call's timed ones (0 halves the time of a "
                          "kernel that compiles nothing per shape, as torch_flash; a first-run outlier is "
                          "caught by --retime's screen, which trusts only warmed-up entries)")
+    ap.add_argument("--reserve-gib", type=float, default=RESERVE_GIB,
+                    help="GiB the caching allocator holds before the attention calls are timed, so that "
+                         "none pays cudaMalloc (cadlib.bench.timer.reserve_pool; 0: none)")
     ap.add_argument("--backend", default=None)
     ap.add_argument("--untimed", default="call-model", choices=("call-model", "scale"),
                     help="with --model-missing, how an untimed 3D call is priced from the kernel table: "
@@ -545,6 +550,8 @@ def main(argv=None) -> int:
         a.backend = a.backend or "sdpa_ref"
     if a.warmup < 0:
         ap.error(f"--warmup must be >= 0, got {a.warmup}")
+    if a.reserve_gib < 0:
+        ap.error(f"--reserve-gib must be >= 0, got {a.reserve_gib}")
     if a.iters < 1 or (a.batches is not None and a.batches < 1) or a.sample < 1:
         ap.error("--iters, --batches and --sample must be >= 1")
     if a.command == "shapes4d":

@@ -5,8 +5,8 @@ import time
 import pytest
 import torch
 
-from cadlib.bench.timer import (WARMUP, Clock, flush_buffer, stats, time_fn, time_kernel, time_phases,
-                                 time_samples)
+from cadlib.bench.timer import (WARMUP, Clock, flush_buffer, reserve_pool, stats, time_fn, time_kernel,
+                                 time_phases, time_samples)
 
 
 def test_the_first_run_is_a_warm_up_and_never_timed():
@@ -75,6 +75,24 @@ def test_bad_counts_are_refused(kw, match):
         time_samples(lambda: None, "cpu", **kw)
     with pytest.raises(ValueError, match="phases"):
         time_phases([], "cpu", iters=1)
+
+
+def test_the_pool_is_reserved_on_a_gpu_only():
+    assert reserve_pool("cpu") == 0 and reserve_pool("cpu", 0) == 0
+    with pytest.raises(ValueError, match="gib must be >= 0"):
+        reserve_pool("cpu", -1)
+
+
+@pytest.mark.gpu
+def test_a_reserved_pool_stays_cached_for_later_allocations():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    torch.cuda.empty_cache()
+    n = reserve_pool("cuda", 1)
+    assert 0 < n <= 2**30 and torch.cuda.memory_reserved() >= n and torch.cuda.memory_allocated() < n
+    x = torch.empty(2**20, dtype=torch.uint8, device="cuda")  # split from the cached segment
+    assert torch.cuda.memory_reserved() >= n
+    del x
 
 
 @pytest.mark.gpu
