@@ -73,7 +73,8 @@ def main(argv=None) -> int:
     old_t.update(added)
     cache.setdefault("meta_runs", []).append({
         **new.get("meta", {}), "settings": f"paper3d {a.datasets}", "backend": a.backend, "added": len(added),
-        "dropped_outliers": outliers, "warmup": sorted({e.get("warmup", 1) for e in added.values()})})
+        "dropped_outliers": outliers, "warmup": sorted({e.get("warmup", 1) for e in added.values()}),
+        "reserve_gib": sorted({e.get("reserve_gib", 0) for e in added.values()})})
     atomic_write_json(cache_path, cache)
     print(f"{len(added)} calls added to {cache_path}; {len(outliers)} first-run outliers dropped (over "
           f"{a.limit}x the table)")

@@ -115,12 +115,15 @@ def settings(suites: list[str], batches: int | None, only: str = "",
 
 
 # ----------------------------------------------------------------------------------------- timing
-def time_attention(d, spec, device, dtype, backend, gen, iters: int, warmup: int = WARMUP) -> dict:
+def time_attention(d, spec, device, dtype, backend, gen, iters: int, warmup: int = WARMUP,
+                   reserve_gib: float = 0.0) -> dict:
     """The serve stage of dispatch ``d``, forward then backward, on random buffers of its sizes; the
-    median of ``iters`` timed runs after ``warmup`` untimed ones."""
+    median of ``iters`` timed runs after ``warmup`` untimed ones (``reserve_gib``: the pool the caller
+    reserved, recorded with the timing)."""
     call = ServeCall(to_device(d, device), spec, device, dtype, backend, gen)
     fw, bw = time_phases([call.forward, call.backward], device, iters=iters, warmup=warmup, after=call.zero_grad)
-    return {"fwd_ms": float(np.median(fw)), "bwd_ms": float(np.median(bw)), "iters": iters, "warmup": warmup}
+    return {"fwd_ms": float(np.median(fw)), "bwd_ms": float(np.median(bw)), "iters": iters, "warmup": warmup,
+            "reserve_gib": reserve_gib}
 
 
 def _plan_batch(task):
@@ -260,7 +263,8 @@ def cmd_time(a) -> int:
                 if over():
                     skipped += 1
                     continue
-                times[k] = time_attention(d, s.spec, device, dtype, backends[name], gen, a.iters, a.warmup)
+                times[k] = time_attention(d, s.spec, device, dtype, backends[name], gen, a.iters, a.warmup,
+                                          a.reserve_gib if device.type == "cuda" else 0.0)
                 again.discard(k)
                 done += 1
             print(f"[{time.perf_counter() - t_start:6.0f} s] {name} batch {b}: {len(jobs)} new calls "
