@@ -39,7 +39,8 @@ RESERVE_GIB = 100
 pays ``cudaMalloc`` for each buffer size the caching allocator has no cached block for; on 144 FA2 server
 calls of the paper protocol (1x H200) that put the forward 1.0% and the backward 0.3% above the warmed-up
 time (sums; 0.3 and 0.2 ms medians), while after reserving the pool the unwarmed times were 0.996 and 0.999
-of the warmed ones: the warm-up's work at none of its cost."""
+of the warmed ones: the warm-up's work at none of its cost (``scripts/probes/probe_warmup.py``,
+``results/replay/warmup_probe_h200.json``)."""
 
 FLUSH_MB = 256
 """The kernel benchmarks' flush buffer, several times a GPU's L2 cache (tens of MB): zeroed before each
