@@ -63,6 +63,16 @@ def test_fix_rewrites_stale_numbers_in_markdown_and_notebooks(tmp_path):
         answers.refresh_markers("<!-- nope -->1%")
 
 
+def test_fix_rewrites_the_number_and_never_the_key_that_holds_its_digits():
+    """A stale count whose digits also appear in its key (``3`` in ``..._3d_...``) changes after the
+    marker only: a fix once rewrote ``speedup_3d_pretrain`` to ``speedup_2d_pretrain``."""
+    key = "distca.speedup_3d_pretrain@protocol_inside"
+    right = answers.text(key)
+    stale = next(n for n in ("3", "2", "9") if n != right)
+    page, changes = answers.refresh_markers(f"lands: <!-- {key} -->{stale} of 9 settings")
+    assert page == f"lands: <!-- {key} -->{right} of 9 settings" and changes == [f"{key}: {stale} -> {right}"]
+
+
 @pytest.mark.parametrize("name, page", list(_pages()), ids=[name for name, _ in _pages()])
 def test_no_marker_opens_a_line(name, page):
     """A line that opens with ``<!--`` starts an HTML block in CommonMark (GitHub, JupyterLab, nbconvert):

@@ -166,7 +166,8 @@ def refresh_markers(page: str, results_dir=None) -> tuple[str, list[str]]:
         if bare == got[key].text:
             return m.group(0)
         changes.append(f"{key}: {bare} -> {got[key].text}")
-        return m.group(0).replace(quoted, got[key].text + quoted[len(bare):], 1)
+        head = m.group(0)[:m.start(2) - m.start(0)]     # the marker itself: never rewritten
+        return head + got[key].text + quoted[len(bare):]
     return MARKER.sub(swap, page), changes
 
 
