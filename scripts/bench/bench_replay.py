@@ -303,17 +303,19 @@ def cmd_compose(a) -> int:
     if a.model_missing:
         cost = MeasuredCost.load(RESULTS_DIR / "kernel_profile_h200.json", backend)
         # the scale: measured / predicted over the timed calls of the settings composed here (the first
-        # two batches of each), else of the earlier replay's first three settings
+        # --fit-batches batches of each: by default all), else of the earlier replay's first three settings
         todo = settings(a.suite.split(","), a.batches, a.only, a.linear)
         fit_on = todo
+        nb = a.fit_batches or max(s.batches for s in todo)
         try:
-            model_check = replay_calls.kernel_model_check(fit_on, cache["times"], cost, backend, rates)
+            model_check = replay_calls.kernel_model_check(fit_on, cache["times"], cost, backend, rates, nb)
         except ValueError:
             fit_on = replay.paper_3d_settings()[:3]
-            model_check = replay_calls.kernel_model_check(fit_on, cache["times"], cost, backend, rates)
+            model_check = replay_calls.kernel_model_check(fit_on, cache["times"], cost, backend, rates, nb)
+        model_check["fit_batches"] = nb
         print(f"kernel table against the timed calls: {model_check}")
         if a.untimed == "call-model":       # per call and method, fitted on the same timed calls
-            model_check["call_model"] = replay_calls.call_model(fit_on, cache["times"], cost, backend, rates)
+            model_check["call_model"] = replay_calls.call_model(fit_on, cache["times"], cost, backend, rates, nb)
             model_check["untimed"] = "call-model"
         else:
             model_check["untimed"] = "scale"
@@ -525,6 +527,10 @@ def main(argv=None) -> int:
                     help="with --model-missing, how an untimed 3D call is priced from the kernel table: "
                          "per call and method, fitted on the timed calls (cadlib.analysis.replay.calls), or "
                          "one scale over them")
+    ap.add_argument("--fit-batches", type=int, default=None,
+                    help="with --model-missing, the first this many batches of each setting whose timed calls "
+                         "the scale and the call model are fitted on (default: all; 2 before the protocol's "
+                         "later batches were timed)")
     ap.add_argument("--model-missing", action="store_true",
                     help="compose: server calls nobody timed from the kernel table, scaled to the timed ones")
     ap.add_argument("--derive-from", default=None,
@@ -556,6 +562,8 @@ def main(argv=None) -> int:
         ap.error(f"--warmup must be >= 0, got {a.warmup}")
     if a.reserve_gib < 0:
         ap.error(f"--reserve-gib must be >= 0, got {a.reserve_gib}")
+    if a.fit_batches is not None and a.fit_batches < 1:
+        ap.error(f"--fit-batches must be >= 1, got {a.fit_batches}")
     if a.iters < 1 or (a.batches is not None and a.batches < 1) or a.sample < 1:
         ap.error("--iters, --batches and --sample must be >= 1")
     if a.command == "shapes4d":

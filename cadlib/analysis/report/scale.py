@@ -35,7 +35,7 @@ HOW_PAPER = ("Table 3's Llama-8B settings (64-256 GPUs, TP=8, MaxDocLen 128K-512
              "separate sequences, WLB-ideal one CP degree per setting (the better of the two largest), "
              "DistCA's planner and tolerance rule, resend backward, 15 sampled steps; FA2 server calls timed "
              "on 1x H200 (every call of {timed} of the 15 steps of each setting; the others from "
-             "the kernel table corrected per call by a model fitted on the timed calls of the first two steps), the fused linear layers timed "
+             "the kernel table corrected per call by a model fitted on the timed ones), the fused linear layers timed "
              "on the TP=8 shard, the network at 50 GB/s per GPU "
              "(scripts/bench/bench_replay.py compose --suite paper3d)")
 """How the 3D claims were measured; ``{timed}``: how many steps of a setting were timed call by call (the
