@@ -4,7 +4,7 @@ Writes ``results/replay/whatif_vs_replay.json``.
 
 For each committed family of 3D replays (``replay_3d_*_3d.json``: FA4; ``*_3d_fa2.json``: FA2,
 the kernel timed call by call; ``*_paper*.json``: the paper's protocol), the kernel table's correction is
-the call model fitted on the timed server calls of the first two batches of its settings
+the call model fitted on the timed server calls of its settings' batches
 (:func:`cadlib.analysis.replay.calls.call_model`), or under the paper's protocol the one the replay
 priced its untimed calls with (:data:`cadlib.analysis.whatif.errors.PROTOCOLS`); then every setting is
 priced as the what-if prices (:mod:`cadlib.analysis.whatif.price`) and compared with the replay
@@ -36,8 +36,9 @@ def main(argv=None) -> int:
     p.add_argument("--only", default="", help="only the files whose name contains this")
     p.add_argument("--families", default=",".join(errors.PROTOCOLS), help="comma-separated: "
                    + ", ".join(errors.PROTOCOLS))
-    p.add_argument("--scale-batches", type=int, default=2,
-                   help="batches per setting the scales are fitted on")
+    p.add_argument("--scale-batches", type=int, default=None,
+                   help="batches per setting the scales are fitted on (default: all of them; 2 before "
+                        "2026-12-04)")
     a = p.parse_args(argv)
     rates = rp.link_rates(load_result("comm_overlap_probe_2xh200_nvlink.json"),
                           load_result("comm_overlap_probe_2xh200_inter-node-like.json"))
@@ -53,16 +54,17 @@ def main(argv=None) -> int:
         backend = backend or load_result(files[0])["config"]["backend"]
         cost = price.load_cost(backend=backend)
         settings = [errors.setting_of(load_result(f)["config"]) for f in files]
+        nb = a.scale_batches or max(s.batches for s in settings)
         if mode == "replay":
             per_file = {os.path.basename(f): errors.replay_pricing(load_result(f)["config"]) or {"all": 1.0}
                         for f in files}
             sc = {"scale": {"all": sum(v["all"] for v in per_file.values()) / len(per_file)},
                   "per_file": per_file, "calls": {}, "backend": backend, "mode": mode}
         else:
-            sc = {**price.kernel_scales(settings, times, cost, backend, rates, a.scale_batches), "mode": mode}
+            sc = {**price.kernel_scales(settings, times, cost, backend, rates, nb), "mode": mode}
             sc["per_method"] = sc["scale"]              # the earlier rule, kept for the record
             sc["scale"] = {"all": sc["scale"]["all"],
-                           "call_model": calls.call_model(settings, times, cost, backend, rates, a.scale_batches)}
+                           "call_model": calls.call_model(settings, times, cost, backend, rates, nb)}
         print(f"{fam} ({backend}): scales {sc['scale']} ({mode}) over {sc['calls']} calls", flush=True)
         rows = []
         for f in files:

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from cadlib import whatif as cli
-from cadlib.analysis.replay import calls as replay_calls, phases as replay_phases
+from cadlib.analysis.replay import calls as replay_calls, phases as replay_phases, times as replay_times
 from cadlib.analysis.whatif import page as whatif_page, planner as whatif, price as price_mod
 from cadlib.data.lengths import write_lengths
 from cadlib.data.workload import sample_docs
@@ -323,15 +323,16 @@ def test_a_grid_falling_at_its_end_prices_past_it_at_the_clipped_slope():
 
 
 def test_call_model_recovers_a_known_per_call_error_and_prices_with_it():
-    """Server calls whose times are ``a x table + b + c x gathered rows / 1000`` (the form the fit assumes):
-    :func:`cadlib.analysis.replay.calls.call_model` recovers ``a, b, c`` per direction and :func:`~cadlib.analysis.replay.calls.modelled_calls` gives
-    the times back."""
+    """Server calls whose times are ``a x table + b + c x gathered rows / 1000`` (``+ d x longest KV / 1000``
+    in the forward: the form the fit assumes): :func:`cadlib.analysis.replay.calls.call_model` recovers the
+    coefficients per direction and :func:`~cadlib.analysis.replay.calls.modelled_calls` gives the times back;
+    a three-term forward (a model fitted before the fourth term) prices as it did."""
     cost = price_mod.load_cost()
     cl = whatif.Cluster(gpus=64, gpus_per_node=8, tp=8)
     tr = whatif.Training(context=131072, steps=1)
     s = whatif.setting("llama3-8b", cl, tr, whatif.Documents(dist="prolong"))
     works = replay_phases.batch_work(s, 0)
-    truth = {"fwd": [1.1, 0.5, 0.02], "bwd": [0.95, 2.0, 0.05]}
+    truth = {"fwd": [1.1, 0.5, 0.02, 0.015], "bwd": [0.95, 2.0, 0.05]}
     times = replay_calls.modelled_calls(works.values(), s.spec, price_mod.BACKEND, cost, truth)
     for t in times.values():
         t.pop("modelled")                                   # as if timed
@@ -341,6 +342,11 @@ def test_call_model_recovers_a_known_per_call_error_and_prices_with_it():
         assert fit[f] == pytest.approx(truth[f], rel=1e-6, abs=1e-9)
     again = replay_calls.modelled_calls(works.values(), s.spec, price_mod.BACKEND, cost, fit)
     assert all(again[k]["fwd_ms"] == pytest.approx(times[k]["fwd_ms"]) for k in times)
+    old = replay_calls.modelled_calls(works.values(), s.spec, price_mod.BACKEND, cost,
+                                      {"fwd": truth["fwd"][:3], "bwd": truth["bwd"]})
+    longest = {k: float(np.diff(d.shared().cu_k).max()) / 1e3
+               for k, d in replay_times.attention_jobs(works.values(), s.spec, price_mod.BACKEND).items()}
+    assert all(old[k]["fwd_ms"] == pytest.approx(times[k]["fwd_ms"] - 0.015 * longest[k]) for k in times)
     negative = replay_calls.modelled_calls(works.values(), s.spec, price_mod.BACKEND, cost,
                                         {"fwd": [0.0, -1.0, 0.0], "bwd": [1.0, 0.0, 0.0]})
     assert all(t["fwd_ms"] == 0.0 and t["bwd_ms"] > 0 for t in negative.values())      # never below 0

@@ -7,11 +7,16 @@ and the screen for calls timed without a warm-up whose time is a first-run outli
 
 The per-call model, per direction (forward, backward)::
 
-    t = a x table + b + c x rows / 1000
+    t_bwd = a x table + b + c x rows / 1000
+    t_fwd = a x table + b + c x rows / 1000 + d x longest_kv / 1000
 
 with ``table`` the kernel table's time of the call's merged segments (ms), ``b`` what a served call
-pays beside its kernel (its stage's launches) and ``rows`` the rows it copies out of its buffers
-(:meth:`cadlib.dispatch.meta.Dispatch.gathered_rows`), fitted by least squares on the timed calls.
+pays beside its kernel (its stage's launches), ``rows`` the rows it copies out of its buffers
+(:meth:`cadlib.dispatch.meta.Dispatch.gathered_rows`) and ``longest_kv`` the KV length of its longest
+segment: the forward's critical path, since the query tile at the end of that segment reads the whole
+prefix in one thread block, however many other segments the call holds (the table, a sum over
+segments, prices the segments' work, not the tail they leave). Fitted by least squares on the timed
+calls. What the term buys is measured with the what-if against the replay (:func:`_call_rows`).
 The replay prices its untimed calls with it (``bench_replay.py compose --model-missing``), the what-if
 every call (:mod:`cadlib.analysis.whatif.price`)."""
 from __future__ import annotations
@@ -86,8 +91,17 @@ def unwarmed_outliers(settings_, times: dict, cost, backend: str, rates: dict,
 
 
 def _call_rows(d, spec, cost: MeasuredCost, direction: str) -> list[float]:
-    """A server call's regressors in :func:`call_model`: the table's time (ms), 1, gathered K rows."""
-    return [table_ms(d, spec, cost, direction), 1.0, sum(d.gathered_rows()) / 1e3]
+    """A server call's regressors in :func:`call_model`: the table's time (ms), 1, gathered rows / 1000,
+    and in the forward the longest segment's KV length / 1000. That last term, measured with the what-if
+    against the replay (the worst setting's speedup of CAD with ping-pong over WLB-ideal; each family's
+    model fitted on all its timed calls): the paper protocol's fully timed batches 0.025 -> 0.017, FA4
+    under our earlier protocol 0.017 -> 0.014, FA2 there 0.023 -> 0.023. In the backward the same kind of
+    term (the longest query run) made FA2 worse (0.025 against 0.023, fitted on two batches), so the
+    backward has none."""
+    x = [table_ms(d, spec, cost, direction), 1.0, sum(d.gathered_rows()) / 1e3]
+    if direction == "fwd":
+        x.append(float(np.diff(d.shared().cu_k).max()) / 1e3)
+    return x
 
 
 def _lstsq(xs, ys) -> list[float]:
@@ -98,11 +112,11 @@ def call_model(settings_, times: dict, cost: MeasuredCost, backend: str, rates: 
                batches: int = 2) -> dict:
     """The kernel table's error per server call, fitted by least squares over the timed calls of the
     first ``batches`` batches of ``settings_``, per direction: ``t = a x table + b + c x rows / 1000``
-    (the module docstring). The table prices the kernel alone; a served call also launches its stage and
+    (the module docstring; the forward has a fourth term). The table prices the kernel alone; a served call also launches its stage and
     gathers its shards' buffers, which one scale per method only stood in for (on the committed FA2
     timings it underpriced 5-20 ms calls by 17% and 300 ms ones by 1%). One fit for every method: fitted
     per method instead, the what-if's speedups over WLB-ideal moved further from the replay's (0.036
-    against 0.023 at most, FA2, 18 settings). Returns ``{"fwd": [a, b, c], "bwd": [...], "calls": n}``."""
+    against 0.023 at most, FA2, 18 settings). Returns ``{"fwd": [a, b, c, d], "bwd": [a, b, c], "calls": n}``."""
     xs: dict = {"fwd": [], "bwd": []}
     ys: dict = {"fwd": [], "bwd": []}
     for s, _, d, t in timed_calls(settings_, times, backend, rates, batches):
@@ -121,7 +135,8 @@ def modelled_calls(works, spec, backend: str, cost: MeasuredCost, model: dict) -
         t = {}
         for f in ("fwd", "bwd"):
             x = _call_rows(d, spec, cost, f)
-            t[f"{f}_ms"] = max(0.0, float(np.dot(model[f], x)))
+            coef = model[f]                 # a model fitted before the forward's fourth term: its three
+            t[f"{f}_ms"] = max(0.0, float(np.dot(coef, x[:len(coef)])))
         out[k] = {**t, "modelled": True}
     return out
 

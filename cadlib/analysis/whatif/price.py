@@ -166,8 +166,10 @@ class Pricing:
             return f"{self.scale:.3f}"
         cm = self.scale.get("call_model")
         if cm:
-            return ("(fitted per call: forward {:.3f} x table + {:.2f} ms + {:.4f} ms per 1K gathered rows, "
-                    "backward {:.3f} x table + {:.2f} ms + {:.4f} ms)".format(*cm["fwd"], *cm["bwd"]))
+            f, b = cm["fwd"], cm["bwd"]
+            longest = f" + {f[3]:.4f} ms per 1K KV rows of its longest segment" if len(f) > 3 else ""
+            return (f"(fitted per call: forward {f[0]:.3f} x table + {f[1]:.2f} ms + {f[2]:.4f} ms per 1K gathered "
+                    f"rows{longest}, backward {b[0]:.3f} x table + {b[1]:.2f} ms + {b[2]:.4f} ms)")
         return "(" + ", ".join(f"{k} {v:.3f}" for k, v in self.scale.items()) + ")"
 
     def scale_of(self, method: str) -> float:
