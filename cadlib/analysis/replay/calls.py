@@ -135,7 +135,7 @@ def modelled_calls(works, spec, backend: str, cost: MeasuredCost, model: dict) -
         t = {}
         for f in ("fwd", "bwd"):
             x = _call_rows(d, spec, cost, f)
-            coef = model[f]                 # a model fitted before the forward's fourth term: its three
+            coef = model[f]                 # a forward fitted before its fourth term prices with three
             t[f"{f}_ms"] = max(0.0, float(np.dot(coef, x[:len(coef)])))
         out[k] = {**t, "modelled": True}
     return out
