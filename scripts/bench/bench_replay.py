@@ -119,9 +119,10 @@ def time_attention(d, spec, device, dtype, backend, gen, iters: int, warmup: int
                    reserve_gib: float = 0.0) -> dict:
     """The serve stage of dispatch ``d``, forward then backward, on random buffers of its sizes; the
     median of ``iters`` timed runs after ``warmup`` untimed ones (``reserve_gib``: the pool the caller
-    reserved, recorded with the timing)."""
+    reserved, :func:`cadlib.bench.timer.reserve_pool`, recorded with the timing)."""
     call = ServeCall(to_device(d, device), spec, device, dtype, backend, gen)
-    fw, bw = time_phases([call.forward, call.backward], device, iters=iters, warmup=warmup, after=call.zero_grad)
+    fw, bw = time_phases([call.forward, call.backward], device, iters=iters, warmup=warmup,
+                         after=call.zero_grad)
     return {"fwd_ms": float(np.median(fw)), "bwd_ms": float(np.median(bw)), "iters": iters, "warmup": warmup,
             "reserve_gib": reserve_gib}
 
@@ -186,7 +187,7 @@ def cmd_time(a) -> int:
     cache = json.loads(cache_path.read_text()) if cache_path.exists() else {}
     times = cache.setdefault("times", {})
     t_start = time.perf_counter()
-    reserve_pool(device, a.reserve_gib)
+    pool_gib = reserve_pool(device, a.reserve_gib) / 2**30     # what each timing records
     if a.suite == "4d":
         def save4d():
             cache["meta"] = environment_info()
@@ -264,7 +265,7 @@ def cmd_time(a) -> int:
                     skipped += 1
                     continue
                 times[k] = time_attention(d, s.spec, device, dtype, backends[name], gen, a.iters, a.warmup,
-                                          a.reserve_gib if device.type == "cuda" else 0.0)
+                                          pool_gib)
                 again.discard(k)
                 done += 1
             print(f"[{time.perf_counter() - t_start:6.0f} s] {name} batch {b}: {len(jobs)} new calls "
@@ -315,7 +316,8 @@ def cmd_compose(a) -> int:
         model_check["fit_batches"] = nb
         print(f"kernel table against the timed calls: {model_check}")
         if a.untimed == "call-model":       # per call and method, fitted on the same timed calls
-            model_check["call_model"] = replay_calls.call_model(fit_on, cache["times"], cost, backend, rates, nb)
+            model_check["call_model"] = replay_calls.call_model(fit_on, cache["times"], cost, backend, rates,
+                                                                nb)
             model_check["untimed"] = "call-model"
         else:
             model_check["untimed"] = "scale"
@@ -528,9 +530,9 @@ def main(argv=None) -> int:
                          "per call and method, fitted on the timed calls (cadlib.analysis.replay.calls), or "
                          "one scale over them")
     ap.add_argument("--fit-batches", type=int, default=None,
-                    help="with --model-missing, the first this many batches of each setting whose timed calls "
-                         "the scale and the call model are fitted on (default: all; 2 before the protocol's "
-                         "later batches were timed)")
+                    help="with --model-missing, the first this many batches of each setting whose timed "
+                         "calls the scale and the call model are fitted on (default: all; 2 before the "
+                         "protocol's later batches were timed)")
     ap.add_argument("--model-missing", action="store_true",
                     help="compose: server calls nobody timed from the kernel table, scaled to the timed ones")
     ap.add_argument("--derive-from", default=None,

@@ -46,7 +46,8 @@ def compare(x: np.ndarray, ref: np.ndarray) -> dict:
         raise ValueError(f"x and ref must both be [calls, 2], got {x.shape} and {ref.shape}")
     return {f: {"sum_ratio": float(x[:, j].sum() / ref[:, j].sum()),
                 "median_ratio": float(np.median(x[:, j] / ref[:, j])),
-                "median_diff_ms": float(np.median(x[:, j] - ref[:, j]))} for j, f in enumerate(("fwd", "bwd"))}
+                "median_diff_ms": float(np.median(x[:, j] - ref[:, j]))}
+            for j, f in enumerate(("fwd", "bwd"))}
 
 
 def summarise(raw: dict, cache: dict | None = None) -> dict:
@@ -92,7 +93,8 @@ def main(argv=None) -> int:
         gen = torch.Generator(device=dev).manual_seed(0)
         for s, k, d in calls:
             call = ServeCall(to_device(d, dev), s.spec, dev, dtype, backend, gen)
-            fw, bw = time_phases([call.forward, call.backward], dev, iters=1, warmup=warmup, after=call.zero_grad)
+            fw, bw = time_phases([call.forward, call.backward], dev, iters=1, warmup=warmup,
+                                 after=call.zero_grad)
             raw[k][p] = [fw[0], bw[0]]
         print(f"pass {p} ({PASSES[p]}): {len(calls)} calls", flush=True)
 
@@ -109,8 +111,8 @@ def main(argv=None) -> int:
                         "backend": backend, "reserve_gib": a.reserve_gib, "passes": PASSES},
                 {**res, "raw": raw})
     for p, r in res["passes"].items():
-        print(f"{p}: forward {r['fwd']['sum_ratio']:.3f}, backward {r['bwd']['sum_ratio']:.3f} of the warmed-up "
-              f"time (sums)")
+        print(f"{p}: forward {r['fwd']['sum_ratio']:.3f}, backward {r['bwd']['sum_ratio']:.3f} of the "
+              f"warmed-up time (sums)")
     return 0
 
 

@@ -112,11 +112,12 @@ def call_model(settings_, times: dict, cost: MeasuredCost, backend: str, rates: 
                batches: int = 2) -> dict:
     """The kernel table's error per server call, fitted by least squares over the timed calls of the
     first ``batches`` batches of ``settings_``, per direction: ``t = a x table + b + c x rows / 1000``
-    (the module docstring; the forward has a fourth term). The table prices the kernel alone; a served call also launches its stage and
-    gathers its shards' buffers, which one scale per method only stood in for (on the committed FA2
-    timings it underpriced 5-20 ms calls by 17% and 300 ms ones by 1%). One fit for every method: fitted
-    per method instead, the what-if's speedups over WLB-ideal moved further from the replay's (0.036
-    against 0.023 at most, FA2, 18 settings). Returns ``{"fwd": [a, b, c, d], "bwd": [a, b, c], "calls": n}``."""
+    (the module docstring; the forward has a fourth term). The table prices the kernel alone; a served
+    call also launches its stage and gathers its shards' buffers, which one scale per method only stood
+    in for (on the committed FA2 timings it underpriced 5-20 ms calls by 17% and 300 ms ones by 1%). One
+    fit for every method: fitted per method instead, the what-if's speedups over WLB-ideal moved further
+    from the replay's (0.036 against 0.023 at most, FA2, 18 settings). Returns ``{"fwd": [a, b, c, d],
+    "bwd": [a, b, c], "calls": n}``."""
     xs: dict = {"fwd": [], "bwd": []}
     ys: dict = {"fwd": [], "bwd": []}
     for s, _, d, t in timed_calls(settings_, times, backend, rates, batches):

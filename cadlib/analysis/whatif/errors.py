@@ -44,8 +44,8 @@ PROTOCOLS = {"3d": ("replay/replay_3d_*_3d.json", "fa4", "fit"),
 """The committed 3D replay families: file pattern, attention backend (None: the file's own) and where
 the kernel table's correction comes from: ``fit``, the call model fitted on the family's timed calls
 (:func:`cadlib.analysis.replay.calls.call_model`); ``replay``, the pricing the replay itself gave its
-untimed calls (:func:`replay_pricing`: under the paper's protocol the call model fitted on the timed
-calls of its first two batches, for FA4 one scale). Under the paper's protocol the comparison that
+untimed calls (:func:`replay_pricing`: under the paper's protocol the call model fitted on its timed
+calls, for FA4 one scale). Under the paper's protocol the comparison that
 measures the what-if is over the batches the replay timed call by call (``..._timed``): over the others
 both price the same way."""
 

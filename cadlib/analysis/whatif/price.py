@@ -12,9 +12,10 @@ Only where each duration comes from differs, since nobody timed the user's batch
   (``cost``, :class:`cadlib.core.measured.MeasuredCost`), corrected per call by
   :func:`cadlib.analysis.replay.calls.call_model`,
   fitted on the calls the replay timed: ``t_call = a x table + b + c x gathered rows / 1000`` per
-  direction (the table times the kernel alone; a served call also pays its stage's launch and the
-  copies of its shards' buffers). A user's own table (``--gpu-table``) is used as it is, and a plain
-  ``scale`` (one number, or one per method with ``"all"``) is still accepted;
+  direction, plus ``d x`` the longest segment's KV rows / 1000 in the forward (the table sums the
+  kernel's time over the segments; a served call also pays its stage's launch, the copies of its
+  shards' buffers and the tail its longest segment leaves). A user's own table (``--gpu-table``) is
+  used as it is, and a plain ``scale`` (one number, or one per method with ``"all"``) is still accepted;
 * communication: the link model (:class:`cadlib.analysis.replay.phases.Links`).
 
 Past the end of a timed grid the replay's interpolation follows the last segment; a grid whose last
@@ -33,7 +34,6 @@ import json
 import os
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
-
 
 from ...core.measured import MeasuredCost
 from ...infra.results import RESULTS_DIR, load_result
@@ -168,8 +168,8 @@ class Pricing:
         if cm:
             f, b = cm["fwd"], cm["bwd"]
             longest = f" + {f[3]:.4f} ms per 1K KV rows of its longest segment" if len(f) > 3 else ""
-            return (f"(fitted per call: forward {f[0]:.3f} x table + {f[1]:.2f} ms + {f[2]:.4f} ms per 1K gathered "
-                    f"rows{longest}, backward {b[0]:.3f} x table + {b[1]:.2f} ms + {b[2]:.4f} ms)")
+            return (f"(fitted per call: forward {f[0]:.3f} x table + {f[1]:.2f} ms + {f[2]:.4f} ms per 1K "
+                    f"gathered rows{longest}, backward {b[0]:.3f} x table + {b[1]:.2f} ms + {b[2]:.4f} ms)")
         return "(" + ", ".join(f"{k} {v:.3f}" for k, v in self.scale.items()) + ")"
 
     def scale_of(self, method: str) -> float:
