@@ -3,7 +3,9 @@
 ``bench_replay.py time`` on the GPU machine continues a copy of ``results/replay/times_h200.json``; this
 takes what that copy adds: every new call, except those timed without a warm-up whose time is a first-run
 outlier (:func:`cadlib.analysis.replay.calls.unwarmed_outliers`: over 1.6x the kernel table; the
-replay then prices them from the table as it prices untimed calls). Calls the copy timed again keep the
+replay then prices them as it prices untimed calls). The table also underprices some calls for real (thousands
+of short segments), so the dropped keys go to ``--dropped-out``: time them again with a warm-up
+(``bench_replay.py time --warmup 1 --retime-keys``) and merge that run; warmed-up calls are never dropped. Calls the copy timed again keep the
 committed (warmed-up) timing; where the copy retimed them without a warm-up, the ratio of the two is the
 warm-up check written to ``--check-out``. The session's environment is appended to the cache's
 ``meta_runs``. Host only (a minute).
@@ -48,6 +50,9 @@ def main(argv=None) -> int:
                    help="the paper-protocol 3D settings whose calls are screened: comma-separated datasets")
     p.add_argument("--backend", default="torch_flash")
     p.add_argument("--limit", type=float, default=calls.UNWARMED_LIMIT)
+    p.add_argument("--dropped-out", default=None,
+                   help="write the dropped keys here (a JSON list), for `bench_replay.py time --retime-keys`")
+    p.add_argument("--note", default="", help="a line for this run's meta_runs entry (what it was for)")
     p.add_argument("--check-out", default=str(RESULTS_DIR / "replay" / "warmup_check.json"))
     a = p.parse_args(argv)
     if a.limit <= 1:
@@ -74,10 +79,15 @@ def main(argv=None) -> int:
     cache.setdefault("meta_runs", []).append({
         **new.get("meta", {}), "settings": f"paper3d {a.datasets}", "backend": a.backend, "added": len(added),
         "dropped_outliers": outliers, "warmup": sorted({e.get("warmup", 1) for e in added.values()}),
-        "reserve_gib": sorted({e.get("reserve_gib", 0) for e in added.values()})})
+        "reserve_gib": sorted({e.get("reserve_gib", 0) for e in added.values()}),
+        **({"note": a.note} if a.note else {})})
     atomic_write_json(cache_path, cache)
     print(f"{len(added)} calls added to {cache_path}; {len(outliers)} first-run outliers dropped (over "
           f"{a.limit}x the table)")
+    if outliers and a.dropped_out:
+        Path(a.dropped_out).write_text(json.dumps(outliers, indent=0))
+        print(f"their keys: {a.dropped_out}; time them again with a warm-up (bench_replay.py time --warmup 1 "
+              f"--retime-keys {a.dropped_out}) and merge that run")
     if check:
         save_result(Path(a.check_out), {"new": Path(a.new).name, "meta": new.get("meta", {})}, check)
         print(f"warm-up check on {check['calls']} calls timed both ways: unwarmed / warmed forward "

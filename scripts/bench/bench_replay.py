@@ -16,7 +16,9 @@ Two steps (:mod:`cadlib.analysis.replay.settings` says what a rank's work is):
   batch (1,900-8,300 for the 128K rows), more than a session's device time can time; this lists
   every distinct call of each setting's first batch and samples ``--sample`` per setting, in
   proportion to their modelled time, into ``results/replay/shapes_4d_sample.json``; ``time --suite
-  4d`` times them, and ``compose --suite 4d`` scales the kernel table to them.
+  4d`` times them, and ``compose --suite 4d`` scales the kernel table to them. ``--suite paper4d``: the
+  4D protocol's sweep over the configurations that fit (its first batch: 109,335 distinct calls, 117-34,290
+  a setting, about 6,600 s of kernel time, so a sample again), into ``--shapes``.
 * ``compose`` (any machine): composes every batch's step from the cache and the link model
   (:mod:`cadlib.analysis.model.compose`) and writes a JSON per setting under ``--out`` and the summary.
 
@@ -26,6 +28,8 @@ Two steps (:mod:`cadlib.analysis.replay.settings` says what a rank's work is):
     python scripts/bench/bench_replay.py shapes4d --sample 40        # Table 4: a sample of its server calls
     python scripts/bench/bench_replay.py time --suite 4d --cache $OUT/replay_times.json      # time the sample
     python scripts/bench/bench_replay.py compose --suite 4d --workers 2   # Table 4: PP, attention scaled
+    python scripts/bench/bench_replay.py shapes4d --suite paper4d --backend torch_flash --sample 30 \
+        --shapes results/replay/shapes_paper4d_sample.json    # the 4D protocol's sample, then time --suite 4d
     python scripts/bench/bench_replay.py compose --suite paper4d --backend torch_flash --linear fused-sp \
         --model-missing --fitting-only --workers 2    # Table 4 under the paper's protocol (DistCA's sweep)
     python scripts/bench/bench_replay.py time --suite 3d --only prolong_128k --linear fused-sp --linear-only \
@@ -70,6 +74,7 @@ from cadlib.runtime.model import DecoderLayer
 SUITES = ("validation", "3d", "paper3d", "waterfall3d", "changes3d", "idle", "allgather", "smoke", "4d",
           "paper4d", "changes4d")
 SWEEP_SUITES = ("paper4d", "changes4d")
+PAPER4D_SAMPLE = RESULTS_DIR / "replay" / "shapes_paper4d_sample.json"   # shapes4d --suite paper4d
 """The 4D protocol's suites (:func:`cadlib.analysis.replay.protocol.paper_4d`, its variants), composed by
 :func:`cmd_compose_paper4d`."""
 
@@ -136,9 +141,11 @@ def _plan_batch(task):
     return s.name, b, replay_times.attention_jobs(works.values(), s.spec, backend), np.concatenate(tokens)
 
 
-def time_segments(q_lens, kv_lens, spec, device, dtype, backend, gen, iters: int) -> dict:
+def time_segments(q_lens, kv_lens, spec, device, dtype, backend, gen, iters: int, warmup: int = WARMUP,
+                  reserve_gib: float = 0.0) -> dict:
     """One fused causal call on merged segments (query and KV lengths), forward then backward; the
-    median of ``iters`` timed runs after ``WARMUP`` untimed ones."""
+    median of ``iters`` timed runs after ``warmup`` untimed ones (``reserve_gib``: the pool reserved,
+    recorded with the timing)."""
     cu_q = torch.tensor(np.r_[0, np.cumsum(q_lens)], dtype=torch.int32, device=device)
     cu_k = torch.tensor(np.r_[0, np.cumsum(kv_lens)], dtype=torch.int32, device=device)
     mq, mk = int(max(q_lens)), int(max(kv_lens))
@@ -151,11 +158,12 @@ def time_segments(q_lens, kv_lens, spec, device, dtype, backend, gen, iters: int
 
     def bwd(out_lse):
         kernels.attend_backward(dout, q, k, v, *out_lse, cu_q, cu_k, mq, mk, causal=True, backend=backend)
-    fw, bw = time_phases([fwd, bwd], device, iters=iters)
-    return {"fwd_ms": float(np.median(fw)), "bwd_ms": float(np.median(bw)), "iters": iters, "warmup": WARMUP}
+    fw, bw = time_phases([fwd, bwd], device, iters=iters, warmup=warmup)
+    return {"fwd_ms": float(np.median(fw)), "bwd_ms": float(np.median(bw)), "iters": iters, "warmup": warmup,
+            "reserve_gib": reserve_gib}
 
 
-def time_4d(a, cache, save, device, dtype) -> int:
+def time_4d(a, cache, save, device, dtype, pool_gib: float = 0.0) -> int:
     """The sampled 4D server calls (``shapes4d``) that the cache lacks."""
     sample = load_result(a.shapes)["results"]
     times, t0 = cache["times"], time.perf_counter()
@@ -170,7 +178,7 @@ def time_4d(a, cache, save, device, dtype) -> int:
         if time.perf_counter() - t0 > a.budget_s:
             break
         times[k] = {
-            **time_segments(sh["q"], sh["kv"], spec, device, dtype, backend, gen, a.iters),
+            **time_segments(sh["q"], sh["kv"], spec, device, dtype, backend, gen, a.iters, a.warmup, pool_gib),
             "setting": sh["setting"]}
         done += 1
         if done % 50 == 0:
@@ -192,7 +200,7 @@ def cmd_time(a) -> int:
         def save4d():
             cache["meta"] = environment_info()
             atomic_write_json(cache_path, cache)
-        return time_4d(a, cache, save4d, device, dtype)
+        return time_4d(a, cache, save4d, device, dtype, pool_gib)
     rates = replay_phases.link_rates(load_result("comm_overlap_probe_2xh200_nvlink.json"),
                                      load_result("comm_overlap_probe_2xh200_inter-node-like.json"))
     todo = settings(a.suite.split(","), a.batches, a.only, a.linear)
@@ -206,8 +214,13 @@ def cmd_time(a) -> int:
              if b < s.batches]
     gen = torch.Generator(device=device).manual_seed(0)
     done = skipped = 0
-    again = set(replay_times.compile_suspects(times)) if a.retime else set()
-    if a.retime:
+    if a.retime_keys:                       # a listed set (e.g. a merge's dropped outliers), cached or not
+        again = set(json.loads(Path(a.retime_keys).read_text()))
+        a.retime = True
+        print(f"--retime-keys: timing the {len(again)} listed calls of these settings again")
+    else:
+        again = set(replay_times.compile_suspects(times)) if a.retime else set()
+    if a.retime and not a.retime_keys:
         print(f"--retime: {len(again)} cached calls look like compiles; timing those of these settings again")
     tokens: dict[str, list] = {s.name: [] for s in todo}
 
@@ -361,6 +374,15 @@ def _shapes_4d(job):
     return s, price.shapes
 
 
+def _shapes_paper4d(job):
+    """A pool worker: the distinct server calls of a 4D protocol setting's first ``batches`` steps, over
+    the configurations of DistCA's grid that the memory model fits (those the headline replays)."""
+    s, times, rates, backend, cost, batches = job
+    price = replay_times.SegmentPrice(s.spec, backend, cost, record=True)
+    sweep4d.replay_sweep(replace(s, batches=batches), times, rates, backend, price, only_fitting=True)
+    return s, price.shapes
+
+
 def cmd_shapes4d(a) -> int:
     """Sample each 4D setting's server calls, in proportion to their modelled time (seed 0); with
     ``--all``, every distinct call of its first ``--batches`` steps (a full timing, to check the sample
@@ -370,12 +392,14 @@ def cmd_shapes4d(a) -> int:
                                      load_result("comm_overlap_probe_2xh200_inter-node-like.json"))
     backend = a.backend or "fa4"
     cost = MeasuredCost.load(RESULTS_DIR / "kernel_profile_h200.json", backend)
-    todo = [s for s in settings4d.paper_4d_settings(1) if named(s, a.only)]
+    paper = "paper4d" in a.suite.split(",")        # the 4D protocol's sweep, else our earlier 4D settings
+    todo = sweep_settings(["paper4d"], 1, a.only) if paper else \
+        [s for s in settings4d.paper_4d_settings(1) if named(s, a.only)]
     batches = (a.batches or 3) if a.all else 1
     rng, out, counts = np.random.default_rng(0), {}, {}
     jobs = [(s, cache["times"], rates, backend, cost, batches) for s in todo]
     with multiprocessing.get_context("spawn").Pool(max(1, min(a.workers, len(todo)))) as pool:
-        for s, shapes in pool.imap_unordered(_shapes_4d, jobs):
+        for s, shapes in pool.imap_unordered(_shapes_paper4d if paper else _shapes_4d, jobs):
             keys = sorted(shapes)
             w = np.array([shapes[k]["model_ms"] for k in keys])
             pick = np.arange(len(keys)) if a.all else \
@@ -386,7 +410,8 @@ def cmd_shapes4d(a) -> int:
                               "sampled": int(pick.size)}
             print(f"{s.name}: {len(keys)} distinct calls, {w.sum() / 1e3:.0f} s modelled; "
                   f"sampled {pick.size}", flush=True)
-    cfg = {"sample_per_setting": "all" if a.all else a.sample, "batches": batches, "seed": 0,
+    cfg = {"suite": "paper4d" if paper else "4d", "sample_per_setting": "all" if a.all else a.sample,
+           "batches": batches, "seed": 0,
            "backend": backend, "weights": "modelled fwd+bwd time", "per_setting": counts}
     path = save_result(Path(a.shapes), cfg, {"shapes": out})
     print(f"{len(out)} calls -> {path}")
@@ -455,18 +480,26 @@ def _one_sweep(job):
 def cmd_compose_paper4d(a, cache, times, meta, rates, backend) -> int:
     """Table 4 under the paper's protocol (:mod:`cadlib.analysis.replay.sweep4d`): every configuration of
     DistCA's grid (``--fitting-only``: those that fit in memory) of every step. Attention: the calls the
-    cache timed, the others from the kernel table times measured / predicted over the 3D protocol's timed
-    calls of this backend (``--model-missing`` says so; without it an untimed call is an error)."""
+    cache timed, the others from the kernel table times measured / predicted over the timed sample of the
+    4D protocol's calls (``shapes4d --suite paper4d``; without one, over the 3D protocol's timed calls of
+    this backend). ``--model-missing`` says so; without it an untimed call is an error."""
     if not a.model_missing:
         raise SystemExit("paper4d prices the server calls nobody timed from the kernel table: "
                          "pass --model-missing")
     cost = MeasuredCost.load(RESULTS_DIR / "kernel_profile_h200.json", backend)
     t0 = time.time()
-    base3d = [replace(x, batches=1) for d in protocol.PAPER_DISTS for x in protocol.paper_3d(d, 1)]
-    check = replay_calls.kernel_model_check(base3d, cache["times"], cost, backend, rates, batches=1)
     kernel = "FA2" if backend == "torch_flash" else backend
-    check["note"] = (f"modelled from kernel table, scale from the 3D protocol's {check['calls']:,} timed "
-                     f"{kernel} calls (batch 0 of every paper3d setting)")
+    spec = protocol.paper_4d(next(iter(protocol.PAPER_DISTS)), 1)[0].spec
+    sample = load_result(PAPER4D_SAMPLE)["results"]["shapes"] if PAPER4D_SAMPLE.exists() else {}
+    check = replay_times.segment_model_check(times, sample, cost, spec, backend)
+    if check is not None:                   # the 4D protocol's own calls, timed as it prices them
+        check["note"] = (f"modelled from kernel table, scale from {check['calls']:,} timed {kernel} calls "
+                         f"sampled from the 4D protocol's first batch ({PAPER4D_SAMPLE.name})")
+    else:                                   # served 3D calls: their scale includes what serving adds
+        base3d = [replace(x, batches=1) for d in protocol.PAPER_DISTS for x in protocol.paper_3d(d, 1)]
+        check = replay_calls.kernel_model_check(base3d, cache["times"], cost, backend, rates, batches=1)
+        check["note"] = (f"modelled from kernel table, scale from the 3D protocol's {check['calls']:,} timed "
+                         f"{kernel} calls (batch 0 of every paper3d setting)")
     print(f"kernel table against the timed calls ({time.time() - t0:.0f} s): {check}", flush=True)
     todo = sweep_settings(a.suite.split(","), a.batches, a.only, a.linear)
     if not todo:
@@ -547,6 +580,9 @@ def main(argv=None) -> int:
     ap.add_argument("--retime", action="store_true",
                     help="time: only the cached calls whose times look like a compile "
                          "(cadlib.analysis.replay.times.compile_suspects), again, with a warm-up")
+    ap.add_argument("--retime-keys", default=None,
+                    help="time: only the calls a JSON list of keys names (cached or not), again, with "
+                         "--warmup's warm-up: e.g. the calls a merge dropped as first-run outliers")
     ap.add_argument("--shapes", default=str(RESULTS_DIR / "replay" / "shapes_4d_sample.json"),
                     help="shapes4d: where to write the 4D sample; time --suite 4d: the sample to time")
     ap.add_argument("--sample", type=int, default=40, help="shapes4d: calls sampled per 4D setting")

@@ -69,6 +69,18 @@ def test_time_and_compose_on_the_cpu(tmp_path):
     attn = [e for k, e in json.loads(cache.read_text())["times"].items() if k.startswith("attn|")]
     # one untimed run first; no pool reserved on a CPU
     assert attn and all(e["warmup"] == 1 and e["iters"] == 1 and e["reserve_gib"] == 0 for e in attn)
+    # --retime-keys times exactly the listed calls again, and leaves every other one as it was
+    data = json.loads(cache.read_text())
+    listed = sorted(k for k in data["times"] if k.startswith("attn|"))[:2]
+    for k in listed:
+        data["times"][k]["fwd_ms"] = -1.0
+    cache.write_text(json.dumps(data))
+    (tmp_path / "keys.json").write_text(json.dumps(listed))
+    assert bench.main(["time", "--smoke", "--cache", str(cache), "--workers", "1",
+                       "--retime-keys", str(tmp_path / "keys.json")]) == 0
+    again = json.loads(cache.read_text())["times"]
+    assert all(again[k]["fwd_ms"] > 0 for k in listed)
+    assert all(again[k] == e for k, e in data["times"].items() if k not in listed)
     with pytest.raises(SystemExit):
         bench.main(["time", "--smoke", "--cache", str(cache), "--warmup", "-1"])
     with pytest.raises(SystemExit):
@@ -249,3 +261,32 @@ def test_the_warmup_check_compares_unwarmed_with_warmed_timings_of_the_same_call
         with pytest.raises(SystemExit):                 # before any file is read
             merge.main(["no-such-cache.json", *argv])
         assert fragment in capsys.readouterr().err
+
+
+def test_the_merge_lists_dropped_calls_for_a_warmed_retime_and_notes_the_run(tmp_path, monkeypatch, capsys):
+    spec = importlib.util.spec_from_file_location("merge_replay_times",
+                                                  ROOT / "scripts" / "analyses" / "merge_replay_times.py")
+    merge = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(merge)
+    monkeypatch.setattr(merge.protocol, "paper_3d", lambda dist: [])
+    monkeypatch.setattr(merge.calls, "unwarmed_outliers", lambda todo, added, *a: sorted(
+        k for k, e in added.items() if e.get("warmup") == 0 and e["fwd_ms"] > 5))
+    cache, new = tmp_path / "cache.json", tmp_path / "new.json"
+    cache.write_text(json.dumps({"times": {"a": {"fwd_ms": 1.0, "bwd_ms": 2.0, "warmup": 1}}}))
+    unwarmed = {"b": {"fwd_ms": 2.0, "bwd_ms": 4.0, "warmup": 0, "reserve_gib": 100.0},
+                "c": {"fwd_ms": 9.0, "bwd_ms": 9.0, "warmup": 0, "reserve_gib": 100.0}}
+    new.write_text(json.dumps({"times": {"a": {"fwd_ms": 1.0, "bwd_ms": 2.0, "warmup": 1}, **unwarmed}}))
+    dropped = tmp_path / "dropped.json"
+    assert merge.main([str(new), "--cache", str(cache), "--dropped-out", str(dropped),
+                       "--check-out", str(tmp_path / "check.json")]) == 0
+    got = json.loads(cache.read_text())
+    assert set(got["times"]) == {"a", "b"} and json.loads(dropped.read_text()) == ["c"]
+    assert got["meta_runs"][0]["dropped_outliers"] == ["c"] and "note" not in got["meta_runs"][0]
+    assert f"--retime-keys {dropped}" in capsys.readouterr().out
+    # the same call timed again with a warm-up is taken, whatever its ratio to the table
+    new.write_text(json.dumps({"times": {**got["times"], "c": {"fwd_ms": 8.8, "bwd_ms": 9.0, "warmup": 1}}}))
+    assert merge.main([str(new), "--cache", str(cache), "--note", "the dropped calls, warmed up",
+                       "--check-out", str(tmp_path / "check.json")]) == 0
+    got = json.loads(cache.read_text())
+    assert got["times"]["c"]["warmup"] == 1 and got["meta_runs"][1]["dropped_outliers"] == []
+    assert got["meta_runs"][1]["note"] == "the dropped calls, warmed up"
