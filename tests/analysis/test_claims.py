@@ -336,3 +336,13 @@ def test_answers_say_what_reproduced_and_keep_the_direction(direction, why, cid,
     assert verdicts.combine(["reproduced", "partly"]) == "partly"
     assert verdicts.combine(["reproduced", "reproduced"]) == "reproduced"
     assert verdicts.combine(["not reproduced", "not at this scale"]) == "not reproduced"
+
+
+def test_the_3d_claims_say_how_many_steps_were_timed_call_by_call():
+    from cadlib.analysis.report import scale
+    assert scale.how_timed(15, 15, 15) == "of all 15 steps timed one by one on 1x H200"
+    part = scale.how_timed(8, 11, 15)
+    assert "every call of 8-11 of the 15 steps" in part and "corrected per call by a model" in part
+    assert "every call of 3 of the 15 steps" in scale.how_timed(3, 3, 15)
+    assert "{timed}" in scale.HOW_PAPER and "FA2 server calls of all 15 steps timed" in scale.HOW_PAPER.format(
+        timed=scale.how_timed(15, 15, 15))

@@ -33,20 +33,28 @@ the 3D claims are answered from it. ``_paper_fa4`` is the same with FA4; ``_3d``
 HOW_PAPER = ("Table 3's Llama-8B settings (64-256 GPUs, TP=8, MaxDocLen 128K-512K) under the paper's protocol "
              "as DistCA's code runs it: its samplers, sequences of MaxDocLen tokens, ping and pong from "
              "separate sequences, WLB-ideal one CP degree per setting (the better of the two largest), "
-             "DistCA's planner and tolerance rule, resend backward, 15 sampled steps; FA2 server calls timed "
-             "on 1x H200 (every call of {timed} of the 15 steps of each setting; the others from "
-             "the kernel table corrected per call by a model fitted on the timed ones), the fused linear layers timed "
-             "on the TP=8 shard, the network at 50 GB/s per GPU "
+             "DistCA's planner and tolerance rule, resend backward, 15 sampled steps; FA2 server calls {timed}, "
+             "the fused linear layers timed on the TP=8 shard, the network at 50 GB/s per GPU "
              "(scripts/bench/bench_replay.py compose --suite paper3d)")
-"""How the 3D claims were measured; ``{timed}``: how many steps of a setting were timed call by call (the
-replay files' ``batches_timed``), filled in by :func:`record_claims`."""
+"""How the 3D claims were measured; ``{timed}``: which server calls were timed call by call (from the
+replay files' ``batches_timed``), filled in by :func:`record_claims` with :func:`how_timed`."""
+
+
+def how_timed(lo: int, hi: int, batches: int) -> str:
+    """What :data:`HOW_PAPER` says of the timing when ``lo``-``hi`` of ``batches`` steps per setting had
+    every call timed."""
+    if lo >= batches:
+        return f"of all {batches} steps timed one by one on 1x H200"
+    some = f"{lo}-{hi}" if lo < hi else f"{lo}"
+    return (f"timed on 1x H200 (every call of {some} of the {batches} steps of each setting; the others from "
+            "the kernel table corrected per call by a model fitted on the timed ones)")
 HOW_4D_PAPER = ("Table 4's Llama-8B settings (64-256 GPUs, TP=8, MaxDocLen 128K-512K, Table 4's batch of "
                 "MaxDocLen sequences) under the paper's protocol: DistCA's samplers and sequences, its "
                 "configuration grid (PP, CP, micro-batches) filtered by the memory model for both methods, "
                 "1F1B per DP replica (WLB-ideal) and DistCA's lock-step ticks with its per-tick tolerance rule "
                 "(CAD), one configuration per method and setting by mean step, 10 steps; attention from the "
-                "FA2 kernel table scaled to the 3D protocol's timed calls (scripts/bench/bench_replay.py "
-                "compose --suite paper4d --fitting-only)")
+                "FA2 kernel table scaled to 536 of its own calls timed on 1x H200 (30 a setting, sampled from "
+                "its first step; scripts/bench/bench_replay.py compose --suite paper4d --fitting-only)")
 HOW_4D = ("the 4D settings of Table 4 (Llama-8B, TP=8, 64-256 GPUs) composed from the 3D replay's H200 "
           "timings of the linear layers, head and optimizer, attention from 40 calls per setting timed on an "
           "H200 and the FA4 kernel table scaled to them (4 settings timed call by call agree within 1% of the "
@@ -218,7 +226,7 @@ def record_claims(results_dir=None) -> pd.DataFrame:
     """Ours against every registry claim the scale replay covers (one row each)."""
     sp = speedups(PROTOCOL_TAG, results_dir=results_dir)
     lo, hi = int(sp.batches_timed.min()), int(sp.batches_timed.max())
-    how_paper = HOW_PAPER.format(timed=f"{lo}-{hi}" if lo < hi else f"{lo}")
+    how_paper = HOW_PAPER.format(timed=how_timed(lo, hi, int(sp.batches.max())))
     out = []
     for d in ("pretrain", "prolong"):
         g = sp[sp.dist == d]
