@@ -3,12 +3,13 @@
 ``bench_replay.py time`` on the GPU machine continues a copy of ``results/replay/times_h200.json``; this
 takes what that copy adds: every new call, except those timed without a warm-up whose time is a first-run
 outlier (:func:`cadlib.analysis.replay.calls.unwarmed_outliers`: over 1.6x the kernel table; the
-replay then prices them as it prices untimed calls). The table also underprices some calls for real (thousands
-of short segments), so the dropped keys go to ``--dropped-out``: time them again with a warm-up
-(``bench_replay.py time --warmup 1 --retime-keys``) and merge that run; warmed-up calls are never dropped. Calls the copy timed again keep the
-committed (warmed-up) timing; where the copy retimed them without a warm-up, the ratio of the two is the
-warm-up check written to ``--check-out``. The session's environment is appended to the cache's
-``meta_runs``. Host only (a minute).
+replay then prices them as it prices untimed calls). The table also underprices some calls for real
+(thousands of short segments), so the dropped keys go to ``--dropped-out``: time them again with a
+warm-up (``bench_replay.py time --warmup 1 --retime-keys``) and merge that run; warmed-up calls are never
+dropped. Calls the copy timed again keep the committed (warmed-up) timing; where the copy retimed them
+without a warm-up, the ratio of the two is the warm-up check written to ``--check-out``. The session's
+environment is appended to the cache's ``meta_runs`` (``--note``: what the run was for). Host only (a
+minute).
 
     python scripts/analyses/merge_replay_times.py replay_times.json      # the cache the device call returned
 """

@@ -74,9 +74,10 @@ from cadlib.runtime.model import DecoderLayer
 SUITES = ("validation", "3d", "paper3d", "waterfall3d", "changes3d", "idle", "allgather", "smoke", "4d",
           "paper4d", "changes4d")
 SWEEP_SUITES = ("paper4d", "changes4d")
-PAPER4D_SAMPLE = RESULTS_DIR / "replay" / "shapes_paper4d_sample.json"   # shapes4d --suite paper4d
 """The 4D protocol's suites (:func:`cadlib.analysis.replay.protocol.paper_4d`, its variants), composed by
 :func:`cmd_compose_paper4d`."""
+PAPER4D_SAMPLE = RESULTS_DIR / "replay" / "shapes_paper4d_sample.json"
+"""The 4D protocol's timed sample of server calls (``shapes4d --suite paper4d``), which scales its table."""
 
 
 def named(s, only: str) -> bool:
@@ -171,14 +172,16 @@ def time_4d(a, cache, save, device, dtype, pool_gib: float = 0.0) -> int:
     spec = settings4d.paper_4d_settings(1)[0].spec
     backend = kernels.resolve_backend(a.backend, device, dtype, spec.head_dim)
     jobs = [(replay_times.key_for_backend(k, backend), sh) for k, sh in sample["shapes"].items()]
-    again = set(replay_times.compile_suspects(times)) if a.retime else set()
+    again = set(json.loads(Path(a.retime_keys).read_text())) if a.retime_keys else \
+        set(replay_times.compile_suspects(times)) if a.retime else set()
     jobs = [(k, sh) for k, sh in jobs if k not in times or k in again]
     done = 0
     for k, sh in jobs:
         if time.perf_counter() - t0 > a.budget_s:
             break
         times[k] = {
-            **time_segments(sh["q"], sh["kv"], spec, device, dtype, backend, gen, a.iters, a.warmup, pool_gib),
+            **time_segments(sh["q"], sh["kv"], spec, device, dtype, backend, gen, a.iters, a.warmup,
+                            pool_gib),
             "setting": sh["setting"]}
         done += 1
         if done % 50 == 0:
@@ -600,6 +603,9 @@ def main(argv=None) -> int:
         ap.error(f"--warmup must be >= 0, got {a.warmup}")
     if a.reserve_gib < 0:
         ap.error(f"--reserve-gib must be >= 0, got {a.reserve_gib}")
+    if a.retime_keys and not Path(a.retime_keys).is_file():
+        ap.error(f"--retime-keys {a.retime_keys!r} is not a file: give a JSON list of cache keys "
+                 "(merge_replay_times.py --dropped-out writes one)")
     if a.fit_batches is not None and a.fit_batches < 1:
         ap.error(f"--fit-batches must be >= 1, got {a.fit_batches}")
     if a.iters < 1 or (a.batches is not None and a.batches < 1) or a.sample < 1:

@@ -86,6 +86,8 @@ def test_time_and_compose_on_the_cpu(tmp_path):
     with pytest.raises(SystemExit):
         bench.main(["time", "--smoke", "--cache", str(cache), "--reserve-gib", "-1"])
     with pytest.raises(SystemExit):
+        bench.main(["time", "--smoke", "--cache", str(cache), "--retime-keys", str(tmp_path / "none.json")])
+    with pytest.raises(SystemExit):
         bench.main(["compose", "--smoke", "--cache", str(cache), "--model-missing", "--fit-batches", "0"])
     assert bench.main(["compose", "--smoke", "--cache", str(cache), "--out", str(out)]) == 0
     summary = json.loads((out / "replay_summary.json").read_text())["results"]
