@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from cadlib.analysis.report import claims, evidence, headline, metrics, verdicts, writer
+from cadlib.analysis.report import claims, evidence, headline, metrics, scale, verdicts, writer
 
 from cadlib.analysis.runs import server_bench
 from cadlib.core import paper
@@ -339,10 +339,22 @@ def test_answers_say_what_reproduced_and_keep_the_direction(direction, why, cid,
 
 
 def test_the_3d_claims_say_how_many_steps_were_timed_call_by_call():
-    from cadlib.analysis.report import scale
     assert scale.how_timed(15, 15, 15) == "of all 15 steps timed one by one on 1x H200"
     part = scale.how_timed(8, 11, 15)
     assert "every call of 8-11 of the 15 steps" in part and "corrected per call by a model" in part
     assert "every call of 3 of the 15 steps" in scale.how_timed(3, 3, 15)
-    assert "{timed}" in scale.HOW_PAPER and "FA2 server calls of all 15 steps timed" in scale.HOW_PAPER.format(
-        timed=scale.how_timed(15, 15, 15))
+    every = scale.HOW_PAPER.format(timed=scale.how_timed(15, 15, 15))
+    assert "{timed}" in scale.HOW_PAPER and "FA2 server calls of all 15 steps timed" in every
+
+
+def test_the_gain_breakdown_splits_each_step_and_names_the_gather():
+    g = scale.gain_breakdown()
+    assert len(g) == 18 and set(g.wlb_cp) <= {4, 8, 16, 32}
+    for m in ("wlb", "cad"):
+        parts = g[f"{m}_attention_s"] + g[f"{m}_comm_s"] + g[f"{m}_rest_s"]
+        assert (abs(parts - g[f"{m}_step_s"]) < 1e-9).all() and (g[f"{m}_comm_s"] >= 0).all()
+    assert (abs(g.speedup - g.wlb_step_s / g.cad_step_s) < 1e-12).all() and (g.gain_s > 0).all()
+    # CAD exposes almost none of its communication; WLB-ideal's exposed all-gather grows with its CP degree
+    assert (g.cad_comm_s < 0.05).all()
+    by_cp = g.groupby("wlb_cp").wlb_comm_s.mean()
+    assert by_cp.is_monotonic_increasing and len(by_cp) >= 2

@@ -33,8 +33,8 @@ the 3D claims are answered from it. ``_paper_fa4`` is the same with FA4; ``_3d``
 HOW_PAPER = ("Table 3's Llama-8B settings (64-256 GPUs, TP=8, MaxDocLen 128K-512K) under the paper's protocol "
              "as DistCA's code runs it: its samplers, sequences of MaxDocLen tokens, ping and pong from "
              "separate sequences, WLB-ideal one CP degree per setting (the better of the two largest), "
-             "DistCA's planner and tolerance rule, resend backward, 15 sampled steps; FA2 server calls {timed}, "
-             "the fused linear layers timed on the TP=8 shard, the network at 50 GB/s per GPU "
+             "DistCA's planner and tolerance rule, resend backward, 15 sampled steps; FA2 server calls "
+             "{timed}, the fused linear layers timed on the TP=8 shard, the network at 50 GB/s per GPU "
              "(scripts/bench/bench_replay.py compose --suite paper3d)")
 """How the 3D claims were measured; ``{timed}``: which server calls were timed call by call (from the
 replay files' ``batches_timed``), filled in by :func:`record_claims` with :func:`how_timed`."""
@@ -53,8 +53,8 @@ HOW_4D_PAPER = ("Table 4's Llama-8B settings (64-256 GPUs, TP=8, MaxDocLen 128K-
                 "configuration grid (PP, CP, micro-batches) filtered by the memory model for both methods, "
                 "1F1B per DP replica (WLB-ideal) and DistCA's lock-step ticks with its per-tick tolerance rule "
                 "(CAD), one configuration per method and setting by mean step, 10 steps; attention from the "
-                "FA2 kernel table scaled to 536 of its own calls timed on 1x H200 (30 a setting, sampled from "
-                "its first step; scripts/bench/bench_replay.py compose --suite paper4d --fitting-only)")
+                "FA2 kernel table scaled to 536 of its own calls timed on 1x H200 (30 a setting, sampled "
+                "from its first step; scripts/bench/bench_replay.py compose --suite paper4d --fitting-only)")
 HOW_4D = ("the 4D settings of Table 4 (Llama-8B, TP=8, 64-256 GPUs) composed from the 3D replay's H200 "
           "timings of the linear layers, head and optimizer, attention from 40 calls per setting timed on an "
           "H200 and the FA4 kernel table scaled to them (4 settings timed call by call agree within 1% of the "
@@ -93,6 +93,31 @@ def speedups(tag: str = "_3d", results_dir=None) -> pd.DataFrame:
             "max_over_wlb", "sim_speedup_over_wlb", "speedup_over_colocated", "paper_low", "paper_high"]
     cols = [c for c in cols if c in pp]      # the protocol runs no colocated; older files lack _sem, _timed
     return pp[cols].sort_values(["dist", "context_k", "dp"]).reset_index(drop=True)
+
+
+def gain_breakdown(tag: str = PROTOCOL_TAG, results_dir=None) -> pd.DataFrame:
+    """Where CAD's gain over WLB-ideal comes from, per 3D setting: each method's mean step split into its
+    slowest rank's core attention, its exposed communication and the rest (linear layers, head,
+    optimizer, waiting), WLB-ideal at the CP degree the setting chose; ``gain_s`` is WLB-ideal's step
+    minus CAD's, and ``gather_share`` the part of it that WLB-ideal's exposed all-gather accounts for."""
+    s = summary(tag, results_dir)
+    rows = []
+    for setting, g in s.groupby("setting", sort=False):
+        cp = int(g[g.method == "wlb"].wlb_cp.iloc[0])
+        b = per_batch(setting, tag, results_dir)
+        row = {"setting": setting.removeprefix("3d_"), "wlb_cp": cp}
+        for name, method in (("wlb", f"wlb/{cp}"), ("cad", "cad-pingpong")):
+            m = b[b.method == method]
+            if m.empty:
+                raise ValueError(f"{setting}: no {method!r} rows in replay_{setting}{tag}.json")
+            step, attn, comm = m.step_s.mean(), m.attention_max_s.mean(), m.exposed_comm_s.mean()
+            row |= {f"{name}_step_s": step, f"{name}_attention_s": attn, f"{name}_comm_s": comm,
+                    f"{name}_rest_s": step - attn - comm}
+        row["gain_s"] = row["wlb_step_s"] - row["cad_step_s"]
+        row["gather_share"] = (row["wlb_comm_s"] - row["cad_comm_s"]) / row["gain_s"]
+        row["speedup"] = row["wlb_step_s"] / row["cad_step_s"]
+        rows.append(row)
+    return pd.DataFrame(rows)
 
 
 def validation(results_dir=None) -> pd.DataFrame:
