@@ -6,10 +6,11 @@ outlier (:func:`cadlib.analysis.replay.calls.unwarmed_outliers`: over 1.6x the k
 replay then prices them as it prices untimed calls). The table also underprices some calls for real
 (thousands of short segments), so the dropped keys go to ``--dropped-out``: time them again with a
 warm-up (``bench_replay.py time --warmup 1 --retime-keys``) and merge that run; warmed-up calls are never
-dropped. Calls the copy timed again keep the committed (warmed-up) timing; where the copy retimed them
-without a warm-up, the ratio of the two is the warm-up check written to ``--check-out``. The session's
-environment is appended to the cache's ``meta_runs`` (``--note``: what the run was for). Host only (a
-minute).
+dropped. Calls the copy timed again keep the committed (warmed-up) timing, except, with
+``--replace-unpooled``, those committed without a reserved pool that the copy timed with one; where the
+copy retimed them without a warm-up, the ratio of the two is the warm-up check written to
+``--check-out``. The session's environment is appended to the cache's ``meta_runs`` (``--note``: what
+the run was for). Host only (a minute).
 
     python scripts/analyses/merge_replay_times.py replay_times.json      # the cache the device call returned
 """
@@ -53,6 +54,9 @@ def main(argv=None) -> int:
     p.add_argument("--limit", type=float, default=calls.UNWARMED_LIMIT)
     p.add_argument("--dropped-out", default=None,
                    help="write the dropped keys here (a JSON list), for `bench_replay.py time --retime-keys`")
+    p.add_argument("--replace-unpooled", action="store_true",
+                   help="calls the copy timed again after reserving the pool (`bench_replay.py time "
+                        "--retime-unpooled`) replace committed timings made without one")
     p.add_argument("--note", default="", help="a line for this run's meta_runs entry (what it was for)")
     p.add_argument("--check-out", default=str(RESULTS_DIR / "replay" / "warmup_check.json"))
     a = p.parse_args(argv)
@@ -77,14 +81,23 @@ def main(argv=None) -> int:
         added.pop(k)
     check = warmup_check(old_t, new_t)
     old_t.update(added)
+    replaced = {k: e for k, e in new_t.items() if a.replace_unpooled and k in old_t and "reserve_gib" in e
+                and "reserve_gib" not in old_t[k] and not old_t[k].get("modelled")}
+    ratio = {f: float(np.median([e[f"{f}_ms"] / old_t[k][f"{f}_ms"] for k, e in replaced.items()]))
+             for f in ("fwd", "bwd")} if replaced else {}
+    old_t.update(replaced)
     cache.setdefault("meta_runs", []).append({
         **new.get("meta", {}), "settings": f"paper3d {a.datasets}", "backend": a.backend, "added": len(added),
         "dropped_outliers": outliers, "warmup": sorted({e.get("warmup", 1) for e in added.values()}),
         "reserve_gib": sorted({e.get("reserve_gib", 0) for e in added.values()}),
-        **({"note": a.note} if a.note else {})})
+        **({"note": a.note} if a.note else {}),
+        **({"replaced_unpooled": len(replaced), "replaced_new_over_old_median": ratio} if replaced else {})})
     atomic_write_json(cache_path, cache)
     print(f"{len(added)} calls added to {cache_path}; {len(outliers)} first-run outliers dropped (over "
           f"{a.limit}x the table)")
+    if replaced:
+        print(f"{len(replaced)} timings made without a reserved pool replaced; new / old medians forward "
+              f"{ratio['fwd']:.3f}, backward {ratio['bwd']:.3f}")
     if outliers and a.dropped_out:
         Path(a.dropped_out).write_text(json.dumps(outliers, indent=0))
         print(f"their keys: {a.dropped_out}; time them again with a warm-up (bench_replay.py time --warmup 1 "

@@ -87,6 +87,15 @@ def test_time_and_compose_on_the_cpu(tmp_path):
         bench.main(["time", "--smoke", "--cache", str(cache), "--reserve-gib", "-1"])
     with pytest.raises(SystemExit):
         bench.main(["time", "--smoke", "--cache", str(cache), "--retime-keys", str(tmp_path / "none.json")])
+    # --retime-unpooled times again only the calls timed without a reserved pool
+    data = json.loads(cache.read_text())
+    old_key = sorted(k for k in data["times"] if k.startswith("attn|"))[0]
+    data["times"][old_key] = {"fwd_ms": -1.0, "bwd_ms": -1.0, "iters": 1, "warmup": 0}
+    cache.write_text(json.dumps(data))
+    assert bench.main(["time", "--smoke", "--cache", str(cache), "--workers", "1", "--retime-unpooled"]) == 0
+    again = json.loads(cache.read_text())["times"]
+    assert again[old_key]["fwd_ms"] > 0 and "reserve_gib" in again[old_key]
+    assert all(again[k] == e for k, e in data["times"].items() if k != old_key)
     with pytest.raises(SystemExit):
         bench.main(["compose", "--smoke", "--cache", str(cache), "--model-missing", "--fit-batches", "0"])
     assert bench.main(["compose", "--smoke", "--cache", str(cache), "--out", str(out)]) == 0
@@ -292,3 +301,13 @@ def test_the_merge_lists_dropped_calls_for_a_warmed_retime_and_notes_the_run(tmp
     got = json.loads(cache.read_text())
     assert got["times"]["c"]["warmup"] == 1 and got["meta_runs"][1]["dropped_outliers"] == []
     assert got["meta_runs"][1]["note"] == "the dropped calls, warmed up"
+    # a committed timing made without a reserved pool, timed again with one: kept unless asked to replace
+    again = {**got["times"], "a": {"fwd_ms": 0.9, "bwd_ms": 2.2, "warmup": 0, "reserve_gib": 100.0}}
+    new.write_text(json.dumps({"times": again}))
+    argv = [str(new), "--cache", str(cache), "--check-out", str(tmp_path / "check.json")]
+    assert merge.main(argv) == 0 and json.loads(cache.read_text())["times"]["a"]["fwd_ms"] == 1.0
+    assert merge.main([*argv, "--replace-unpooled"]) == 0
+    got = json.loads(cache.read_text())
+    assert got["times"]["a"]["fwd_ms"] == 0.9 and got["times"]["b"] == unwarmed["b"]   # b had its pool
+    assert got["meta_runs"][-1]["replaced_unpooled"] == 1
+    assert got["meta_runs"][-1]["replaced_new_over_old_median"] == pytest.approx({"fwd": 0.9, "bwd": 1.1})
