@@ -112,8 +112,7 @@ def settings(suites: list[str], batches: int | None, only: str = "",
         elif s == "4d" or s in SWEEP_SUITES:
             continue                        # composed by cmd_compose_4d (cadlib.analysis.replay.pipelined)
         elif s == "smoke":
-            out += [replay.Setting("smoke_pretrain_dp4", "pretrain", 4, tokens=1024, max_doc_len=1024, tp=1,
-                                   model="tiny", batches=2, wlb_cp=(1, 2), min_shard=32, link="nvlink")]
+            out += replay.smoke_settings()
         else:
             raise SystemExit(f"unknown suite {s!r}; choose from: {', '.join(SUITES)}")
     out = [replace(s, linear=linear) for s in out if named(s, only)]
@@ -166,6 +165,25 @@ def time_segments(q_lens, kv_lens, spec, device, dtype, backend, gen, iters: int
             "reserve_gib": reserve_gib}
 
 
+def time_again(a, times: dict) -> set | None:
+    """The cached calls a ``time`` run times again (None: it times only what the cache lacks):
+    ``--retime-keys``' list, the calls timed without a reserved pool (``--retime-unpooled``) or those whose
+    times look like a kernel compile (``--retime``)."""
+    if a.retime_keys:                       # a listed set (e.g. a merge's dropped outliers), cached or not
+        again = set(a.retime_keys)
+        why = "listed"
+    elif a.retime_unpooled:                 # timed before reserve_pool existed: by-method bias up to 7%
+        again = {k for k, e in times.items() if k.startswith(("attn|", "seg|")) and "reserve_gib" not in e
+                 and not e.get("modelled")}
+        why = "timed without a reserved pool"
+    elif a.retime:
+        again, why = set(replay_times.compile_suspects(times)), "that look like compiles"
+    else:
+        return None
+    print(f"timing again those of these settings among {len(again)} calls {why}", flush=True)
+    return again
+
+
 def time_4d(a, cache, save, device, dtype, pool_gib: float = 0.0) -> int:
     """The sampled 4D server calls (``shapes4d``) that the cache lacks."""
     sample = load_result(a.shapes)["results"]
@@ -174,8 +192,7 @@ def time_4d(a, cache, save, device, dtype, pool_gib: float = 0.0) -> int:
     spec = settings4d.paper_4d_settings(1)[0].spec
     backend = kernels.resolve_backend(a.backend, device, dtype, spec.head_dim)
     jobs = [(replay_times.key_for_backend(k, backend), sh) for k, sh in sample["shapes"].items()]
-    again = set(json.loads(Path(a.retime_keys).read_text())) if a.retime_keys else \
-        set(replay_times.compile_suspects(times)) if a.retime else set()
+    again = time_again(a, times) or set()
     jobs = [(k, sh) for k, sh in jobs if k not in times or k in again]
     done = 0
     for k, sh in jobs:
@@ -219,20 +236,7 @@ def cmd_time(a) -> int:
              if b < s.batches]
     gen = torch.Generator(device=device).manual_seed(0)
     done = skipped = 0
-    if a.retime_keys:                       # a listed set (e.g. a merge's dropped outliers), cached or not
-        again = set(json.loads(Path(a.retime_keys).read_text()))
-        print(f"--retime-keys: timing the {len(again)} listed calls of these settings again")
-    elif a.retime_unpooled:                 # timed before reserve_pool existed: by-method bias up to 7%
-        again = {k for k, e in times.items() if k.startswith("attn|") and "reserve_gib" not in e
-                 and not e.get("modelled")}
-        print(f"--retime-unpooled: {len(again)} cached calls were timed without a reserved pool; "
-              "timing those of these settings again")
-    else:
-        again = set(replay_times.compile_suspects(times)) if a.retime else set()
-        if a.retime:
-            print(f"--retime: {len(again)} cached calls look like compiles; timing those of these settings "
-                  "again")
-    a.retime = bool(a.retime or a.retime_keys or a.retime_unpooled)
+    again = time_again(a, times)
     tokens: dict[str, list] = {s.name: [] for s in todo}
 
     def save():
@@ -283,14 +287,15 @@ def cmd_time(a) -> int:
         for name, b, jobs, toks in pool.imap(_plan_batch, tasks):
             s = by_name[name]
             tokens[name].append(toks)
-            jobs = {k: d for k, d in jobs.items() if (k in again if a.retime else k not in times)}
+            jobs = {k: d for k, d in jobs.items() if (k in again if again is not None else k not in times)}
             for k, d in jobs.items():
                 if over():
                     skipped += 1
                     continue
                 times[k] = time_attention(d, s.spec, device, dtype, backends[name], gen, a.iters, a.warmup,
                                           pool_gib)
-                again.discard(k)
+                if again is not None:       # timed once again: a later batch's same call is done
+                    again.discard(k)
                 done += 1
             print(f"[{time.perf_counter() - t_start:6.0f} s] {name} batch {b}: {len(jobs)} new calls "
                   f"({done} timed, {skipped} left over budget)", flush=True)
@@ -615,9 +620,17 @@ def main(argv=None) -> int:
         ap.error(f"--warmup must be >= 0, got {a.warmup}")
     if a.reserve_gib < 0:
         ap.error(f"--reserve-gib must be >= 0, got {a.reserve_gib}")
-    if a.retime_keys and not Path(a.retime_keys).is_file():
-        ap.error(f"--retime-keys {a.retime_keys!r} is not a file: give a JSON list of cache keys "
-                 "(merge_replay_times.py --dropped-out writes one)")
+    if sum(map(bool, (a.retime, a.retime_keys, a.retime_unpooled))) > 1:
+        ap.error("choose one of --retime, --retime-keys and --retime-unpooled")
+    if a.retime_keys:                       # read once, here: a bad file stops before any timing
+        try:
+            keys = json.loads(Path(a.retime_keys).read_text())
+        except (OSError, ValueError) as e:
+            keys = e
+        if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+            ap.error(f"--retime-keys {a.retime_keys!r} is not a JSON list of cache keys ({keys!s:.80}); "
+                     "merge_replay_times.py --dropped-out writes one")
+        a.retime_keys = keys
     if a.fit_batches is not None and a.fit_batches < 1:
         ap.error(f"--fit-batches must be >= 1, got {a.fit_batches}")
     if a.iters < 1 or (a.batches is not None and a.batches < 1) or a.sample < 1:

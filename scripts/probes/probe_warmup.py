@@ -71,13 +71,14 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.calls < 1:
         ap.error(f"--calls must be >= 1, got {a.calls}")
+    if a.reserve_gib < 0:
+        ap.error(f"--reserve-gib must be >= 0, got {a.reserve_gib}")
     dev = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     rates = rp.link_rates(load_result("comm_overlap_probe_2xh200_nvlink.json"),
                           load_result("comm_overlap_probe_2xh200_inter-node-like.json"))
     if a.smoke:
-        todo = [replay.Setting("smoke_pretrain_dp4", "pretrain", 4, tokens=1024, max_doc_len=1024, tp=1,
-                               model="tiny", batches=2, wlb_cp=(1, 2), min_shard=32, link="nvlink")]
+        todo = replay.smoke_settings()
         backend = "sdpa_ref"
     else:
         todo = [s for d in protocol.PAPER_DISTS for s in protocol.paper_3d(d, 2)

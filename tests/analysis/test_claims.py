@@ -358,3 +358,19 @@ def test_the_gain_breakdown_splits_each_step_and_names_the_gather():
     assert (g.cad_comm_s < 0.05).all()
     by_cp = g.groupby("wlb_cp").wlb_comm_s.mean()
     assert by_cp.is_monotonic_increasing and len(by_cp) >= 2
+
+
+def test_the_gain_breakdown_of_one_setting_and_a_file_without_cad(tmp_path):
+    src = REPO_ROOT / "results" / "replay"
+    summ = json.loads((src / "replay_summary_paper.json").read_text())
+    name = "3d_prolong_128k_dp8"
+    summ["results"] = [r for r in summ["results"] if r["setting"] == name]
+    (tmp_path / "replay_summary_paper.json").write_text(json.dumps(summ))
+    one = json.loads((src / f"replay_{name}_paper.json").read_text())
+    (tmp_path / f"replay_{name}_paper.json").write_text(json.dumps(one))
+    g = scale.gain_breakdown(results_dir=tmp_path)
+    assert g.setting.tolist() == ["prolong_128k_dp8"] and g.wlb_cp.iloc[0] == 4
+    one["results"]["per_batch"] = [r for r in one["results"]["per_batch"] if r["method"] != "cad-pingpong"]
+    (tmp_path / f"replay_{name}_paper.json").write_text(json.dumps(one))
+    with pytest.raises(ValueError, match="no 'cad-pingpong' rows"):
+        scale.gain_breakdown(results_dir=tmp_path)

@@ -58,7 +58,7 @@ def test_wlb_layout_splits_every_chunk_over_its_group():
         wlb_layout(docs, 4, 3, 4096)
 
 
-def test_time_and_compose_on_the_cpu(tmp_path):
+def test_time_and_compose_on_the_cpu(tmp_path, capsys):
     path = ROOT / "scripts" / "bench" / "bench_replay.py"
     spec = importlib.util.spec_from_file_location("bench_replay", path)
     bench = importlib.util.module_from_spec(spec)
@@ -85,8 +85,13 @@ def test_time_and_compose_on_the_cpu(tmp_path):
         bench.main(["time", "--smoke", "--cache", str(cache), "--warmup", "-1"])
     with pytest.raises(SystemExit):
         bench.main(["time", "--smoke", "--cache", str(cache), "--reserve-gib", "-1"])
-    with pytest.raises(SystemExit):
-        bench.main(["time", "--smoke", "--cache", str(cache), "--retime-keys", str(tmp_path / "none.json")])
+    (tmp_path / "dict.json").write_text(json.dumps({"a": 1}))
+    for bad in (["--retime-keys", str(tmp_path / "none.json")],
+                ["--retime-keys", str(tmp_path / "dict.json")], ["--retime", "--retime-unpooled"]):
+        with pytest.raises(SystemExit):
+            bench.main(["time", "--smoke", "--cache", str(cache), *bad])
+        assert ("not a JSON list of cache keys" if "--retime-keys" in bad else "choose one of") in \
+            capsys.readouterr().err
     # --retime-unpooled times again only the calls timed without a reserved pool
     data = json.loads(cache.read_text())
     old_key = sorted(k for k in data["times"] if k.startswith("attn|"))[0]

@@ -40,3 +40,5 @@ def test_the_cpu_smoke_run_times_every_call_in_four_passes(tmp_path):
     assert all(set(v) == set("ABCD") and min(min(t) for t in v.values()) > 0 for v in r["raw"].values())
     with pytest.raises(SystemExit):
         probe.main(["--device", "cpu", "--smoke", "--calls", "0", "--out", str(out)])
+    with pytest.raises(SystemExit):
+        probe.main(["--device", "cpu", "--smoke", "--reserve-gib", "-1", "--out", str(out)])

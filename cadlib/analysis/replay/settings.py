@@ -239,6 +239,13 @@ def allgather_settings(nodes=(2, 4, 8, 16, 32), tokens_per_node: int = TOKENS_PE
             for n in nodes]
 
 
+def smoke_settings() -> list[Setting]:
+    """A CPU smoke setting: the tiny model on 4 ranks, 1,024 tokens each, two batches, with the
+    reference kernel (``sdpa_ref``): what the replay's tools run in CI."""
+    return [Setting("smoke_pretrain_dp4", "pretrain", 4, tokens=1024, max_doc_len=1024, tp=1, model="tiny",
+                    batches=2, wlb_cp=(1, 2), min_shard=32, link="nvlink")]
+
+
 # ---------------------------------------------------------------------------------------------------
 # A batch's work, rank by rank (host only)
 # ---------------------------------------------------------------------------------------------------
