@@ -7,8 +7,10 @@ replay then prices them as it prices untimed calls). The table also underprices 
 (thousands of short segments), so the dropped keys go to ``--dropped-out``: time them again with a
 warm-up (``bench_replay.py time --warmup 1 --retime-keys``) and merge that run; warmed-up calls are never
 dropped. Calls the copy timed again keep the committed (warmed-up) timing, except, with
-``--replace-unpooled``, those committed without a reserved pool that the copy timed with one; where the
-copy retimed them without a warm-up, the ratio of the two is the warm-up check written to
+``--replace-unpooled``, those committed without a reserved pool that the copy timed with one (unless
+timed without a warm-up at over 1.6x their committed time: such outliers keep it, and go to
+``--dropped-out`` too); where the copy retimed them without a warm-up, the ratio of the two is the
+warm-up check written to
 ``--check-out``. The session's environment is appended to the cache's ``meta_runs`` (``--note``: what
 the run was for). Host only (a minute).
 
@@ -29,19 +31,24 @@ from cadlib.infra.results import RESULTS_DIR, atomic_write_json, load_result, sa
 
 
 def warmup_check(old: dict, new: dict) -> dict | None:
-    """Calls timed warmed-up in ``old`` and again without a warm-up in ``new``: unwarmed / warmed, per
-    pass."""
+    """Calls timed warmed-up in ``old`` and again without a warm-up in ``new``, both with a reserved pool
+    or both without (a pool that differs is a second change): unwarmed / warmed, per pass."""
     both = [k for k, e in new.items() if k in old and e != old[k] and e.get("warmup") == 0
-            and old[k].get("warmup", 1) >= 1 and not old[k].get("modelled")]
+            and old[k].get("warmup", 1) >= 1 and not old[k].get("modelled")
+            and ("reserve_gib" in e) == ("reserve_gib" in old[k])]
     if not both:
         return None
     f = np.array([new[k]["fwd_ms"] / old[k]["fwd_ms"] for k in both])
     b = np.array([new[k]["bwd_ms"] / old[k]["bwd_ms"] for k in both])
-    t = np.array([(new[k]["fwd_ms"] + new[k]["bwd_ms"]) / (old[k]["fwd_ms"] + old[k]["bwd_ms"])
-                  for k in both])
+    t = np.array([total_ms(new[k]) / total_ms(old[k]) for k in both])
     q = lambda x: {"median": float(np.median(x)), "p10": float(np.percentile(x, 10)),  # noqa: E731
                    "p90": float(np.percentile(x, 90)), "max": float(x.max())}
     return {"calls": len(both), "fwd": q(f), "bwd": q(b), "fwd_bwd": q(t)}
+
+
+def total_ms(e: dict) -> float:
+    """A timed call's forward and backward milliseconds."""
+    return e["fwd_ms"] + e["bwd_ms"]
 
 
 def main(argv=None) -> int:
@@ -83,18 +90,23 @@ def main(argv=None) -> int:
     old_t.update(added)
     replaced = {k: e for k, e in new_t.items() if a.replace_unpooled and k in old_t and "reserve_gib" in e
                 and "reserve_gib" not in old_t[k] and not old_t[k].get("modelled")}
+    kept = sorted(k for k, e in replaced.items() if e.get("warmup") == 0 and total_ms(e) > a.limit * total_ms(
+        old_t[k]))                          # a first run's outlier against the same call's own timing
+    for k in kept:
+        replaced.pop(k)
+    outliers += kept
     ratio = {f: float(np.median([e[f"{f}_ms"] / old_t[k][f"{f}_ms"] for k, e in replaced.items()]))
              for f in ("fwd", "bwd")} if replaced else {}
     old_t.update(replaced)
     cache.setdefault("meta_runs", []).append({
-        **new.get("meta", {}), "settings": f"paper3d {a.datasets}", "backend": a.backend, "added": len(added),
+        **new.get("meta", {}), "screened": f"paper3d {a.datasets}", "backend": a.backend, "added": len(added),
         "dropped_outliers": outliers, "warmup": sorted({e.get("warmup", 1) for e in added.values()}),
         "reserve_gib": sorted({e.get("reserve_gib", 0) for e in added.values()}),
         **({"note": a.note} if a.note else {}),
         **({"replaced_unpooled": len(replaced), "replaced_new_over_old_median": ratio} if replaced else {})})
     atomic_write_json(cache_path, cache)
     print(f"{len(added)} calls added to {cache_path}; {len(outliers)} first-run outliers dropped (over "
-          f"{a.limit}x the table)")
+          f"{a.limit}x the table, or a replaced call's committed time)")
     if replaced:
         print(f"{len(replaced)} timings made without a reserved pool replaced; new / old medians forward "
               f"{ratio['fwd']:.3f}, backward {ratio['bwd']:.3f}")

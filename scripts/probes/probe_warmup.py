@@ -3,13 +3,16 @@
 ``bench_replay.py time --warmup 0`` halves the time it takes to time the paper protocol's server calls, as
 torch's FA2 compiles nothing per shape. This probe measures what the missing warm-up costs: the same
 server calls (the first ``--calls`` of batch 1 of four paper-protocol 3D settings) timed in one process,
-forward and backward, in four passes:
+forward and backward, in five passes:
 
 * ``A``: no warm-up, in a fresh process (its first calls load kernel variants);
 * ``B``: no warm-up again (the caching allocator now holds blocks of these sizes);
 * ``C``: no warm-up, after emptying the allocator and reserving its pool
   (:func:`cadlib.bench.timer.reserve_pool`);
-* ``D``: one untimed warm-up run first (the reference).
+* ``D``: one untimed warm-up run first (the reference);
+* ``E``: one warm-up run, and each timed run queued behind a ~10 ms device sleep
+  (``time_phases(ahead=True)``), so the forward's host work (Python, the gather's indices, the kernel's
+  launch) runs while the device is busy, as in a training step, instead of on an idle device.
 
 Each pass against ``D``: the ratio of the sums and the median ratio and difference, per direction; with
 ``--cache``, the same for the cache's timings of these calls (how the cache's entries were timed).
@@ -36,7 +39,7 @@ from cadlib.infra.results import load_result, save_result
 from cadlib.runtime.device import to_device
 
 PASSES = {"A": "no warm-up, fresh process", "B": "no warm-up, again", "C": "no warm-up, pool reserved",
-          "D": "one warm-up run"}
+          "D": "one warm-up run", "E": "one warm-up run, host work hidden behind a device sleep"}
 
 
 def compare(x: np.ndarray, ref: np.ndarray) -> dict:
@@ -51,10 +54,12 @@ def compare(x: np.ndarray, ref: np.ndarray) -> dict:
 
 
 def summarise(raw: dict, cache: dict | None = None) -> dict:
-    """Every pass (and the cache's timings, where it holds every call) against pass ``D``."""
+    """Every pass that timed every call (and the cache's timings, where it holds every call) against pass
+    ``D``."""
     keys = sorted(raw)
     ref = np.array([raw[k]["D"] for k in keys])
-    out = {p: compare(np.array([raw[k][p] for k in keys]), ref) for p in PASSES if p != "D"}
+    out = {p: compare(np.array([raw[k][p] for k in keys]), ref) for p in PASSES
+           if p != "D" and all(p in raw[k] for k in keys)}
     if cache is not None and all(k in cache for k in keys):
         out["cache"] = compare(np.array([[cache[k]["fwd_ms"], cache[k]["bwd_ms"]] for k in keys]), ref)
     return {"calls": len(keys), "passes": out}
@@ -90,12 +95,12 @@ def main(argv=None) -> int:
         calls += [(s, k, d) for k, d in list(jobs.items())[:a.calls]]
     raw = {k: {} for _, k, _ in calls}
 
-    def one(p: str, warmup: int) -> None:
+    def one(p: str, warmup: int, ahead: bool = False) -> None:
         gen = torch.Generator(device=dev).manual_seed(0)
         for s, k, d in calls:
             call = ServeCall(to_device(d, dev), s.spec, dev, dtype, backend, gen)
             fw, bw = time_phases([call.forward, call.backward], dev, iters=1, warmup=warmup,
-                                 after=call.zero_grad)
+                                 after=call.zero_grad, ahead=ahead)
             raw[k][p] = [fw[0], bw[0]]
         print(f"pass {p} ({PASSES[p]}): {len(calls)} calls", flush=True)
 
@@ -106,6 +111,7 @@ def main(argv=None) -> int:
     reserve_pool(dev, a.reserve_gib)
     one("C", 0)
     one("D", 1)
+    one("E", 1, ahead=True)
     cache = json.loads(Path(a.cache).read_text())["times"] if a.cache else None
     res = summarise(raw, cache)
     save_result(a.out, {"settings": [s.name for s in todo], "batch": 1, "calls_per_setting": a.calls,

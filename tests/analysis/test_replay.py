@@ -307,12 +307,19 @@ def test_the_merge_lists_dropped_calls_for_a_warmed_retime_and_notes_the_run(tmp
     assert got["times"]["c"]["warmup"] == 1 and got["meta_runs"][1]["dropped_outliers"] == []
     assert got["meta_runs"][1]["note"] == "the dropped calls, warmed up"
     # a committed timing made without a reserved pool, timed again with one: kept unless asked to replace
-    again = {**got["times"], "a": {"fwd_ms": 0.9, "bwd_ms": 2.2, "warmup": 0, "reserve_gib": 100.0}}
+    got["times"]["d"] = {"fwd_ms": 1.0, "bwd_ms": 2.0, "iters": 1}        # another, timed without a pool
+    cache.write_text(json.dumps(got))
+    again = {**got["times"], "a": {"fwd_ms": 0.9, "bwd_ms": 2.2, "warmup": 0, "reserve_gib": 100.0},
+             "d": {"fwd_ms": 1.0, "bwd_ms": 90.0, "warmup": 0, "reserve_gib": 100.0}}   # its first run
     new.write_text(json.dumps({"times": again}))
     argv = [str(new), "--cache", str(cache), "--check-out", str(tmp_path / "check.json")]
     assert merge.main(argv) == 0 and json.loads(cache.read_text())["times"]["a"]["fwd_ms"] == 1.0
-    assert merge.main([*argv, "--replace-unpooled"]) == 0
+    assert merge.main([*argv, "--replace-unpooled", "--dropped-out", str(dropped)]) == 0
     got = json.loads(cache.read_text())
+    assert got["times"]["d"]["bwd_ms"] == 2.0 and json.loads(dropped.read_text()) == ["d"]
     assert got["times"]["a"]["fwd_ms"] == 0.9 and got["times"]["b"] == unwarmed["b"]   # b had its pool
     assert got["meta_runs"][-1]["replaced_unpooled"] == 1
     assert got["meta_runs"][-1]["replaced_new_over_old_median"] == pytest.approx({"fwd": 0.9, "bwd": 1.1})
+    assert got["meta_runs"][-1]["screened"] == "paper3d pretrain,prolong"
+    # the pool changed as well as the warm-up: no warm-up check is written from that pair
+    assert not (tmp_path / "check.json").exists()

@@ -1,5 +1,5 @@
 """scripts/probes/probe_warmup.py: the comparison against the warmed-up pass (hand-made numbers), and the
-four passes on the CPU smoke setting."""
+five passes on the CPU smoke setting."""
 import importlib.util
 import json
 from pathlib import Path
@@ -32,12 +32,12 @@ def test_the_cache_is_compared_only_where_it_holds_every_call():
     assert probe.summarise(raw, both)["passes"]["cache"]["fwd"]["sum_ratio"] == pytest.approx(5 / 4)
 
 
-def test_the_cpu_smoke_run_times_every_call_in_four_passes(tmp_path):
+def test_the_cpu_smoke_run_times_every_call_in_five_passes(tmp_path):
     out = tmp_path / "w.json"
     assert probe.main(["--device", "cpu", "--smoke", "--calls", "2", "--out", str(out)]) == 0
     r = json.loads(out.read_text())["results"]
-    assert r["calls"] >= 2 and set(r["passes"]) == {"A", "B", "C"}
-    assert all(set(v) == set("ABCD") and min(min(t) for t in v.values()) > 0 for v in r["raw"].values())
+    assert r["calls"] >= 2 and set(r["passes"]) == {"A", "B", "C", "E"}
+    assert all(set(v) == set("ABCDE") and min(min(t) for t in v.values()) > 0 for v in r["raw"].values())
     with pytest.raises(SystemExit):
         probe.main(["--device", "cpu", "--smoke", "--calls", "0", "--out", str(out)])
     with pytest.raises(SystemExit):
