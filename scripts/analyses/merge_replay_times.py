@@ -6,11 +6,11 @@ outlier (:func:`cadlib.analysis.replay.calls.unwarmed_outliers`: over 1.6x the k
 replay then prices them as it prices untimed calls). The table also underprices some calls for real
 (thousands of short segments), so the dropped keys go to ``--dropped-out``: time them again with a
 warm-up (``bench_replay.py time --warmup 1 --retime-keys``) and merge that run; warmed-up calls are never
-dropped. Calls the copy timed again keep the committed (warmed-up) timing, except, with
-``--replace-unpooled``, those committed without a reserved pool that the copy timed with one (unless
-timed without a warm-up at over 1.6x their committed time: such outliers keep it, and go to
-``--dropped-out`` too); where the copy retimed them without a warm-up, the ratio of the two is the
-warm-up check written to
+dropped. Calls the copy timed again keep the committed timing, except those committed without a warm-up
+that the copy timed with one (and the same pool, or none), and, with ``--replace-unpooled``, those
+committed without a reserved pool that the copy timed with one (unless timed without a warm-up at over
+1.6x their committed time: such outliers keep it, and go to ``--dropped-out`` too); where the copy
+retimed them without a warm-up, the ratio of the two is the warm-up check written to
 ``--check-out``. The session's environment is appended to the cache's ``meta_runs`` (``--note``: what
 the run was for). Host only (a minute).
 
@@ -95,6 +95,10 @@ def main(argv=None) -> int:
     for k in kept:
         replaced.pop(k)
     outliers += kept
+    rewarmed = {k: e for k, e in new_t.items() if k in old_t and k not in replaced and e != old_t[k]
+                and e.get("warmup", 0) >= 1 and old_t[k].get("warmup", 1) == 0
+                and ("reserve_gib" in e) == ("reserve_gib" in old_t[k])}   # warm-up is the reference
+    replaced.update(rewarmed)
     ratio = {f: float(np.median([e[f"{f}_ms"] / old_t[k][f"{f}_ms"] for k, e in replaced.items()]))
              for f in ("fwd", "bwd")} if replaced else {}
     old_t.update(replaced)
@@ -103,13 +107,15 @@ def main(argv=None) -> int:
         "dropped_outliers": outliers, "warmup": sorted({e.get("warmup", 1) for e in added.values()}),
         "reserve_gib": sorted({e.get("reserve_gib", 0) for e in added.values()}),
         **({"note": a.note} if a.note else {}),
-        **({"replaced_unpooled": len(replaced), "replaced_new_over_old_median": ratio} if replaced else {})})
+        **({"replaced_unpooled": len(replaced) - len(rewarmed), "replaced_rewarmed": len(rewarmed),
+            "replaced_new_over_old_median": ratio} if replaced else {})})
     atomic_write_json(cache_path, cache)
     print(f"{len(added)} calls added to {cache_path}; {len(outliers)} first-run outliers dropped (over "
           f"{a.limit}x the table, or a replaced call's committed time)")
     if replaced:
-        print(f"{len(replaced)} timings made without a reserved pool replaced; new / old medians forward "
-              f"{ratio['fwd']:.3f}, backward {ratio['bwd']:.3f}")
+        print(f"{len(replaced) - len(rewarmed)} timings made without a reserved pool and {len(rewarmed)} made "
+              f"without a warm-up replaced; new / old medians forward {ratio['fwd']:.3f}, backward "
+              f"{ratio['bwd']:.3f}")
     if outliers and a.dropped_out:
         Path(a.dropped_out).write_text(json.dumps(outliers, indent=0))
         print(f"their keys: {a.dropped_out}; time them again with a warm-up (bench_replay.py time --warmup 1 "
