@@ -6,8 +6,9 @@ outlier (:func:`cadlib.analysis.replay.calls.unwarmed_outliers`: over 1.6x the k
 replay then prices them as it prices untimed calls). The table also underprices some calls for real
 (thousands of short segments), so the dropped keys go to ``--dropped-out``: time them again with a
 warm-up (``bench_replay.py time --warmup 1 --retime-keys``) and merge that run; warmed-up calls are never
-dropped. Calls the copy timed again keep the committed timing, except those committed without a warm-up
-that the copy timed with one (and the same pool, or none), and, with ``--replace-unpooled``, those
+dropped. Calls the copy timed again keep the committed timing, except those the copy timed more carefully
+(a warm-up where there was none, or the median of more runs; the same pool, or none), and, with
+``--replace-unpooled``, those
 committed without a reserved pool that the copy timed with one (unless timed without a warm-up at over
 1.6x their committed time: such outliers keep it, and go to ``--dropped-out`` too); where the copy
 retimed them without a warm-up, the ratio of the two is the warm-up check written to
@@ -49,6 +50,14 @@ def warmup_check(old: dict, new: dict) -> dict | None:
 def total_ms(e: dict) -> float:
     """A timed call's forward and backward milliseconds."""
     return e["fwd_ms"] + e["bwd_ms"]
+
+
+def more_careful(new: dict, old: dict) -> bool:
+    """Whether timing ``new`` of a call was made more carefully than ``old``: a warm-up where it had none,
+    or the median of more runs, and neither less."""
+    w_new, w_old = min(new.get("warmup", 0), 1), min(old.get("warmup", 1), 1)
+    i_new, i_old = new.get("iters", 1), old.get("iters", 1)
+    return w_new >= w_old and i_new >= i_old and (w_new, i_new) != (w_old, i_old)
 
 
 def main(argv=None) -> int:
@@ -96,8 +105,7 @@ def main(argv=None) -> int:
         replaced.pop(k)
     outliers += kept
     rewarmed = {k: e for k, e in new_t.items() if k in old_t and k not in replaced and e != old_t[k]
-                and e.get("warmup", 0) >= 1 and old_t[k].get("warmup", 1) == 0
-                and ("reserve_gib" in e) == ("reserve_gib" in old_t[k])}   # warm-up is the reference
+                and more_careful(e, old_t[k]) and ("reserve_gib" in e) == ("reserve_gib" in old_t[k])}
     replaced.update(rewarmed)
     ratio = {f: float(np.median([e[f"{f}_ms"] / old_t[k][f"{f}_ms"] for k, e in replaced.items()]))
              for f in ("fwd", "bwd")} if replaced else {}
@@ -113,8 +121,8 @@ def main(argv=None) -> int:
     print(f"{len(added)} calls added to {cache_path}; {len(outliers)} first-run outliers dropped (over "
           f"{a.limit}x the table, or a replaced call's committed time)")
     if replaced:
-        print(f"{len(replaced) - len(rewarmed)} timings made without a reserved pool and {len(rewarmed)} made "
-              f"without a warm-up replaced; new / old medians forward {ratio['fwd']:.3f}, backward "
+        print(f"{len(replaced) - len(rewarmed)} timings made without a reserved pool and {len(rewarmed)} timed "
+              f"again more carefully replaced; new / old medians forward {ratio['fwd']:.3f}, backward "
               f"{ratio['bwd']:.3f}")
     if outliers and a.dropped_out:
         Path(a.dropped_out).write_text(json.dumps(outliers, indent=0))

@@ -328,3 +328,9 @@ def test_the_merge_lists_dropped_calls_for_a_warmed_retime_and_notes_the_run(tmp
     assert merge.main(argv) == 0
     got = json.loads(cache.read_text())
     assert got["times"]["b"]["bwd_ms"] == 3.0 and got["meta_runs"][-1]["replaced_rewarmed"] == 1
+    # then the median of five warmed-up runs replaces one warmed-up run; one run never replaces five
+    five = {**got["times"]["b"], "bwd_ms": 4.0, "iters": 5}
+    new.write_text(json.dumps({"times": {**got["times"], "b": five}}))
+    assert merge.main(argv) == 0 and json.loads(cache.read_text())["times"]["b"]["bwd_ms"] == 4.0
+    new.write_text(json.dumps({"times": {**got["times"], "b": {**five, "bwd_ms": 9.0, "iters": 1}}}))
+    assert merge.main(argv) == 0 and json.loads(cache.read_text())["times"]["b"]["bwd_ms"] == 4.0
