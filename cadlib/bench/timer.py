@@ -37,10 +37,12 @@ SLEEP_CYCLES = 20_000_000
 RESERVE_GIB = 100
 """What :func:`reserve_pool` holds by default: most of an H200's 141 GB. A call timed without a warm-up
 pays ``cudaMalloc`` for each buffer size the caching allocator has no cached block for; on 144 FA2 server
-calls of the paper protocol (1x H200) that put the forward 1.0% and the backward 0.3% above the warmed-up
-time (sums; 0.3 and 0.2 ms medians), while after reserving the pool the unwarmed times were 0.996 and 0.999
+calls of the paper protocol (1x H200) that put the forward 1.5% and the backward 0.9% above the warmed-up
+time (sums; 0.4 and 0.7 ms medians), while after reserving the pool the unwarmed times were 0.997 and 1.001
 of the warmed ones: the warm-up's work at none of its cost (``scripts/probes/probe_warmup.py``,
-``results/replay/warmup_probe_h200.json``)."""
+``results/replay/warmup_probe_h200.json``). Every one of these timings synchronises the device before the
+call, so the forward's host work runs on an idle device; hidden behind a device sleep (``ahead``), as a
+training step hides it, the same forwards take 1.3% less (0.42 ms a call, median), the backwards 0.2%."""
 
 FLUSH_MB = 256
 """The kernel benchmarks' flush buffer, several times a GPU's L2 cache (tens of MB): zeroed before each

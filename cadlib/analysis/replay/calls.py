@@ -95,9 +95,10 @@ def _call_rows(d, spec, cost: MeasuredCost, direction: str) -> list[float]:
     and in the forward the longest segment's KV length / 1000. That last term, measured with the what-if
     against the replay (the worst setting's speedup of CAD with ping-pong over WLB-ideal; each family's
     model fitted on all its timed calls): the paper protocol's fully timed batches 0.025 -> 0.017, FA4
-    under our earlier protocol 0.017 -> 0.014, FA2 there 0.023 -> 0.023. In the backward the same kind of
-    term (the longest query run) made FA2 worse (0.025 against 0.023, fitted on two batches), so the
-    backward has none."""
+    under our earlier protocol 0.017 -> 0.014, FA2 there 0.023 -> 0.023 (on its first timings; with its
+    calls timed again with the pool, 0.0199 with the term). In the backward the same kind of term (the
+    longest query run) made FA2 worse (0.025 against 0.023, fitted on two batches), so the backward has
+    none."""
     x = [table_ms(d, spec, cost, direction), 1.0, sum(d.gathered_rows()) / 1e3]
     if direction == "fwd":
         x.append(float(np.diff(d.shared().cu_k).max()) / 1e3)
