@@ -8,12 +8,11 @@ replay then prices them as it prices untimed calls). The table also underprices 
 warm-up (``bench_replay.py time --warmup 1 --retime-keys``) and merge that run; warmed-up calls are never
 dropped. Calls the copy timed again keep the committed timing, except those the copy timed more carefully
 (a warm-up where there was none, or the median of more runs; the same pool, or none), and, with
-``--replace-unpooled``, those
-committed without a reserved pool that the copy timed with one (unless timed without a warm-up at over
-1.6x their committed time: such outliers keep it, and go to ``--dropped-out`` too); where the copy
-retimed them without a warm-up, the ratio of the two is the warm-up check written to
-``--check-out``. The session's environment is appended to the cache's ``meta_runs`` (``--note``: what
-the run was for). Host only (a minute).
+``--replace-unpooled``, those committed without a reserved pool that the copy timed with one (unless
+timed without a warm-up at over 1.6x their committed time: such outliers keep it, and go to
+``--dropped-out`` too); where the copy retimed warmed-up calls without a warm-up, the ratio of the two is
+the warm-up check written to ``--check-out``. The session's environment is appended to the cache's
+``meta_runs`` (``--note``: what the run was for). Host only (a minute).
 
     python scripts/analyses/merge_replay_times.py replay_times.json      # the cache the device call returned
 """
@@ -121,9 +120,9 @@ def main(argv=None) -> int:
     print(f"{len(added)} calls added to {cache_path}; {len(outliers)} first-run outliers dropped (over "
           f"{a.limit}x the table, or a replaced call's committed time)")
     if replaced:
-        print(f"{len(replaced) - len(rewarmed)} timings made without a reserved pool and {len(rewarmed)} timed "
-              f"again more carefully replaced; new / old medians forward {ratio['fwd']:.3f}, backward "
-              f"{ratio['bwd']:.3f}")
+        n_pool = len(replaced) - len(rewarmed)
+        print(f"{n_pool} timings made without a reserved pool and {len(rewarmed)} timed again more carefully "
+              f"replaced; new / old medians forward {ratio['fwd']:.3f}, backward {ratio['bwd']:.3f}")
     if outliers and a.dropped_out:
         Path(a.dropped_out).write_text(json.dumps(outliers, indent=0))
         print(f"their keys: {a.dropped_out}; time them again with a warm-up (bench_replay.py time --warmup 1 "

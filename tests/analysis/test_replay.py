@@ -324,7 +324,8 @@ def test_the_merge_lists_dropped_calls_for_a_warmed_retime_and_notes_the_run(tmp
     # the pool changed as well as the warm-up: no warm-up check is written from that pair
     assert not (tmp_path / "check.json").exists()
     # a call committed without a warm-up, timed again with one (the same pool): the warmed time is taken
-    new.write_text(json.dumps({"times": {**got["times"], "b": {**unwarmed["b"], "bwd_ms": 3.0, "warmup": 1}}}))
+    warmed = {**unwarmed["b"], "bwd_ms": 3.0, "warmup": 1}
+    new.write_text(json.dumps({"times": {**got["times"], "b": warmed}}))
     assert merge.main(argv) == 0
     got = json.loads(cache.read_text())
     assert got["times"]["b"]["bwd_ms"] == 3.0 and got["meta_runs"][-1]["replaced_rewarmed"] == 1
