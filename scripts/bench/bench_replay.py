@@ -383,19 +383,14 @@ def cmd_compose(a) -> int:
 
 def _shapes_4d(job):
     """A pool worker: the distinct server calls of a 4D setting's first ``batches`` steps, with their
-    modelled time."""
-    s, times, rates, backend, cost, batches = job
+    modelled time; under the 4D protocol (``paper``), over the configurations of DistCA's grid that the
+    memory model fits (those the headline replays)."""
+    s, times, rates, backend, cost, batches, paper = job
     price = replay_times.SegmentPrice(s.spec, backend, cost, record=True)
-    replay4d.replay_setting_4d(replace(s, batches=batches), times, rates, backend, price)
-    return s, price.shapes
-
-
-def _shapes_paper4d(job):
-    """A pool worker: the distinct server calls of a 4D protocol setting's first ``batches`` steps, over
-    the configurations of DistCA's grid that the memory model fits (those the headline replays)."""
-    s, times, rates, backend, cost, batches = job
-    price = replay_times.SegmentPrice(s.spec, backend, cost, record=True)
-    sweep4d.replay_sweep(replace(s, batches=batches), times, rates, backend, price, only_fitting=True)
+    if paper:
+        sweep4d.replay_sweep(replace(s, batches=batches), times, rates, backend, price, only_fitting=True)
+    else:
+        replay4d.replay_setting_4d(replace(s, batches=batches), times, rates, backend, price)
     return s, price.shapes
 
 
@@ -413,9 +408,9 @@ def cmd_shapes4d(a) -> int:
         [s for s in settings4d.paper_4d_settings(1) if named(s, a.only)]
     batches = (a.batches or 3) if a.all else 1
     rng, out, counts = np.random.default_rng(0), {}, {}
-    jobs = [(s, cache["times"], rates, backend, cost, batches) for s in todo]
+    jobs = [(s, cache["times"], rates, backend, cost, batches, paper) for s in todo]
     with multiprocessing.get_context("spawn").Pool(max(1, min(a.workers, len(todo)))) as pool:
-        for s, shapes in pool.imap_unordered(_shapes_paper4d if paper else _shapes_4d, jobs):
+        for s, shapes in pool.imap_unordered(_shapes_4d, jobs):
             keys = sorted(shapes)
             w = np.array([shapes[k]["model_ms"] for k in keys])
             pick = np.arange(len(keys)) if a.all else \
